@@ -1,0 +1,304 @@
+"""Per-token GRPO policy loss: importance ratios, clipping variants, KL, entropy mask,
+overlong filter and the rollout importance-sampling correction.
+
+Tensors are padded `[B, L]`: B completions (rows), L the longest completion, a boolean
+`completion_mask` marking real completion tokens. A caller with packed sequences (THD)
+scatters its `[T]` log-probs into this layout first; under context parallelism the
+sequence-level quantities (sequence ratios, per-sequence means) need each completion
+whole, as ms-swift reconstructs it across CP ranks.
+
+Order of operations (ms-swift's Megatron GRPO loss), per token t of completion i:
+
+1. loss mask: completion mask, minus every token of a truncated completion when
+   `overlong_filter` is on.
+2. log importance weight, from log r_t = logp_t - old_logp_t
+   (`old_logps` None means on-policy: old = logp detached, ratio 1 with gradient):
+     token           w_t = log r_t
+     sequence        w_t = mean_t' log r_t' over the completion (GSPO), shape [B, 1]
+     sequence_token  w_t = logp_t - sg(logp_t) + sg(mean_t' log r_t') (GSPO-token)
+   coef1 = exp(w).
+3. policy term by `loss_type` (A_t the advantage, eps_lo = epsilon, eps_hi = epsilon_high):
+     grpo | bnpo | dr_grpo | dapo:
+        coef2 = clip(coef1, 1 - eps_lo, 1 + eps_hi);  coef1 <- min(coef1, delta) if delta
+        (two-sided clipping, TRL's `delta`); l = -min(coef1 A, coef2 A)
+     cispo: l = -sg(min(coef1, eps_hi)) * A * logp_t  (TRL/ms-swift: eps_hi is an absolute
+        cap on the ratio here, e.g. 5.0; `delta` does not apply)
+4. `top_entropy_quantile` q < 1: l <- l * [H_t >= tau], tau the (1 - q) quantile of the
+   entropies of the loss-mask tokens (`entropy_threshold`; pass the global tau in
+   distributed use). The KL term below is not masked (ms-swift).
+5. `beta` != 0 and not `kl_in_reward`: l <- l + beta * KL_t, KL_t one of
+     k1 = logp - ref,  k2 = (logp - ref)^2 / 2,
+     k3 = exp(ref - logp) - (ref - logp) - 1 (default; ms-swift clamps ref - logp to
+          [-20, 20] and the result to [-10, 10], and so do we).
+6. rollout importance sampling (`rollout_importance_sampling_mode`), weights from the
+   sampling engine's log-probs, detached: rho_t = exp(clip(old_t - rollout_t, -20, 20)),
+   C = `rollout_importance_sampling_threshold`, rho_seq = exp(mean_t clip(old - rollout)):
+     token_truncate     W_t = min(rho_t, C)
+     token_mask         W_t = rho_t if rho_t <= C else 0
+     sequence_truncate  W_t = min(rho_seq, C)
+     sequence_mask      W_t = rho_t if rho_seq <= C else 0
+   l <- l * W_t (the KL term included).
+
+The result is the per-token loss, zero outside the loss mask; `aggregation` turns it into
+the step's loss.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, NamedTuple, Optional
+
+import torch
+
+from .options import check_option
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
+ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+# Safety bounds of ms-swift: log-ratios beyond +-20 come from padding or a broken engine.
+_LOG_RATIO_BOUND = 20.0
+_K3_BOUND = 10.0
+
+
+def masked_sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-row mean of x [B, L] over mask [B, L] -> [B]; 0 for an empty row."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+
+
+# ---- KL estimators: fn(logps [B, L], ref_logps [B, L]) -> [B, L] -------------------------
+
+def kl_k1(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    return logps - ref_logps
+
+
+def kl_k2(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logps - ref_logps) ** 2
+
+
+def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    d = torch.clamp(ref_logps - logps, min=-_LOG_RATIO_BOUND, max=_LOG_RATIO_BOUND)
+    return torch.clamp(torch.exp(d) - d - 1.0, min=-_K3_BOUND, max=_K3_BOUND)
+
+
+KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": kl_k1, "k2": kl_k2, "k3": kl_k3,
+}
+
+
+# ---- policy terms: fn(coef1, advantages, logps, epsilon_low, epsilon_high, delta) -> per-token loss
+
+def clipped_surrogate(coef1: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor,
+                      epsilon_low: float, epsilon_high: float, delta: Optional[float]) -> torch.Tensor:
+    """PPO clipped objective, negated; `delta` caps the unclipped ratio (two-sided clipping)."""
+    coef2 = torch.clamp(coef1, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    if delta is not None:
+        coef1 = torch.clamp(coef1, max=delta)
+    return -torch.min(coef1 * advantages, coef2 * advantages)
+
+
+def cispo_surrogate(coef1: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor,
+                    epsilon_low: float, epsilon_high: float, delta: Optional[float]) -> torch.Tensor:
+    """CISPO: REINFORCE on logp weighted by the detached, upper-clipped IS ratio."""
+    weight = torch.clamp(coef1, max=epsilon_high).detach()
+    return -weight * advantages * logps
+
+
+# loss_type -> policy term. How each loss_type is normalised lives in aggregation.py.
+LOSS_TYPES: Dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": clipped_surrogate,
+    "bnpo": clipped_surrogate,
+    "dr_grpo": clipped_surrogate,
+    "dapo": clipped_surrogate,
+    "cispo": cispo_surrogate,
+}
+
+
+def log_importance_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor,
+                           importance_sampling_level: str) -> torch.Tensor:
+    """logps, old_logps, mask [B, L] -> log importance weight [B, L] ([B, 1] for 'sequence')."""
+    check_option("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    log_ratio = logps - old_logps
+    if importance_sampling_level == "token":
+        return log_ratio
+    seq = masked_sequence_mean(log_ratio, mask).unsqueeze(-1)  # [B, 1]
+    if importance_sampling_level == "sequence":
+        return seq
+    # sequence_token: the sequence ratio as value, each token's own gradient.
+    return logps - logps.detach() + seq.detach()
+
+
+def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """Linear-interpolation quantile of a 1-D tensor (numpy's default); NaN when empty.
+
+    Sorting instead of torch.quantile, which refuses inputs over 2**24 elements (a step's
+    gathered entropies can exceed that).
+    """
+    n = values.numel()
+    if n == 0:
+        return torch.full((), float("nan"), dtype=values.dtype, device=values.device)
+    ordered = values.reshape(-1).sort().values
+    pos = q * (n - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, n - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def entropy_threshold(entropy: torch.Tensor, top_entropy_quantile: float,
+                      mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Entropy below which tokens get no policy loss: the (1 - q) quantile -> 0-d tensor.
+
+    entropy: any shape; mask: same shape (tokens to consider), or None for all non-NaN
+    values (e.g. the entropies of every loss token gathered from all ranks).
+    """
+    if not 0.0 < top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile={top_entropy_quantile!r} must be in (0, 1]")
+    values = entropy.detach()
+    values = values[mask.bool()] if mask is not None else values.reshape(-1)
+    values = values[~torch.isnan(values)]
+    return quantile(values, 1.0 - top_entropy_quantile)
+
+
+def loss_mask_after_overlong_filter(completion_mask: torch.Tensor, truncated: Optional[torch.Tensor],
+                                    overlong_filter: bool) -> torch.Tensor:
+    """completion_mask [B, L], truncated [B] -> loss mask [B, L] (bool)."""
+    mask = completion_mask.bool()
+    if overlong_filter:
+        if truncated is None:
+            raise ValueError("overlong_filter=True needs the per-completion `truncated` flags")
+        mask = mask & ~truncated.bool().unsqueeze(-1)
+    return mask
+
+
+def rollout_is_weights(old_logps: torch.Tensor, rollout_logps: torch.Tensor, completion_mask: torch.Tensor,
+                       rollout_importance_sampling_mode: str,
+                       rollout_importance_sampling_threshold: float) -> torch.Tensor:
+    """Detached IS weights [B, L] correcting for the sampler/trainer mismatch (see module doc)."""
+    mode = check_option("rollout_importance_sampling_mode", rollout_importance_sampling_mode, ROLLOUT_IS_MODES)
+    threshold = rollout_importance_sampling_threshold
+    if not threshold > 0:
+        raise ValueError(f"rollout_importance_sampling_threshold={threshold!r} must be > 0")
+    mask = completion_mask.bool()
+    log_ratio = torch.clamp((old_logps - rollout_logps).detach(), -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    ratio = torch.exp(log_ratio)                                           # [B, L]
+    if mode == "token_truncate":
+        return torch.clamp(ratio, max=threshold)
+    if mode == "token_mask":
+        return torch.where(ratio <= threshold, ratio, torch.zeros_like(ratio))
+    seq_ratio = torch.exp(masked_sequence_mean(log_ratio, mask)).unsqueeze(-1)  # [B, 1]
+    if mode == "sequence_truncate":
+        return torch.clamp(seq_ratio, max=threshold).expand_as(ratio)
+    return ratio * (seq_ratio <= threshold).to(ratio.dtype)  # sequence_mask
+
+
+class PolicyLossOutput(NamedTuple):
+    per_token_loss: torch.Tensor                 # [B, L], 0 outside loss_mask
+    loss_mask: torch.Tensor                      # [B, L] bool: completion mask minus filtered completions
+    ratio: torch.Tensor                          # [B, L] detached exp(log importance weight), before delta
+    advantages: torch.Tensor                     # [B, L] advantages broadcast per token
+    per_token_kl: Optional[torch.Tensor]         # [B, L] KL estimate (None without a KL term)
+    is_weights: Optional[torch.Tensor]           # [B, L] rollout IS weights (None when off)
+    entropy_mask: Optional[torch.Tensor]         # [B, L] bool (None without top_entropy_quantile)
+    entropy_threshold: Optional[torch.Tensor]    # 0-d threshold used (None without it)
+
+
+def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # `where`, not `* mask`: padding may hold NaN/inf (e.g. entropy padded with NaN), and
+    # NaN * 0 is NaN; `where` also sends exactly zero gradient to those positions.
+    return torch.where(mask, x, torch.zeros_like(x))
+
+
+def compute_policy_loss(
+    logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    old_logps: Optional[torch.Tensor] = None,
+    loss_type: str = "grpo",
+    epsilon: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    delta: Optional[float] = None,
+    importance_sampling_level: str = "token",
+    beta: float = 0.0,
+    ref_logps: Optional[torch.Tensor] = None,
+    kl_estimator: str = "k3",
+    kl_in_reward: bool = False,
+    entropy: Optional[torch.Tensor] = None,
+    top_entropy_quantile: float = 1.0,
+    entropy_threshold_value: Optional[torch.Tensor | float] = None,
+    truncated: Optional[torch.Tensor] = None,
+    overlong_filter: bool = False,
+    rollout_logps: Optional[torch.Tensor] = None,
+    rollout_importance_sampling_mode: Optional[str] = None,
+    rollout_importance_sampling_threshold: float = 2.0,
+) -> PolicyLossOutput:
+    """Per-token GRPO loss of a micro-batch (module docstring gives the formulas).
+
+    logps [B, L] current policy log-probs (with grad); advantages [B] or [B, L];
+    completion_mask [B, L]; old/ref/rollout logps and entropy [B, L]; truncated [B].
+    `entropy_threshold_value`: the global threshold in distributed use; None computes
+    it from this call's loss tokens.
+    """
+    check_option("loss_type", loss_type, LOSS_TYPES)
+    check_option("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    check_option("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    if rollout_importance_sampling_mode is not None:
+        check_option("rollout_importance_sampling_mode", rollout_importance_sampling_mode, ROLLOUT_IS_MODES)
+        if rollout_logps is None:
+            raise ValueError(f"rollout_importance_sampling_mode={rollout_importance_sampling_mode!r} "
+                             "needs rollout_logps (the sampling engine's log-probs)")
+    if not 0.0 < top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile={top_entropy_quantile!r} must be in (0, 1]")
+    use_kl = beta != 0.0 and not kl_in_reward
+    if use_kl and ref_logps is None:
+        raise ValueError("beta != 0 with kl_in_reward=False needs ref_logps")
+    if top_entropy_quantile < 1.0 and entropy is None:
+        raise ValueError(f"top_entropy_quantile={top_entropy_quantile} needs the per-token entropy")
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+
+    mask = completion_mask.bool()                                          # [B, L]
+    loss_mask = loss_mask_after_overlong_filter(mask, truncated, overlong_filter)
+    # Padding positions of the inputs may hold anything; make them 0 so no NaN/inf reaches
+    # either the loss or the gradient.
+    logps = _zero_outside(logps, mask)
+    old = logps.detach() if old_logps is None else _zero_outside(old_logps.detach(), mask)
+    adv = advantages.detach()
+    adv = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logps.dtype).expand_as(logps)  # [B, L]
+
+    is_weights = None
+    if rollout_importance_sampling_mode is not None:
+        is_weights = rollout_is_weights(old, _zero_outside(rollout_logps.detach(), mask), mask,
+                                        rollout_importance_sampling_mode, rollout_importance_sampling_threshold)
+
+    log_w = log_importance_weights(logps, old, mask, importance_sampling_level)  # [B, L] | [B, 1]
+    coef1 = torch.exp(log_w)
+    per_token = LOSS_TYPES[loss_type](coef1, adv, logps, epsilon, epsilon_high, delta).expand_as(logps)
+
+    entropy_mask = threshold = None
+    if top_entropy_quantile < 1.0:
+        ent = _zero_outside(entropy.detach(), mask)
+        if entropy_threshold_value is None:
+            threshold = entropy_threshold(ent, top_entropy_quantile, loss_mask)
+        else:
+            threshold = torch.as_tensor(entropy_threshold_value, dtype=ent.dtype, device=ent.device)
+        entropy_mask = ent >= threshold  # NaN threshold (no tokens anywhere) masks everything
+        per_token = per_token * entropy_mask.to(per_token.dtype)
+
+    per_token_kl = None
+    if use_kl:
+        per_token_kl = KL_ESTIMATORS[kl_estimator](logps, _zero_outside(ref_logps.detach(), mask))
+        per_token = per_token + beta * per_token_kl
+
+    if is_weights is not None:
+        per_token = per_token * is_weights
+
+    return PolicyLossOutput(
+        per_token_loss=_zero_outside(per_token, loss_mask),
+        loss_mask=loss_mask,
+        ratio=coef1.detach().expand_as(logps),
+        advantages=adv,
+        per_token_kl=per_token_kl,
+        is_weights=is_weights,
+        entropy_mask=entropy_mask,
+        entropy_threshold=threshold,
+    )

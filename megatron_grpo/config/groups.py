@@ -1,0 +1,267 @@
+"""The option groups of `megatron rlhf --rlhf_type grpo`, one dataclass per stage.
+
+Every field is one command-line flag with ms-swift's name (flat on the command
+line: `--tensor_model_parallel_size 2`), so each name is unique across groups.
+`help` metadata is the text `--help` prints; `Literal` annotations are the
+valid choices, checked when a group is constructed (`check_choices`).
+
+Defaults follow ms-swift's Megatron GRPO arguments (swift/megatron/argument) and
+its GRPO arguments where the Megatron ones have none; the few that are this
+project's own say so in their help.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Literal, Optional
+
+
+def opt(default: Any = None, help: str = "", *, factory: Any = None) -> Any:
+    """A dataclass field carrying its `--help` text."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def literal_choices(annotation: Any) -> Optional[tuple]:
+    """The allowed values of a `Literal[...]` / `Optional[Literal[...]]` / `List[Literal]`."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return typing.get_args(annotation)
+    if origin in (typing.Union, list, List):
+        for arg in typing.get_args(annotation):
+            choices = literal_choices(arg)
+            if choices is not None:
+                return choices
+    return None
+
+
+def check_choices(obj: Any) -> None:
+    """Raise ValueError for any Literal-typed field of `obj` holding another value."""
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        choices = literal_choices(hints[f.name])
+        value = getattr(obj, f.name)
+        if choices is None or value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if v not in choices:
+                shown = ", ".join(str(c) for c in choices)
+                raise ValueError(f"--{f.name} {v!r} is not a valid choice; allowed values: {shown}. "
+                                 f"Fix: pass one of them, e.g. --{f.name} {choices[0]}")
+
+
+class _Group:
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+
+@dataclass
+class ModelOptions(_Group):
+    """The model to train."""
+    model: Optional[str] = opt(None, "Local Hugging Face model folder (config.json, tokenizer, "
+                                     "*.safetensors). Required.")
+
+
+@dataclass
+class DataOptions(_Group):
+    """Prompts and how they become chat messages."""
+    dataset: List[str] = opt(help="One or more local .jsonl/.json/.parquet files. A `#N` suffix "
+                                  "(`data.jsonl#100`) samples N rows with the seed; N larger than "
+                                  "the file repeats it (ms-swift's rule). Required.", factory=list)
+    system: Optional[str] = opt(None, "Default system prompt, or the path of a .txt file holding it. "
+                                      "A row's own system message/column takes priority (ms-swift).")
+    columns: Optional[Dict[str, str]] = opt(None, "Rename dataset columns before use, as JSON: "
+                                                  "'{\"question\": \"query\", \"answer\": \"solution\"}'.")
+    max_length: Optional[int] = opt(None, "Maximum prompt length in tokens; longer prompts are cut "
+                                          "from the left. None: no limit beyond vllm_max_model_len.")
+    dataset_shuffle: bool = opt(True, "Shuffle the prompt order each epoch (seeded by --seed).")
+
+
+@dataclass
+class TrainingOptions(_Group):
+    """Batches, schedule and optimizer (Megatron's names)."""
+    micro_batch_size: int = opt(1, "Completions per forward/backward pass on one rank.")
+    global_batch_size: int = opt(16, "Completions per optimizer step over all data-parallel ranks "
+                                     "(micro_batch_size x dp x gradient accumulation).")
+    num_train_epochs: float = opt(3.0, "Passes over the prompts, used when train_iters is not set "
+                                       "(default as ms-swift's num_train_epochs).")
+    train_iters: Optional[int] = opt(None, "Total optimizer steps; overrides num_train_epochs.")
+    lr: float = opt(1e-5, "Peak learning rate (ms-swift: 1e-5 for full-parameter training).")
+    min_lr: float = opt(0.0, "Learning rate floor of the decay.")
+    lr_warmup_iters: int = opt(0, "Linear warm-up steps. Exclusive with warmup_ratio.")
+    warmup_ratio: Optional[float] = opt(None, "Warm-up as a fraction of the total steps "
+                                              "(Megatron's lr_warmup_fraction, also accepted).")
+    lr_decay_style: Literal["cosine", "linear", "constant"] = opt("cosine", "Learning-rate decay.")
+    lr_decay_iters: Optional[int] = opt(None, "Steps of the decay; None: the total steps.")
+    weight_decay: float = opt(0.1, "AdamW weight decay.")
+    clip_grad: float = opt(1.0, "Global gradient-norm clipping; 0 disables it.")
+    adam_beta1: float = opt(0.9, "Adam beta1.")
+    adam_beta2: float = opt(0.95, "Adam beta2.")
+    adam_eps: float = opt(1e-8, "Adam epsilon.")
+    bf16: Optional[bool] = opt(None, "Train in bfloat16. None: from the model's config.json "
+                                     "torch_dtype (float32 on CPU is decided by the trainer).")
+    seed: int = opt(42, "Seed of python, numpy, torch, the data order and vLLM sampling.")
+
+
+@dataclass
+class ParallelOptions(_Group):
+    """Megatron parallel degrees; data parallel is the rest of the world size."""
+    tensor_model_parallel_size: int = opt(1, "Tensor parallel size (TP).")
+    pipeline_model_parallel_size: int = opt(1, "Pipeline parallel size (PP).")
+    virtual_pipeline_model_parallel_size: Optional[int] = opt(
+        None, "Virtual pipeline stages per PP rank (interleaved schedule); needs PP > 1. "
+              "ms-swift's num_virtual_stages_per_pipeline_rank is accepted too.")
+    context_parallel_size: int = opt(1, "Context parallel size (CP).")
+    sequence_parallel: bool = opt(False, "Megatron sequence parallelism; only with TP > 1.")
+    use_distributed_optimizer: bool = opt(True, "Shard optimizer state over data-parallel ranks.")
+
+
+@dataclass
+class GRPOOptions(_Group):
+    """The algorithm: generation batch, advantages and the policy loss."""
+    rlhf_type: Literal["grpo"] = opt("grpo", "RLHF algorithm; only grpo is implemented.")
+    num_generations: int = opt(8, "Completions sampled per prompt (the group size G), at least 2.")
+    generation_batch_size: Optional[int] = opt(
+        None, "Completions per rollout; a multiple of global_batch_size. Exclusive with "
+              "steps_per_generation. Default: global_batch_size x steps_per_generation.")
+    steps_per_generation: Optional[int] = opt(
+        None, "Optimizer steps per rollout. Exclusive with generation_batch_size. Default 1.")
+    max_completion_length: int = opt(512, "Maximum tokens generated per completion.")
+    num_iterations: int = opt(1, "Optimisation passes over each rollout (mu in the GRPO paper).")
+    beta: float = opt(0.04, "KL coefficient; 0 loads no reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = opt(
+        "k3", "KL estimator against the reference model (this project's option; ms-swift uses k3).")
+    epsilon: float = opt(0.2, "Lower clip range of the importance ratio: 1 - epsilon.")
+    epsilon_high: Optional[float] = opt(None, "Upper clip range: 1 + epsilon_high (DAPO clip-higher). "
+                                              "None: equal to epsilon.")
+    delta: Optional[float] = opt(None, "Two-sided GRPO: clip the ratio of negative-advantage tokens "
+                                       "at delta (> 1 + epsilon_high recommended). None: off.")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = opt(
+        "grpo", "Loss aggregation: grpo (per-sequence mean), bnpo (token mean per batch), dr_grpo "
+                "(sum / (batch x max_completion_length)), dapo (token mean over the step), cispo.")
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = opt(
+        "token", "Importance ratio per token, per sequence (GSPO) or sequence_token (GSPO-token).")
+    scale_rewards: Optional[Literal["group", "batch", "none", "gdpo"]] = opt(
+        None, "Advantage scaling: std of the group, of the batch, none, or gdpo (per reward "
+              "function). None: group for grpo, none for rloo, batch for reinforce_plus_plus.")
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = opt(
+        "grpo", "Advantage baseline: group mean, leave-one-out, or REINFORCE++.")
+    kl_in_reward: Optional[bool] = opt(None, "Put the KL penalty into the reward instead of the loss. "
+                                             "None: false for grpo, true for rloo/reinforce_plus_plus.")
+    top_entropy_quantile: float = opt(1.0, "Train only on the tokens whose entropy is in this top "
+                                           "quantile (1.0: all tokens).")
+    log_entropy: bool = opt(False, "Log entropy/mean|max|min.")
+    dynamic_sample: bool = opt(False, "DAPO dynamic sampling: resample groups whose rewards all agree.")
+    max_resample_times: int = opt(3, "Resampling rounds of dynamic_sample.")
+    overlong_filter: bool = opt(False, "Mask truncated completions out of the loss (DAPO).")
+    rollout_importance_sampling_mode: Optional[Literal["token_truncate", "token_mask",
+                                                       "sequence_truncate", "sequence_mask"]] = opt(
+        None, "Correct the vLLM/trainer mismatch with importance weights. None: off.")
+    rollout_importance_sampling_threshold: float = opt(2.0, "Truncation/mask threshold of the "
+                                                            "rollout importance weights.")
+    log_rollout_offpolicy_metrics: bool = opt(False, "Log rollout_correction/* even without "
+                                                     "rollout_importance_sampling_mode.")
+
+
+@dataclass
+class RewardOptions(_Group):
+    """Reward functions (see megatron_grpo.rewards) and their parameters."""
+    reward_funcs: List[str] = opt(help="Reward function names: accuracy, format, cosine, repetition, "
+                                       "soft_overlong, countdown, or one registered by a plugin.",
+                                  factory=list)
+    reward_weights: Optional[List[float]] = opt(None, "One weight per reward function; default 1 each.")
+    external_plugins: List[str] = opt(help="Python files imported before the reward names are "
+                                           "resolved; they call register_reward(\"name\").",
+                                      factory=list)
+    cosine_min_len_value_wrong: float = opt(-0.5, "cosine: reward of a wrong answer of length 0.")
+    cosine_max_len_value_wrong: float = opt(0.0, "cosine: reward of a wrong answer at cosine_max_len.")
+    cosine_min_len_value_correct: float = opt(1.0, "cosine: reward of a right answer of length 0.")
+    cosine_max_len_value_correct: float = opt(0.5, "cosine: reward of a right answer at cosine_max_len.")
+    cosine_max_len: Optional[int] = opt(None, "cosine: the length scale; None: max_completion_length.")
+    repetition_n_grams: int = opt(3, "repetition: n-gram size.")
+    repetition_max_penalty: float = opt(-1.0, "repetition: penalty when every n-gram repeats (<= 0).")
+    soft_max_length: Optional[int] = opt(None, "soft_overlong: L_max; None: max_completion_length.")
+    soft_cache_length: Optional[int] = opt(None, "soft_overlong: L_cache, the punished band below "
+                                                 "soft_max_length. Required by soft_overlong.")
+
+
+@dataclass
+class RolloutOptions(_Group):
+    """Sampling with vLLM, weight sync, and memory hand-over around it."""
+    use_vllm: bool = opt(True, "Sample with vLLM (required: megatron-grpo has no other sampler).")
+    vllm_mode: Optional[Literal["colocate", "server"]] = opt(
+        None, "colocate: an engine inside the training ranks; server: a `megatron rollout` server. "
+              "None: colocate (ms-swift requires it set).")
+    vllm_tensor_parallel_size: int = opt(1, "vLLM tensor parallel size (colocate: must divide the "
+                                            "world size).")
+    vllm_data_parallel_size: int = opt(1, "vLLM data parallel size (`megatron rollout`).")
+    vllm_gpu_memory_utilization: float = opt(0.9, "Fraction of device memory vLLM may take (on CPU, "
+                                                  "of RAM, for the KV cache; ~0.1 for tiny models).")
+    vllm_max_model_len: Optional[int] = opt(None, "vLLM context length; None: the model's.")
+    vllm_enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM.")
+    vllm_enable_prefix_caching: bool = opt(True, "vLLM automatic prefix caching.")
+    vllm_max_num_seqs: Optional[int] = opt(None, "vLLM max concurrent sequences; None: vLLM's.")
+    vllm_engine_kwargs: Optional[Dict[str, Any]] = opt(None, "Extra vLLM engine arguments as JSON.")
+    vllm_server_host: Optional[List[str]] = opt(None, "Host(s) of the rollout server(s). None in "
+                                                      "server mode: 127.0.0.1.")
+    vllm_server_port: List[int] = opt(help="Port(s) of the rollout server(s), one per host or one "
+                                           "for all.", factory=lambda: [8000])
+    vllm_server_base_url: Optional[List[str]] = opt(None, "Base URL(s) of the server(s), e.g. "
+                                                          "http://127.0.0.1:8000; overrides host/port.")
+    vllm_server_timeout: float = opt(240.0, "Seconds to wait for the server to come up.")
+    temperature: float = opt(0.9, "Sampling temperature (also divides the training logits).")
+    top_p: float = opt(0.9, "Nucleus sampling.")
+    top_k: int = opt(50, "Top-k sampling; -1 disables it.")
+    repetition_penalty: float = opt(1.0, "vLLM repetition penalty.")
+    move_model_batches: Optional[int] = opt(None, "Split each weight sync into this many buckets.")
+    check_weight_sync: bool = opt(False, "After each sync, compare per-tensor fingerprints in vLLM "
+                                         "with the trainer's export (this project's option).")
+    sleep_level: Literal[0, 1, 2] = opt(0, "vLLM sleep while training: 0 none, 1 free KV cache and "
+                                           "offload weights, 2 free both. Forced to 0 in server mode.")
+    offload_model: bool = opt(False, "Move Megatron's parameters to CPU during generation.")
+    offload_optimizer: bool = opt(False, "Move the optimizer state to CPU during generation.")
+    offload_bridge: bool = opt(False, "Stage the exported HF weights in CPU memory during a sync.")
+
+
+@dataclass
+class LoggingOptions(_Group):
+    """Outputs: metrics, completions, checkpoints, resume."""
+    output_dir: Optional[str] = opt(None, "Where metrics, completions, checkpoints and the final "
+                                          "model go. None: megatron_output/<model folder name>. "
+                                          "Megatron's --save is accepted too.")
+    save_steps: int = opt(500, "Checkpoint every N optimizer steps (and at the end).")
+    save_total_limit: Optional[int] = opt(None, "Keep at most N checkpoints; None: all.")
+    logging_steps: int = opt(5, "Print/report metrics every N steps (metrics.jsonl gets every step).")
+    log_completions: bool = opt(False, "Write prompts, completions and rewards to completions.jsonl.")
+    report_to: List[Literal["tensorboard", "wandb", "swanlab"]] = opt(
+        help="Extra metric sinks (the package must be installed). Default none: metrics.jsonl only.",
+        factory=list)
+    resume: Optional[str] = opt(None, "A checkpoint folder to continue from, or true/auto: the "
+                                      "newest checkpoint in output_dir if there is one.")
+
+
+# The groups of GRPOConfig in the order --help prints them.
+GROUPS = {
+    "model": ModelOptions,
+    "data": DataOptions,
+    "training": TrainingOptions,
+    "parallel": ParallelOptions,
+    "grpo": GRPOOptions,
+    "reward": RewardOptions,
+    "rollout": RolloutOptions,
+    "logging": LoggingOptions,
+}
+
+# Other spellings users bring from ms-swift / Megatron-LM, mapped onto ours.
+ALIASES = {
+    "learning_rate": "lr",
+    "max_grad_norm": "clip_grad",
+    "lr_warmup_fraction": "warmup_ratio",
+    "save": "output_dir",
+    "save_interval": "save_steps",
+    "log_interval": "logging_steps",
+    "max_epochs": "num_train_epochs",
+    "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
+}

@@ -1,0 +1,63 @@
+"""Options of `megatron rollout`, the standalone vLLM server of server mode.
+
+    megatron rollout --model DIR --vllm_tensor_parallel_size 2 --vllm_data_parallel_size 1 \
+        --host 127.0.0.1 --port 8000
+
+The vLLM options share their names and defaults with `megatron rlhf`;
+`--host`/`--port`/`--api_key` follow ms-swift's `swift rollout`, except that the
+server binds 127.0.0.1 unless told otherwise.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence
+
+from .groups import check_choices, opt
+from .parse import collect_values, field_table, format_help
+
+
+@dataclass
+class RolloutServerConfig:
+    """The model, the vLLM engine and the HTTP endpoint of a rollout server."""
+    model: Optional[str] = opt(None, "Local Hugging Face model folder. Required.")
+    vllm_tensor_parallel_size: int = opt(1, "vLLM tensor parallel size of each engine.")
+    vllm_data_parallel_size: int = opt(1, "Number of vLLM engines (data parallel).")
+    vllm_gpu_memory_utilization: float = opt(0.9, "Fraction of device memory (CPU: RAM) for vLLM.")
+    vllm_max_model_len: Optional[int] = opt(None, "vLLM context length; None: the model's.")
+    vllm_enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM.")
+    vllm_enable_prefix_caching: bool = opt(True, "vLLM automatic prefix caching.")
+    vllm_max_num_seqs: Optional[int] = opt(None, "vLLM max concurrent sequences; None: vLLM's.")
+    vllm_engine_kwargs: Optional[Dict[str, Any]] = opt(None, "Extra vLLM engine arguments as JSON.")
+    host: str = opt("127.0.0.1", "Address to bind; 0.0.0.0 exposes the server to the network.")
+    port: int = opt(8000, "Port to listen on.")
+    api_key: Optional[str] = opt(None, "Shared token the trainer must send to update weights.")
+    seed: int = opt(42, "Sampling seed.")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if not self.model:
+            raise ValueError("--model is required: pass a local Hugging Face model folder")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"--model {self.model!r}: no config.json there (or no such folder). "
+                             "Fix: pass a Hugging Face model folder")
+        for name in ("vllm_tensor_parallel_size", "vllm_data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)} must be >= 1")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization} "
+                             "must be in (0, 1]")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port {self.port} is not a valid port (1-65535)")
+
+
+def parse_rollout_args(argv: Optional[Sequence[str]] = None) -> RolloutServerConfig:
+    """A validated RolloutServerConfig from flags (`--config file.yaml` read first)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    groups = {"server": RolloutServerConfig}
+    if "-h" in argv or "--help" in argv:
+        print(format_help(groups, prog="megatron rollout"))
+        raise SystemExit(0)
+    values = collect_values(argv, field_table(groups), groups)
+    return RolloutServerConfig(**values)

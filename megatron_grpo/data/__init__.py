@@ -1,0 +1,31 @@
+"""Prompt datasets, chat messages and the resumable prompt sampler.
+
+    ds = load_prompt_dataset(cfg.data.dataset, seed=cfg.training.seed, system=cfg.data.system,
+                             columns=cfg.data.columns)
+    sampler = PromptSampler(len(ds), prompts_per_batch, seed=cfg.training.seed,
+                            shuffle=cfg.data.dataset_shuffle)
+    idx = sampler.next_batch(); prompts = [render_prompt(tok, ds.messages[i]) for i in idx]
+    columns = ds.reward_columns(idx, num_generations)       # for rewards.score
+"""
+import os
+
+from .loading import (PROMPT_COLUMNS, PromptDataset, load_prompt_dataset, parse_dataset_spec,
+                      read_rows, sample_indices)
+from .sampler import PromptSampler, shard
+from .template import render_prompt
+
+BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
+
+
+def builtin_dataset(name: str) -> str:
+    """Path of a shipped dataset: 'countdown' or 'arithmetic'."""
+    path = os.path.join(BUILTIN_DIR, f"{name}.jsonl")
+    if not os.path.isfile(path):
+        names = sorted(f[:-6] for f in os.listdir(BUILTIN_DIR) if f.endswith(".jsonl"))
+        raise ValueError(f"no builtin dataset {name!r}; available: {names}")
+    return path
+
+
+__all__ = ["PROMPT_COLUMNS", "PromptDataset", "PromptSampler", "builtin_dataset",
+           "load_prompt_dataset", "parse_dataset_spec", "read_rows", "render_prompt",
+           "sample_indices", "shard", "BUILTIN_DIR"]

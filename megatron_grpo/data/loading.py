@@ -1,0 +1,184 @@
+"""Prompt datasets from local jsonl / json / parquet files.
+
+Each row becomes chat `messages` (ready for a tokenizer's chat template) plus
+its other columns (`solution`, `target`, `nums`, ...), which the reward
+functions receive. The prompt comes from, in this order of preference:
+  - `messages`: a list of {"role", "content"}; a final assistant turn is dropped
+    (GRPO generates it);
+  - `prompt`: a string (one user turn) or a message list (TRL's format);
+  - `query`: a string (one user turn).
+The system prompt is the row's own (a leading system message, else a `system`
+column), else `--system` (ms-swift's precedence).
+
+`path#N` samples N rows as ms-swift does: N // len full copies of the file in
+order, then N % len distinct rows drawn by a permutation seeded with `seed`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+PROMPT_COLUMNS = ("messages", "prompt", "query")
+_CONSUMED = set(PROMPT_COLUMNS) | {"system"}   # turned into messages, not passed to rewards
+_ROLES = {"system", "user", "assistant", "tool"}
+_TEXT_COLUMNS = ("question", "problem", "instruction", "input", "text")  # for the error's hint
+
+
+def parse_dataset_spec(spec: str) -> Tuple[str, Optional[int]]:
+    """'data.jsonl#100' -> ('data.jsonl', 100); 'data.jsonl' -> ('data.jsonl', None)."""
+    path, sep, suffix = spec.rpartition("#")
+    if not sep:
+        return spec, None
+    if not suffix.isdigit() or int(suffix) < 1:
+        raise ValueError(f"--dataset {spec!r}: the #N suffix must be a positive number of rows, "
+                         f"got {suffix!r}. Fix: e.g. {path}#100")
+    return path, int(suffix)
+
+
+def read_rows(path: str) -> List[Dict[str, Any]]:
+    """All rows of a .jsonl, .json (list of objects, or object of columns) or .parquet file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--dataset {path!r}: file not found")
+    lower = path.lower()
+    if lower.endswith(".jsonl"):
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--dataset {path!r} line {lineno} is not valid JSON: {e}") from None
+    elif lower.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--dataset {path!r} is not valid JSON: {e}. (A file of one "
+                                 "object per line should be named .jsonl)") from None
+        if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+            lengths = {len(v) for v in data.values()}
+            if len(lengths) != 1:
+                raise ValueError(f"--dataset {path!r}: its columns have different lengths {sorted(lengths)}")
+            keys = list(data)
+            rows = [dict(zip(keys, values)) for values in zip(*data.values())]
+        elif isinstance(data, list):
+            rows = data
+        else:
+            raise ValueError(f"--dataset {path!r}: expected a list of objects or an object of "
+                             f"column lists, got {type(data).__name__}")
+    elif lower.endswith(".parquet"):
+        rows = _read_parquet(path)
+    else:
+        raise ValueError(f"--dataset {path!r}: unsupported file type; allowed: .jsonl, .json, .parquet")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"--dataset {path!r} row {i} is a {type(row).__name__}, not an object")
+    if not rows:
+        raise ValueError(f"--dataset {path!r} has no rows")
+    return rows
+
+
+def _read_parquet(path: str) -> List[Dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        pq = None
+    if pq is not None:
+        return pq.read_table(path).to_pylist()
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"--dataset {path!r}: reading parquet needs pyarrow (or datasets). "
+                         "Fix: pip install pyarrow, or convert the file to jsonl") from None
+    return list(datasets.Dataset.from_parquet(path))
+
+
+def sample_indices(num_rows: int, n: Optional[int], seed: int) -> List[int]:
+    """ms-swift's `#N` rule: full copies in order, then a seeded draw of distinct rows."""
+    if n is None:
+        return list(range(num_rows))
+    repeats, remain = divmod(n, num_rows)
+    idx = list(range(num_rows)) * repeats
+    if remain:
+        idx += np.random.RandomState(seed).permutation(num_rows)[:remain].tolist()
+    return idx
+
+
+def _to_messages(row: Dict[str, Any], default_system: Optional[str], where: str) -> List[Dict[str, str]]:
+    """Chat messages of one row (see the module docstring for the precedence)."""
+    prompt = next((row[c] for c in PROMPT_COLUMNS if row.get(c) is not None), None)
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list):
+        messages = []
+        for m in prompt:
+            if not (isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)):
+                raise ValueError(f"{where}: each message must be {{'role': one of {sorted(_ROLES)}, "
+                                 f"'content': str}}, got {m!r}")
+            messages.append({"role": m["role"], "content": m["content"]})
+        if messages and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]  # the response GRPO is to generate
+        if not any(m["role"] == "user" for m in messages):
+            raise ValueError(f"{where}: its messages have no user turn: {prompt!r}")
+    else:
+        raise ValueError(f"{where}: the prompt must be a string or a list of messages, got {prompt!r}")
+    if messages[0]["role"] != "system":
+        system = row.get("system") or default_system
+        if system:
+            messages.insert(0, {"role": "system", "content": str(system)})
+    return messages
+
+
+@dataclass
+class PromptDataset:
+    """Rows of chat messages plus reward columns, indexable by prompt index."""
+    messages: List[List[Dict[str, str]]]
+    columns: Dict[str, List[Any]] = field(default_factory=dict)   # name -> one value per row
+    sources: List[str] = field(default_factory=list)              # file of each row
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        return {"messages": self.messages[i], **{k: v[i] for k, v in self.columns.items()}}
+
+    def reward_columns(self, indices: Sequence[int], num_generations: int = 1) -> Dict[str, List[Any]]:
+        """Columns for `score`: each prompt's values repeated for its num_generations completions."""
+        return {k: [v[i] for i in indices for _ in range(num_generations)]
+                for k, v in self.columns.items()}
+
+
+def load_prompt_dataset(specs: Sequence[str], seed: int = 42, system: Optional[str] = None,
+                        columns: Optional[Dict[str, str]] = None) -> PromptDataset:
+    """Load, rename (`columns`), `#N`-sample and convert every file of `--dataset`."""
+    messages: List[List[Dict[str, str]]] = []
+    extra: List[Dict[str, Any]] = []
+    sources: List[str] = []
+    for spec in specs:
+        path, n = parse_dataset_spec(spec)
+        rows = read_rows(path)
+        if columns:
+            rows = [{columns.get(k, k): v for k, v in row.items()} for row in rows]
+        for i, row in enumerate(rows):
+            if not any(row.get(c) is not None for c in PROMPT_COLUMNS):
+                found = sorted(set().union(*(r.keys() for r in rows)))
+                hint = next((c for c in _TEXT_COLUMNS if c in found), found[0] if found else "question")
+                raise ValueError(
+                    f"--dataset {spec!r}: no prompt column in {path!r} (row {i}); expected one of "
+                    f"{list(PROMPT_COLUMNS)}, found columns {found}. Fix: rename the prompt's "
+                    f"column, e.g. --columns '{{\"{hint}\": \"query\"}}'")
+        for i in sample_indices(len(rows), n, seed):
+            row = rows[i]
+            messages.append(_to_messages(row, system, f"--dataset {spec!r} row {i}"))
+            extra.append({k: v for k, v in row.items() if k not in _CONSUMED})
+            sources.append(path)
+    names = sorted(set().union(*(e.keys() for e in extra))) if extra else []
+    # Files with different columns: a column missing from a row is None there.
+    cols = {name: [e.get(name) for e in extra] for name in names}
+    return PromptDataset(messages=messages, columns=cols, sources=sources)

@@ -1,0 +1,110 @@
+"""Build the GPTModel chunk(s) this rank owns from a Hugging Face config.
+
+    config, args = build_transformer_config(hf_dir, tp=2, pp=2)
+    chunks = build_model(config, args)     # one GPTModel per virtual stage of this rank
+
+Megatron's parallel state must be initialised first (`platform.init_parallel`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelArgs
+
+try:  # Transformer Engine exists only on GPU machines.
+    import transformer_engine  # noqa: F401
+
+    HAVE_TE = True
+except Exception:  # ImportError, or a broken CUDA install
+    HAVE_TE = False
+
+
+def use_transformer_engine() -> bool:
+    return HAVE_TE and torch.cuda.is_available()
+
+
+def layer_spec(config, use_te: bool | None = None):
+    """The block spec: Transformer Engine's layers on GPU, Megatron's local ones elsewhere."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (TransformerBlock,
+                                                             TransformerBlockSubmodules)
+
+    from .layers import RMSNorm
+
+    use_te = use_transformer_engine() if use_te is None else use_te
+    if use_te:
+        layer = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        final_norm = specs.TENorm if hasattr(specs, "TENorm") else RMSNorm
+    else:
+        layer = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                               normalization="RMSNorm")
+        sub = layer.submodules
+        sub.input_layernorm = RMSNorm
+        sub.pre_mlp_layernorm = RMSNorm
+        attn = sub.self_attention.submodules
+        if config.qk_layernorm:
+            # q/k norms act per head on [.., head_dim]: not sequence-split, so the plain
+            # module (no sequence_parallel tag) would be wrong only under SP; ours is fine.
+            attn.q_layernorm = RMSNorm
+            attn.k_layernorm = RMSNorm
+        final_norm = RMSNorm
+    return layer, final_norm
+
+
+def build_model(config, args: ModelArgs, use_te: bool | None = None,
+                wrap_with_ddp: bool = False) -> list:
+    """GPTModel chunks of this rank: one, or one per virtual stage under VPP."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (TransformerBlock,
+                                                             TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    layer, final_norm = layer_spec(config, use_te)
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        n_layers = get_num_layers_to_build(config, vp_stage=stage)
+        block = ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+            layer_specs=[layer] * n_layers, layer_norm=final_norm))
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_sequence_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=args.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=args.rotary_base,
+            vp_stage=stage,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    if wrap_with_ddp:
+        chunks = wrap_ddp(config, chunks)
+    return chunks
+
+
+def wrap_ddp(config, chunks: list, use_distributed_optimizer: bool = False,
+             overlap_grad_reduce: bool = False) -> list:
+    """Wrap chunks in Megatron's DistributedDataParallel (gradient buffers, DP reduction)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        wrapped.append(DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=chunk,
+            # Only the first chunk's buckets may be padded/overlapped specially.
+            disable_bucketing=i > 0))
+    return wrapped

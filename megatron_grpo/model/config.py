@@ -1,0 +1,158 @@
+"""Hugging Face `config.json` -> Megatron `TransformerConfig` plus the GPTModel arguments."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .families import Family, detect_family
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def load_hf_config(model: str | os.PathLike | dict) -> dict:
+    """A config dict from a model folder, a config.json path, or a dict (returned as is)."""
+    if isinstance(model, dict):
+        return model
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--model {os.fspath(model)!r}: no config.json found there; pass a "
+                         "Hugging Face model folder (config.json + safetensors)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; valid: {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's convention: pad the vocab to a multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def _rope_theta(hf: dict) -> float:
+    # transformers 5 moved rope settings into `rope_parameters`.
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for d in (params, scaling):
+        rope_type = d.get("rope_type", d.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} (config.json rope_scaling/rope_parameters)"
+                             " is not supported yet; supported: default")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+@dataclass
+class ModelArgs:
+    """What GPTModel needs besides the TransformerConfig."""
+
+    family: Family
+    vocab_size: int            # the HF vocab (rows of embed_tokens)
+    padded_vocab_size: int     # Megatron's rows, divisible by TP
+    max_sequence_length: int
+    rotary_base: float
+    tie_word_embeddings: bool
+    hf_config: dict
+
+
+def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp: int = 1,
+                             vpp: int | None = None, cp: int = 1, sequence_parallel: bool = False,
+                             dtype: str | torch.dtype = "float32",
+                             make_vocab_size_divisible_by: int = 128,
+                             **overrides: Any):
+    """Translate an HF config of a supported family. Returns (TransformerConfig, ModelArgs)."""
+    from megatron.core.transformer import TransformerConfig
+
+    hf = load_hf_config(model)
+    family = detect_family(hf)
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if heads % tp != 0:
+        valid = [t for t in range(1, heads + 1) if heads % t == 0]
+        raise ValueError(f"--tensor_model_parallel_size {tp} does not divide the model's "
+                         f"{heads} attention heads (num_attention_heads); valid values: {valid}")
+    if kv_heads % tp != 0 and tp % kv_heads != 0:
+        raise ValueError(f"--tensor_model_parallel_size {tp} and the model's {kv_heads} kv heads"
+                         " (num_key_value_heads): one must divide the other")
+    if hf.get("use_sliding_window"):
+        raise ValueError("sliding-window attention (config.json use_sliding_window=true) is "
+                         "not supported yet")
+    if hf.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not supported (llama family)")
+    qkv_bias = family.qkv_bias if family.qkv_bias is not None else bool(hf.get("attention_bias"))
+    if family.name == "llama" and hf.get("attention_bias"):
+        raise ValueError("config.json attention_bias=true is not supported for llama "
+                         "(o_proj bias has no Megatron counterpart without MLP biases)")
+    num_layers = hf["num_hidden_layers"]
+    stages = pp * (vpp or 1)
+    if num_layers % stages != 0:
+        raise ValueError(f"the model's {num_layers} layers (num_hidden_layers) cannot be split "
+                         f"evenly into --pipeline_model_parallel_size {pp} x "
+                         f"--virtual_pipeline_model_parallel_size {vpp or 1} = {stages} stages")
+    params_dtype = to_dtype(dtype)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    # With fewer kv heads than TP ranks, every rank keeps a replica of its kv head
+    # (the bridge replicates the weights); Megatron then sees tp query groups.
+    num_query_groups = max(kv_heads, tp) if kv_heads < tp else kv_heads
+    kwargs = dict(
+        num_layers=num_layers,
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=num_query_groups,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
+        qk_layernorm=family.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
+        init_method_std=float(hf.get("initializer_range", 0.02)),
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # dense models; allgather refuses variable lengths
+        cross_entropy_loss_fusion=False,
+    )
+    kwargs.update(overrides)
+    config = TransformerConfig(**kwargs)
+    vocab = hf["vocab_size"]
+    args = ModelArgs(
+        family=family,
+        vocab_size=vocab,
+        padded_vocab_size=padded_vocab_size(vocab, tp, make_vocab_size_divisible_by),
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        rotary_base=_rope_theta(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        hf_config=hf,
+    )
+    return config, args

@@ -1,0 +1,43 @@
+"""Supported Hugging Face model families and how their configs map to Megatron.
+
+A family is a small declarative record; adding one (e.g. a MoE family) means
+adding a record here and a weight mapping in `bridge/mappings/`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]   # HF `architectures` entries
+    model_types: tuple[str, ...]     # HF `model_type` values
+    qkv_bias: bool | None            # None: read `attention_bias` from the config
+    qk_layernorm: bool               # Qwen3: RMSNorm on q and k per head
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", ("LlamaForCausalLM",), ("llama",), qkv_bias=None, qk_layernorm=False),
+    "qwen2": Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True, qk_layernorm=False),
+    "qwen3": Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qkv_bias=None, qk_layernorm=True),
+}
+
+
+def supported_architectures() -> list[str]:
+    return [a for f in FAMILIES.values() for a in f.architectures]
+
+
+def detect_family(hf_config: dict) -> Family:
+    """The family of an HF config dict; a clear error for anything else."""
+    archs = hf_config.get("architectures") or []
+    for family in FAMILIES.values():
+        if any(a in family.architectures for a in archs):
+            return family
+    model_type = hf_config.get("model_type")
+    for family in FAMILIES.values():
+        if not archs and model_type in family.model_types:
+            return family
+    raise ValueError(
+        f"unsupported model architecture {archs or model_type!r} (config.json `architectures`"
+        f" / `model_type`); supported architectures: {', '.join(supported_architectures())}")

@@ -1,0 +1,163 @@
+"""Let unchanged Megatron-Core run on a CPU-only machine over gloo.
+
+Megatron-Core calls CUDA directly in many places (see shared/PLATFORM_NOTES.md):
+`torch.cuda.current_device()` passed as `device=`, `device="cuda"` literals, the
+RNG tracker's CUDA generator state, `Tensor.cuda()`, and type checks against the
+`torch.cuda.FloatTensor` spelling. `install()` covers those without editing
+Megatron's code:
+
+1. `torch.cuda` functions that only place or synchronise work become CPU answers
+   or no-ops (current_device -> "cpu", synchronize/streams/events -> no-ops).
+2. The "CUDA" RNG is emulated by the CPU generator: Megatron's tracker keeps
+   named generator states and swaps them in and out of the default generator,
+   which works the same with CPU states (the model-parallel dropout stream stays
+   distinct from the data-parallel one).
+3. A TorchFunctionMode rewrites `device=` arguments that name CUDA into CPU,
+   makes `Tensor.cuda()` an identity and answers `Tensor.type()` with the CUDA
+   spelling Megatron compares against.
+
+It is only ever installed when CUDA is absent, and it is idempotent.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+_LOCK = threading.Lock()
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int means a CUDA ordinal in torch's device= convention.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placements to CPU for every torch call made while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            tensor = args[0]
+            name = _CUDA_TYPE_NAMES.get(tensor.dtype)
+            return name if name is not None else func(*args, **kwargs)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]) \
+                and not isinstance(args[1], int):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream / Event: every method is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _NullStream
+    cuda.Event = _NullStream
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_reserved = lambda device=None: 0
+    # The "CUDA" RNG is the CPU generator (see the module docstring).
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # torch.manual_seed itself calls cuda.manual_seed_all: seed the CPU generator
+    # directly and leave manual_seed_all a no-op, or the two would recurse.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import utils as tutils
+
+    def get_rng_state(device="cuda", clone=False, graph_safe=False):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    def set_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = get_rng_state
+    mrandom._set_cuda_rng_state = set_rng_state
+
+    @functools.lru_cache(maxsize=32)
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+    tutils.get_default_causal_mask = causal_mask
+    # Modules that imported the function by name keep their own reference.
+    import sys
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("megatron.core") and \
+                getattr(mod, "get_default_causal_mask", None) is not None and mod is not tutils:
+            mod.get_default_causal_mask = causal_mask
+
+
+def install() -> bool:
+    """Install the CPU layer in this process; returns True if it is (now) active."""
+    global _INSTALLED
+    if torch.cuda.is_available():
+        return False
+    with _LOCK:
+        if _INSTALLED:
+            return True
+        _patch_torch_cuda()
+        _patch_megatron()
+        _CudaToCpuMode().__enter__()  # stays active for the life of the process
+        _INSTALLED = True
+    return True
+
+
+def is_installed() -> bool:
+    return _INSTALLED

@@ -1,0 +1,126 @@
+"""Reward-function registry: name -> function or class, and plugin files that add to it.
+
+Contract of a reward function: called as `fn(completions, **columns)` with
+`completions: list[str]` (N completions) and, as keyword lists of length N, every
+dataset column of the completion's prompt (`solution`, `target`, `nums`, ...) plus
+`completion_lengths` (completion token counts); it returns N floats (None for a
+sample it does not apply to). It must accept `**kwargs` it does not use.
+
+    from megatron_grpo.rewards import register_reward
+
+    @register_reward("shorter")                 # a function ...
+    def shorter(completions, **kwargs):
+        return [-len(c) / 100 for c in completions]
+
+    @register_reward("keyword")                 # ... or a class built once per run:
+    class Keyword:                              # `from_config(config)` if it has one,
+        def __init__(self, config=None): ...    # else `cls(config)` (config: GRPOConfig
+        def __call__(self, completions, **kw): ...  # or None)
+
+A plugin file given with `--external_plugins` is imported before the reward names
+are resolved. ms-swift plugins that fill `orms["name"] = Class` work as well:
+`orms` is this registry.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional
+
+# name -> function or class. Module state is limited to this table and the set of
+# plugin files already imported (so loading is idempotent within a process).
+REWARDS: Dict[str, Any] = {}
+orms = REWARDS  # ms-swift's name for it
+_LOADED_PLUGINS: set = set()
+
+
+class RewardFunc(NamedTuple):
+    """A built reward function and the name metrics and errors use."""
+    name: str
+    fn: Callable[..., List[Optional[float]]]
+
+
+def register_reward(name: str, *, override: bool = False) -> Callable[[Any], Any]:
+    """Decorator registering a reward function or class under `name`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_reward needs a non-empty name, got {name!r}")
+
+    def deco(obj: Any) -> Any:
+        if not callable(obj):
+            raise ValueError(f"register_reward({name!r}): {obj!r} is not callable")
+        old = REWARDS.get(name)
+        if old is not None and old is not obj and not override and not _same_definition(old, obj):
+            raise ValueError(f"reward function {name!r} is already registered ({_where(old)}); "
+                             "pick another name or pass register_reward(name, override=True)")
+        REWARDS[name] = obj
+        return obj
+
+    return deco
+
+
+def _same_definition(a: Any, b: Any) -> bool:
+    # The same source imported twice (a plugin also imported as a module) is not a clash.
+    def identity(obj: Any) -> tuple:
+        code = getattr(obj, "__code__", None)
+        return (_where(obj), code.co_firstlineno if code is not None else None)
+    return identity(a) == identity(b)
+
+
+def _where(obj: Any) -> str:
+    try:
+        return f"{inspect.getsourcefile(obj)}:{getattr(obj, '__qualname__', obj)}"
+    except TypeError:
+        return repr(obj)
+
+
+def registered_names() -> List[str]:
+    return sorted(REWARDS)
+
+
+def load_plugins(paths: Iterable[str]) -> None:
+    """Import each plugin file once; an import error names the file."""
+    for path in paths:
+        path = os.path.abspath(path)
+        if path in _LOADED_PLUGINS:
+            continue
+        if not os.path.isfile(path):
+            raise ValueError(f"--external_plugins {path!r}: file not found")
+        digest = hashlib.sha1(path.encode()).hexdigest()[:8]
+        mod_name = f"megatron_grpo_plugin_{os.path.splitext(os.path.basename(path))[0]}_{digest}"
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            sys.modules.pop(mod_name, None)
+            raise ValueError(f"--external_plugins {path!r} failed to import: "
+                             f"{type(e).__name__}: {e}") from e
+        _LOADED_PLUGINS.add(path)
+
+
+def build_reward_funcs(names: Iterable[str], config: Any = None) -> List[RewardFunc]:
+    """Instantiate the named reward functions for a run (classes get the config)."""
+    built = []
+    for name in names:
+        if name not in REWARDS:
+            raise ValueError(f"--reward_funcs {name!r} is not a registered reward function; "
+                             f"registered: {registered_names()}")
+        obj = REWARDS[name]
+        if inspect.isclass(obj):
+            obj = obj.from_config(config) if hasattr(obj, "from_config") else obj(config)
+        built.append(RewardFunc(name, obj))
+    return built
+
+
+class ORM:
+    """Optional base class for class-style rewards (ms-swift's name): keeps the config."""
+
+    def __init__(self, config: Any = None, **kwargs: Any) -> None:
+        self.config = config
+
+    def __call__(self, completions: List[str], **kwargs: Any) -> List[Optional[float]]:
+        raise NotImplementedError

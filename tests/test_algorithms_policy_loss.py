@@ -1,0 +1,292 @@
+"""Every loss variant against a float64 reference written from the formulas: python loops
+over completions and tokens building the loss from scalars (autograd gives the reference
+gradient), never calling the implementation."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_grpo.algorithms import (LOSS_TYPES, compute_policy_loss, count_partials, entropy_threshold,
+                                      local_loss, loss_normalizer, policy_metric_partials, finalize_metrics)
+from megatron_grpo.algorithms.policy_loss import quantile
+
+B, L, LMAX = 6, 7, 9
+D = torch.float64
+
+
+def make_batch(seed, b=B, l=L, empty_row=True):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, l + 1, (b,), generator=g)
+    if empty_row:
+        lengths[2] = 0  # a completion with no token (e.g. packed padding row)
+    mask = torch.arange(l).unsqueeze(0) < lengths.unsqueeze(1)
+    old = -torch.rand(b, l, generator=g, dtype=D) * 3
+    batch = dict(
+        mask=mask,
+        old=old,
+        logps=old + 0.4 * torch.randn(b, l, generator=g, dtype=D),
+        ref=old + 0.3 * torch.randn(b, l, generator=g, dtype=D),
+        rollout=old + 0.3 * torch.randn(b, l, generator=g, dtype=D),
+        adv=torch.randn(b, generator=g, dtype=D),
+        entropy=torch.rand(b, l, generator=g, dtype=D) * 3,
+        truncated=torch.rand(b, generator=g) < 0.4,
+    )
+    # Padding holds garbage in real batches; the loss must not see it.
+    for key in ("old", "ref", "rollout", "entropy"):
+        batch[key] = batch[key].masked_fill(~mask, float("nan"))
+    return batch
+
+
+# ---------------------------------------------------------------- reference (loops)
+
+def _clamp(x, lo=None, hi=None):
+    return torch.clamp(x, min=lo, max=hi)
+
+
+def reference_loss(bt, logps, o):
+    """Global loss of the batch under options `o`, built token by token."""
+    loss_type = o.get("loss_type", "grpo")
+    eps = o.get("epsilon", 0.2)
+    eps_hi = o.get("epsilon_high") or eps
+    delta = o.get("delta")
+    level = o.get("importance_sampling_level", "token")
+    beta = o.get("beta", 0.0)
+    kl_name = o.get("kl_estimator", "k3")
+    use_kl = beta != 0.0 and not o.get("kl_in_reward", False)
+    q = o.get("top_entropy_quantile", 1.0)
+    mode = o.get("rollout_importance_sampling_mode")
+    cap = o.get("rollout_importance_sampling_threshold", 2.0)
+    on_policy = o.get("on_policy", False)
+    mask = bt["mask"].tolist()
+    filtered = [bool(t) and o.get("overlong_filter", False) for t in bt["truncated"].tolist()]
+    adv = bt["adv"].tolist() if bt["adv"].dim() == 1 else None
+
+    loss_tokens = [(i, t) for i in range(len(mask)) for t in range(len(mask[i]))
+                   if mask[i][t] and not filtered[i]]
+    thr = None
+    if q < 1.0:
+        ents = [bt["entropy"][i, t].item() for i, t in loss_tokens]
+        thr = float(np.quantile(ents, 1.0 - q)) if ents else float("nan")
+
+    total = torch.zeros((), dtype=D)
+    seq_terms = []
+    for i in range(len(mask)):
+        toks = [t for t in range(len(mask[i])) if mask[i][t]]
+        old = {t: (logps[i, t].detach() if on_policy else bt["old"][i, t]) for t in toks}
+        # rollout IS weights
+        w = {t: 1.0 for t in toks}
+        if mode is not None:
+            lr = {t: max(-20.0, min(20.0, float(old[t] - bt["rollout"][i, t]))) for t in toks}
+            rho = {t: math.exp(lr[t]) for t in toks}
+            rho_seq = math.exp(sum(lr.values()) / len(toks)) if toks else 1.0
+            for t in toks:
+                if mode == "token_truncate":
+                    w[t] = min(rho[t], cap)
+                elif mode == "token_mask":
+                    w[t] = rho[t] if rho[t] <= cap else 0.0
+                elif mode == "sequence_truncate":
+                    w[t] = min(rho_seq, cap)
+                else:
+                    w[t] = rho[t] if rho_seq <= cap else 0.0
+        seq_mean_lr = (sum(logps[i, t] - old[t] for t in toks) / len(toks)) if toks else None
+        seq_sum = torch.zeros((), dtype=D)
+        for t in toks:
+            a = adv[i] if adv is not None else bt["adv"][i, t].item()
+            if level == "token":
+                logw = logps[i, t] - old[t]
+            elif level == "sequence":
+                logw = seq_mean_lr
+            else:
+                logw = logps[i, t] - logps[i, t].detach() + seq_mean_lr.detach()
+            c1 = torch.exp(logw)
+            if loss_type == "cispo":
+                term = -_clamp(c1, hi=eps_hi).detach() * a * logps[i, t]
+            else:
+                c2 = _clamp(c1, 1 - eps, 1 + eps_hi)
+                if delta is not None:
+                    c1 = _clamp(c1, hi=delta)
+                term = -torch.minimum(c1 * a, c2 * a)
+            if thr is not None and not bt["entropy"][i, t].item() >= thr:
+                term = term * 0.0
+            if use_kl:
+                r = bt["ref"][i, t]
+                if kl_name == "k1":
+                    kl = logps[i, t] - r
+                elif kl_name == "k2":
+                    kl = 0.5 * (logps[i, t] - r) ** 2
+                else:
+                    d = _clamp(r - logps[i, t], -20.0, 20.0)
+                    kl = _clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
+                term = term + beta * kl
+            term = term * w[t]
+            if not filtered[i]:
+                seq_sum = seq_sum + term
+        n_i = 0 if filtered[i] else len(toks)
+        seq_terms.append((seq_sum, n_i))
+        total = total + seq_sum
+
+    n_seq = len(mask)
+    if loss_type == "grpo":
+        return sum(s / max(n, 1) for s, n in seq_terms) / n_seq
+    if loss_type == "bnpo":
+        return total / max(len(loss_tokens), 1)
+    if loss_type == "dr_grpo":
+        return total / (n_seq * LMAX)
+    gen_tokens = o.get("generation_tokens", sum(sum(r) for r in mask))
+    return total / max(gen_tokens, 1)
+
+
+# ---------------------------------------------------------------- implementation under test
+
+IMPL_KEYS = ("loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "beta", "kl_estimator",
+             "kl_in_reward", "top_entropy_quantile", "overlong_filter", "rollout_importance_sampling_mode",
+             "rollout_importance_sampling_threshold")
+
+
+def implementation_loss(bt, logps, o):
+    kwargs = {k: o[k] for k in IMPL_KEYS if k in o}
+    out = compute_policy_loss(
+        logps, bt["adv"], bt["mask"],
+        old_logps=None if o.get("on_policy") else bt["old"],
+        ref_logps=bt["ref"], entropy=bt["entropy"], truncated=bt["truncated"],
+        rollout_logps=bt["rollout"], **kwargs)
+    counts = count_partials(out.loss_mask, bt["mask"])
+    loss_type = o.get("loss_type", "grpo")
+    norm = loss_normalizer(loss_type, counts, generation_counts=counts, max_completion_length=LMAX)
+    return local_loss(out.per_token_loss, out.loss_mask, loss_type, norm), out
+
+
+def check_against_reference(seed, o, bt=None):
+    bt = make_batch(seed) if bt is None else bt
+    lp_impl = bt["logps"].clone().requires_grad_()
+    lp_ref = bt["logps"].clone().requires_grad_()
+    got, _ = implementation_loss(bt, lp_impl, o)
+    want = reference_loss(bt, lp_ref, o)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lp_impl.grad, lp_ref.grad, rtol=1e-9, atol=1e-12)
+    assert lp_impl.grad.abs().sum() > 0
+    return got
+
+
+def _base(loss_type):
+    # cispo's epsilon_high is an absolute cap on the ratio; pick one inside the ratio range.
+    return dict(loss_type=loss_type, epsilon=0.2, epsilon_high=1.1 if loss_type == "cispo" else 0.28)
+
+
+@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
+@pytest.mark.parametrize("delta", [None, 1.3])
+def test_loss_types_and_levels(loss_type, level, delta):
+    o = dict(_base(loss_type), importance_sampling_level=level, delta=delta, beta=0.04)
+    check_against_reference(11, o)
+
+
+VARIANTS = {
+    "k1": dict(beta=0.1, kl_estimator="k1"),
+    "k2": dict(beta=0.1, kl_estimator="k2"),
+    "k3": dict(beta=0.1, kl_estimator="k3"),
+    "kl_in_reward": dict(beta=0.1, kl_in_reward=True),
+    "entropy": dict(top_entropy_quantile=0.6),
+    "overlong": dict(overlong_filter=True),
+    "on_policy": dict(on_policy=True, beta=0.04),
+    "eps_high_default": dict(epsilon_high=None),
+    "token_truncate": dict(rollout_importance_sampling_mode="token_truncate",
+                           rollout_importance_sampling_threshold=1.2),
+    "token_mask": dict(rollout_importance_sampling_mode="token_mask", rollout_importance_sampling_threshold=1.2),
+    "sequence_truncate": dict(rollout_importance_sampling_mode="sequence_truncate",
+                              rollout_importance_sampling_threshold=1.05),
+    "sequence_mask": dict(rollout_importance_sampling_mode="sequence_mask",
+                          rollout_importance_sampling_threshold=1.05),
+    "everything": dict(beta=0.05, delta=1.5, top_entropy_quantile=0.5, overlong_filter=True,
+                       importance_sampling_level="sequence_token",
+                       rollout_importance_sampling_mode="token_truncate", rollout_importance_sampling_threshold=1.3),
+}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_option_variants(loss_type, variant):
+    o = dict(_base(loss_type), **VARIANTS[variant])
+    if variant == "eps_high_default" and loss_type == "cispo":
+        o["epsilon"] = 1.1
+    check_against_reference(23, o)
+
+
+def test_per_token_advantages_and_extreme_kl():
+    bt = make_batch(5)
+    g = torch.Generator().manual_seed(9)
+    bt["adv"] = torch.randn(B, L, generator=g, dtype=D)
+    bt["ref"] = bt["ref"] + 30.0 * torch.randn(B, L, generator=g, dtype=D)  # k3 safety clamps engage
+    assert ((bt["ref"] - bt["logps"]).abs() > 20).any()
+    check_against_reference(5, dict(_base("grpo"), beta=0.2), bt)
+    check_against_reference(5, dict(_base("dapo"), beta=0.2, importance_sampling_level="sequence"), bt)
+
+
+@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_all_completions_overlong_gives_zero_loss_not_nan(loss_type, level):
+    bt = make_batch(3)
+    bt["truncated"] = torch.ones(B, dtype=torch.bool)
+    o = dict(_base(loss_type), importance_sampling_level=level, overlong_filter=True, beta=0.1,
+             top_entropy_quantile=0.5, rollout_importance_sampling_mode="sequence_truncate")
+    lp = bt["logps"].clone().requires_grad_()
+    loss, out = implementation_loss(bt, lp, o)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(lp.grad, torch.zeros_like(lp))
+    assert torch.isnan(out.entropy_threshold)
+    metrics = finalize_metrics(policy_metric_partials(out, loss_type=loss_type, epsilon=0.2, entropy=bt["entropy"]))
+    assert math.isnan(metrics["kl"]) and math.isnan(metrics["clip_ratio/low_min"])
+
+
+def test_entropy_threshold_and_quantile_match_numpy():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(101, generator=g, dtype=D)
+    for q in (0.0, 0.2, 0.5, 0.77, 1.0):
+        assert quantile(x, q).item() == pytest.approx(float(np.quantile(x.numpy(), q)), rel=1e-12)
+    ent = torch.rand(4, 5, generator=g, dtype=D)
+    mask = torch.rand(4, 5, generator=g) > 0.3
+    want = float(np.quantile(ent[mask].numpy(), 1 - 0.3))
+    assert entropy_threshold(ent, 0.3, mask).item() == pytest.approx(want, rel=1e-12)
+    # the gathered form: a flat vector of the loss tokens' entropies (NaN ignored)
+    flat = torch.cat([ent[mask], torch.tensor([float("nan")], dtype=D)])
+    assert entropy_threshold(flat, 0.3).item() == pytest.approx(want, rel=1e-12)
+
+
+def test_global_entropy_threshold_overrides_local():
+    bt = make_batch(8)
+    out = compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], old_logps=bt["old"], entropy=bt["entropy"],
+                              top_entropy_quantile=0.5, entropy_threshold_value=10.0)
+    assert not out.entropy_mask.any() and torch.all(out.per_token_loss == 0)
+    assert out.entropy_threshold.item() == 10.0
+
+
+@pytest.mark.parametrize("kwargs,option,valid", [
+    (dict(loss_type="ppo"), "loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]),
+    (dict(importance_sampling_level="step"), "importance_sampling_level", ["token", "sequence", "sequence_token"]),
+    (dict(kl_estimator="k4", beta=0.1), "kl_estimator", ["k1", "k2", "k3"]),
+    (dict(rollout_importance_sampling_mode="clip"), "rollout_importance_sampling_mode",
+     ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]),
+])
+def test_unknown_options_raise_with_valid_list(kwargs, option, valid):
+    bt = make_batch(0)
+    with pytest.raises(ValueError) as err:
+        compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], old_logps=bt["old"], ref_logps=bt["ref"],
+                            rollout_logps=bt["rollout"], **kwargs)
+    msg = str(err.value)
+    assert option in msg and all(repr(v) in msg for v in valid)
+
+
+def test_missing_inputs_raise():
+    bt = make_batch(0)
+    with pytest.raises(ValueError, match="ref_logps"):
+        compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], beta=0.1)
+    with pytest.raises(ValueError, match="truncated"):
+        compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], overlong_filter=True)
+    with pytest.raises(ValueError, match="rollout_logps"):
+        compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], rollout_importance_sampling_mode="token_mask")
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], entropy=bt["entropy"], top_entropy_quantile=0.0)

@@ -1,0 +1,209 @@
+"""Every configuration check: its message names the option, the value and what is valid."""
+import json
+import logging
+import os
+import time
+
+import pytest
+
+from megatron_grpo.config import parse_rlhf_args, valid_num_generations, validate_world
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COUNTDOWN = os.path.join(ROOT, "megatron_grpo", "data", "builtin", "countdown.jsonl")
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    return str(d)
+
+
+def args(model_dir, *extra, reward=("countdown",)):
+    return ["--model", model_dir, "--dataset", COUNTDOWN, "--reward_funcs", *reward, *extra]
+
+
+def error_of(argv):
+    with pytest.raises(ValueError) as e:
+        parse_rlhf_args(argv)
+    return str(e.value)
+
+
+# (extra flags, substrings the message must contain)
+CASES = [
+    # unknown choices list the valid ones
+    (["--loss_type", "ppo"], ["--loss_type 'ppo'", "grpo, bnpo, dr_grpo, dapo, cispo"]),
+    (["--rlhf_type", "dpo"], ["--rlhf_type 'dpo'", "grpo"]),
+    (["--importance_sampling_level", "tok"], ["--importance_sampling_level", "token, sequence, sequence_token"]),
+    (["--scale_rewards", "std"], ["--scale_rewards 'std'", "group, batch, none, gdpo"]),
+    (["--advantage_estimator", "ppo"], ["--advantage_estimator", "grpo, rloo, reinforce_plus_plus"]),
+    (["--rollout_importance_sampling_mode", "clip"], ["--rollout_importance_sampling_mode",
+                                                      "token_truncate, token_mask"]),
+    (["--vllm_mode", "remote"], ["--vllm_mode 'remote'", "colocate, server"]),
+    (["--sleep_level", "3"], ["--sleep_level 3", "0, 1, 2"]),
+    (["--lr_decay_style", "step"], ["--lr_decay_style", "cosine, linear, constant"]),
+    (["--report_to", "mlflow"], ["--report_to 'mlflow'", "tensorboard, wandb, swanlab"]),
+    (["--kl_estimator", "k4"], ["--kl_estimator", "k1, k2, k3"]),
+    # batch sizes
+    (["--num_generations", "5"], ["--num_generations 5", "Valid num_generations values: [2, 4, 8, 16]"]),
+    (["--num_generations", "1"], ["--num_generations 1", "at least 2"]),
+    (["--num_generations", "5", "--global_batch_size", "4", "--steps_per_generation", "3"],
+     ["--num_generations 5", "[2, 3, 4, 6, 12]"]),     # generation batch 12 = 4 x 3
+    (["--generation_batch_size", "32", "--steps_per_generation", "2"],
+     ["--generation_batch_size 32", "--steps_per_generation 2", "exclusive"]),
+    (["--generation_batch_size", "24"], ["--generation_batch_size 24", "multiple of --global_batch_size 16"]),
+    (["--global_batch_size", "10", "--micro_batch_size", "4"], ["--micro_batch_size 4", "[1, 2, 5, 10]"]),
+    # rollout
+    (["--use_vllm", "false", "--vllm_mode", "server"], ["--vllm_mode server", "--use_vllm is false",
+                                                        "--use_vllm true"]),
+    (["--use_vllm", "false"], ["--use_vllm false", "--use_vllm true"]),
+    (["--vllm_gpu_memory_utilization", "1.5"], ["--vllm_gpu_memory_utilization 1.5", "(0, 1]"]),
+    (["--vllm_max_model_len", "100", "--max_completion_length", "128"], ["--vllm_max_model_len 100"]),
+    (["--temperature", "0"], ["--temperature 0"]),
+    (["--top_p", "0"], ["--top_p 0", "(0, 1]"]),
+    (["--vllm_mode", "server", "--vllm_server_host", "a", "b", "c", "--vllm_server_port", "1", "2"],
+     ["--vllm_server_port [1, 2]", "one per host"]),
+    (["--vllm_mode", "server", "--vllm_server_base_url", "localhost:8000"],
+     ["--vllm_server_base_url 'localhost:8000'", "http://"]),
+    # loss
+    (["--epsilon", "0.2", "--epsilon_high", "0.1"], ["--epsilon_high 0.1", "--epsilon 0.2", ">= 0.2"]),
+    (["--delta", "0.5"], ["--delta 0.5", "> 1"]),
+    (["--beta", "-1"], ["--beta -1"]),
+    (["--top_entropy_quantile", "0"], ["--top_entropy_quantile 0", "(0, 1]"]),
+    # rewards
+    (["--reward_weights", "1", "2"], ["--reward_weights [1.0, 2.0]", "2 values", "has 1"]),
+    (["--cosine_max_len", "0"], ["--cosine_max_len 0", ">= 1"]),
+    (["--repetition_max_penalty", "0.5"], ["--repetition_max_penalty 0.5", "<= 0"]),
+    (["--external_plugins", "/nonexistent/plugin.py"], ["--external_plugins '/nonexistent/plugin.py'",
+                                                        "not found"]),
+    # training / parallel / logging
+    (["--lr_warmup_iters", "5", "--warmup_ratio", "0.1"], ["--lr_warmup_iters 5", "--warmup_ratio 0.1",
+                                                          "exclusive"]),
+    (["--min_lr", "1"], ["--min_lr 1"]),
+    (["--virtual_pipeline_model_parallel_size", "2"], ["--virtual_pipeline_model_parallel_size 2",
+                                                       "--pipeline_model_parallel_size > 1"]),
+    (["--tensor_model_parallel_size", "0"], ["--tensor_model_parallel_size 0", ">= 1"]),
+    (["--save_steps", "0"], ["--save_steps 0", ">= 1"]),
+    (["--resume", "/nonexistent/ckpt"], ["--resume '/nonexistent/ckpt'", "true/auto"]),
+]
+
+
+@pytest.mark.parametrize("extra, expected", CASES, ids=[" ".join(c[0])[:40] for c in CASES])
+def test_config_errors(model_dir, extra, expected):
+    message = error_of(args(model_dir, *extra))
+    for part in expected:
+        assert part in message, f"{part!r} not in: {message}"
+
+
+def test_reward_name_and_requirements(model_dir):
+    msg = error_of(args(model_dir, reward=("acuracy",)))
+    assert "--reward_funcs 'acuracy'" in msg
+    for name in ["accuracy", "cosine", "countdown", "format", "repetition", "soft_overlong"]:
+        assert name in msg
+    msg = error_of(["--model", model_dir, "--dataset", COUNTDOWN])
+    assert "--reward_funcs is required" in msg and "accuracy" in msg
+    msg = error_of(args(model_dir, reward=("soft_overlong",)))
+    assert "--soft_cache_length" in msg
+    msg = error_of(args(model_dir, "--soft_cache_length", "600", reward=("soft_overlong",)))
+    assert "--soft_cache_length 600" in msg and "soft_max_length=512" in msg
+
+
+def test_model_and_dataset_errors(model_dir, tmp_path):
+    msg = error_of(["--dataset", COUNTDOWN, "--reward_funcs", "format"])
+    assert "--model is required" in msg
+    msg = error_of(args(str(tmp_path / "nope")))
+    assert "folder not found" in msg and "nope" in msg
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    msg = error_of(args(str(empty)))
+    assert "has no config.json" in msg and "--model" in msg
+    msg = error_of(["--model", model_dir, "--dataset", str(tmp_path / "missing.jsonl"),
+                    "--reward_funcs", "format"])
+    assert "--dataset" in msg and "missing.jsonl" in msg and "not found" in msg
+    msg = error_of(["--model", model_dir, "--dataset", f"{COUNTDOWN}#ten", "--reward_funcs", "format"])
+    assert "#N suffix" in msg and "'ten'" in msg
+    (tmp_path / "d.csv").write_text("a,b\n")
+    msg = error_of(["--model", model_dir, "--dataset", str(tmp_path / "d.csv"), "--reward_funcs", "format"])
+    assert ".jsonl, .json, .parquet" in msg
+    msg = error_of(["--model", model_dir, "--reward_funcs", "format"])
+    assert "--dataset is required" in msg
+
+
+def test_bad_config_fails_fast(model_dir):
+    # The launcher promises under 5 s for a bad configuration; parsing must not import torch.
+    start = time.time()
+    error_of(args(model_dir, "--num_generations", "5"))
+    assert time.time() - start < 2.0
+
+
+def test_server_mode_forces_sleep_level_0(model_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.config"):
+        cfg = parse_rlhf_args(args(model_dir, "--vllm_mode", "server", "--sleep_level", "2"))
+    assert cfg.rollout.sleep_level == 0
+    assert any("sleep_level" in r.message and "server" in r.message for r in caplog.records)
+    assert cfg.rollout.vllm_server_host == ["127.0.0.1"] and cfg.rollout.vllm_server_port == [8000]
+
+
+def test_sequence_parallel_without_tp_is_turned_off(model_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.config"):
+        cfg = parse_rlhf_args(args(model_dir, "--sequence_parallel", "true"))
+    assert cfg.parallel.sequence_parallel is False
+    assert any("sequence_parallel" in r.message for r in caplog.records)
+
+
+def test_derived_defaults(model_dir, tmp_path):
+    cfg = parse_rlhf_args(args(model_dir, "--advantage_estimator", "rloo"))
+    assert cfg.grpo.kl_in_reward is True and cfg.grpo.scale_rewards == "none"
+    cfg = parse_rlhf_args(args(model_dir, "--advantage_estimator", "reinforce_plus_plus"))
+    assert cfg.grpo.scale_rewards == "batch"
+    cfg = parse_rlhf_args(args(model_dir, "--generation_batch_size", "64", "--num_generations", "4"))
+    assert cfg.grpo.steps_per_generation == 4
+    cfg = parse_rlhf_args(args(model_dir, "--steps_per_generation", "3", "--num_generations", "4"))
+    assert cfg.grpo.generation_batch_size == 48
+    system = tmp_path / "system.txt"
+    system.write_text("Be brief.\n")
+    cfg = parse_rlhf_args(args(model_dir, "--system", str(system), "--soft_cache_length", "64",
+                               reward=("soft_overlong",)))
+    assert cfg.data.system == "Be brief."
+    assert cfg.reward.soft_max_length == 512 and cfg.reward.cosine_max_len == 512
+
+
+def test_valid_num_generations_helper():
+    assert valid_num_generations(12) == [2, 3, 4, 6, 12]
+    assert valid_num_generations(16, dp=2) == [2, 4, 8]     # 16/G prompts must split over 2 ranks
+
+
+def test_world_checks(model_dir):
+    cfg = parse_rlhf_args(args(model_dir, "--tensor_model_parallel_size", "2", "--num_generations", "4"))
+    plan = validate_world(cfg, 4)
+    assert (plan.dp, plan.num_microbatches, plan.num_rollout_prompts, plan.prompts_per_dp_rank,
+            plan.num_vllm_engines) == (2, 8, 4, 2, 4)
+    with pytest.raises(ValueError) as e:
+        validate_world(cfg, 3)
+    msg = str(e.value)
+    assert "world size 3" in msg and "tensor_model_parallel_size 2" in msg and "[2, 4, 6, 8]" in msg
+    assert "[1, 3]" in msg    # TP x PP x CP products that 3 ranks allow
+
+    cfg = parse_rlhf_args(args(model_dir, "--global_batch_size", "6", "--num_generations", "2"))
+    with pytest.raises(ValueError) as e:
+        validate_world(cfg, 4)
+    msg = str(e.value)
+    assert "--global_batch_size 6" in msg and "= 4" in msg and "[4, 8, 12, 16]" in msg
+
+    # 16 completions / 8 per group = 2 prompts cannot be split over 4 DP ranks
+    cfg = parse_rlhf_args(args(model_dir, "--num_generations", "8"))
+    with pytest.raises(ValueError) as e:
+        validate_world(cfg, 4)
+    msg = str(e.value)
+    assert "--num_generations 8" in msg and "Valid num_generations values: [2, 4]" in msg
+
+    cfg = parse_rlhf_args(args(model_dir, "--vllm_tensor_parallel_size", "3", "--num_generations", "4"))
+    with pytest.raises(ValueError) as e:
+        validate_world(cfg, 4)
+    msg = str(e.value)
+    assert "--vllm_tensor_parallel_size 3" in msg and "[1, 2, 4]" in msg
+    # server mode: the server's vLLM TP is not the trainer's concern
+    cfg = parse_rlhf_args(args(model_dir, "--vllm_tensor_parallel_size", "3", "--vllm_mode", "server",
+                               "--num_generations", "4"))
+    assert validate_world(cfg, 4).num_vllm_engines == 0
