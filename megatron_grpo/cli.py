@@ -1,0 +1,90 @@
+"""The `megatron` command: `rlhf`, `rollout` and `export` subcommands.
+
+    megatron rlhf --rlhf_type grpo --model DIR --dataset data.jsonl ...   # train
+    megatron rollout --model DIR --port 8000                               # vLLM server
+    megatron export --to_mcore true --model DIR --output_dir OUT ...       # convert
+
+Configuration errors are reported as one line naming the option, before torch,
+Megatron or vLLM are imported and before any process is launched.
+"""
+from __future__ import annotations
+
+import sys
+
+from . import launch
+
+USAGE = """usage: megatron <command> [options]
+
+commands:
+  rlhf      GRPO training on Megatron-Core with vLLM rollouts (megatron rlhf --rlhf_type grpo ...)
+  rollout   start a vLLM rollout server for --vllm_mode server
+  export    convert checkpoints: --to_mcore true (HF -> Megatron) or --to_hf true (Megatron -> HF)
+
+Multi-process runs: NPROC_PER_NODE=N (and NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for
+several nodes) re-launch the command under torchrun, as in ms-swift.
+Run `megatron <command> --help` for the options of a command.
+"""
+
+
+def _rlhf(argv: list[str]) -> int:
+    from .config import parse_rlhf_args, validate_world
+
+    argv, nproc = launch.pop_nproc_flag(argv)
+    cfg = parse_rlhf_args(argv)          # option-only checks (fast, no torch import)
+    spec = launch.launch_spec(nproc)
+    validate_world(cfg, launch.current_world_size(spec))
+    if spec.world_size > 1 and not launch.in_torchrun():
+        return launch.relaunch("rlhf", argv, spec)
+    try:
+        from .trainer import train
+    except ImportError as e:  # the trainer lands with issue 6
+        raise SystemExit(f"megatron rlhf: the GRPO trainer is not available yet ({e})")
+    train(cfg)
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    argv, nproc = launch.pop_nproc_flag(argv)
+    spec = launch.launch_spec(nproc)
+    try:
+        from bridge import convert
+    except ImportError as e:
+        raise SystemExit(f"megatron export: checkpoint conversion is not available yet ({e})")
+    if hasattr(convert, "check_args"):
+        convert.check_args(argv, launch.current_world_size(spec))   # fail before launching
+    if spec.world_size > 1 and not launch.in_torchrun():
+        return launch.relaunch("export", argv, spec)
+    return convert.main(argv) or 0
+
+
+def _rollout(argv: list[str]) -> int:
+    try:
+        from .rollout import server
+    except ImportError as e:
+        raise SystemExit(f"megatron rollout: the rollout server is not available yet ({e})")
+    return server.main(argv) or 0
+
+
+COMMANDS = {"rlhf": _rlhf, "rollout": _rollout, "export": _export}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"megatron: unknown command {command!r}; valid commands: "
+              f"{', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[command](rest)
+    except ValueError as e:
+        # User errors: one clear line, no traceback.
+        print(f"megatron {command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
