@@ -1,0 +1,94 @@
+"""Rollouts -> padded training micro-batches (token-aligned tensors).
+
+A sample is `prompt_ids + completion_ids`. The model reads tokens[:-1] and predicts
+tokens[1:] (the "targets"), so every per-token quantity of a completion token k
+(0-based) lives at target position P + k - 1, where P is the prompt length. All
+per-token tensors of a micro-batch are [B, S] in that target layout; right padding
+needs no attention mask under causal attention (pads only follow real tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt, as the trainer sees it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float = 0.0
+    truncated: bool = False
+    rollout_logps: Optional[list[float]] = None    # vLLM's per completion token
+    old_logps: Optional[torch.Tensor] = None       # [len(completion)] filled by the trainer
+    ref_logps: Optional[torch.Tensor] = None
+    meta: dict = field(default_factory=dict)       # prompt index, rewards, text, ...
+
+
+PER_TOKEN_FIELDS = ("old_logps", "ref_logps", "rollout_logps")
+
+
+def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int = 1,
+            pad_to_length: int | None = None) -> dict:
+    """Pad a micro-batch. Returns a dict of tensors, all [B, S] unless noted.
+
+    input_ids, position_ids, targets: int64; completion_mask: bool (targets that are
+    completion tokens); advantages [B]; truncated [B] bool; old_logps / ref_logps /
+    rollout_logps (float32, 0 outside completions) when every sample has them.
+    """
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
+    if min(len(s.prompt_ids) for s in samples) < 1:
+        raise ValueError("every sample needs at least one prompt token")
+    seq = max(max(lengths), pad_to_length or 0)
+    seq = -(-seq // pad_to_multiple_of) * pad_to_multiple_of
+    b = len(samples)
+    input_ids = torch.full((b, seq), pad_id, dtype=torch.long)
+    targets = torch.full((b, seq), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, seq), dtype=torch.bool)
+    per_token = {name: torch.zeros((b, seq), dtype=torch.float32) for name in PER_TOKEN_FIELDS
+                 if all(getattr(s, name) is not None for s in samples)}
+    for i, s in enumerate(samples):
+        tokens = torch.tensor(list(s.prompt_ids) + list(s.completion_ids), dtype=torch.long)
+        n = tokens.numel() - 1
+        input_ids[i, :n] = tokens[:-1]
+        targets[i, :n] = tokens[1:]
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        mask[i, p - 1:p - 1 + c] = True
+        for name, buf in per_token.items():
+            values = torch.as_tensor(getattr(s, name), dtype=torch.float32)
+            if values.numel() != c:
+                raise ValueError(f"{name} has {values.numel()} values for {c} completion tokens")
+            buf[i, p - 1:p - 1 + c] = values
+    out = {
+        "input_ids": input_ids,
+        "position_ids": torch.arange(seq).unsqueeze(0).expand(b, -1).contiguous(),
+        "targets": targets,
+        "completion_mask": mask,
+        "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        "truncated": torch.tensor([s.truncated for s in samples], dtype=torch.bool),
+    }
+    out.update(per_token)
+    return out
+
+
+def split_completion_values(values: torch.Tensor, batch: dict) -> list[torch.Tensor]:
+    """[B, S] per-token values -> one [len(completion)] tensor per sample (inverse of collate)."""
+    return [values[i][batch["completion_mask"][i]] for i in range(values.shape[0])]
+
+
+def micro_batches(samples: Sequence[Sample], micro_batch_size: int,
+                  pad_to_length: int | None = None, **collate_kwargs) -> list[dict]:
+    """Consecutive groups of `micro_batch_size` samples, collated to one common length.
+
+    One length for all: Megatron's pipeline schedule sizes its p2p buffers by it.
+    """
+    if len(samples) % micro_batch_size:
+        raise ValueError(f"{len(samples)} samples do not split into micro-batches of "
+                         f"--micro_batch_size {micro_batch_size}")
+    longest = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
+    length = max(longest, pad_to_length or 0)
+    return [collate(samples[i:i + micro_batch_size], pad_to_length=length, **collate_kwargs)
+            for i in range(0, len(samples), micro_batch_size)]

@@ -1,0 +1,226 @@
+"""Megatron glue: per-token log-probs through the pipeline schedule, and one GRPO step.
+
+This is the one place where Megatron's own loss scalings meet ours (STYLE.md point 3).
+The pure GRPO math (megatron_grpo.algorithms) defines, per micro-batch, an additive
+share `L_mb` of the optimizer step's loss, so that sum over micro-batches and DP ranks
+of L_mb is the global loss of `loss_type`. Megatron then scales what the loss function
+returns before backward and reduction:
+
+  * the schedule multiplies it by the CP size and divides by num_microbatches M
+    (legacy 2-output loss functions, `calculate_per_token_loss=False`);
+  * DDP scales gradients by 1 / (dp * cp) before summing them over the DP x CP group.
+
+Net factor on our gradient: cp / M / (dp * cp) = 1 / (M * dp). We return
+`L_mb * M * dp`, so the summed gradient is exactly d(sum L_mb)/d(theta).
+`megatron_loss_scale` holds that rule and tests/test_train_engine.py holds us to it.
+
+The last pipeline stage runs GPTModel up to its final norm only (`_hidden_only`); the
+fused vocab-parallel kernel turns hidden states into log-probs and entropy without
+materialising logits.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..algorithms import (compute_policy_loss, local_loss, merge_partials,
+                          policy_metric_partials, rollout_metric_partials)
+from ..kernels import vocab_parallel_logprobs
+
+
+@dataclass
+class LossOptions:
+    """The per-token loss options of the GRPO step (names as ms-swift's)."""
+
+    loss_type: str = "grpo"
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    delta: Optional[float] = None
+    importance_sampling_level: str = "token"
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    top_entropy_quantile: float = 1.0
+    overlong_filter: bool = False
+    rollout_importance_sampling_mode: Optional[str] = None
+    rollout_importance_sampling_threshold: float = 2.0
+    temperature: float = 1.0
+    log_entropy: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def _hidden_only(model):
+    """Make GPTModel return the final-norm hidden states [s, b, h] instead of logits."""
+    m = unwrap(model)
+    saved = m.post_process
+    m.post_process = False      # GPTModel skips its output layer; the block still norms
+    try:
+        yield
+    finally:
+        m.post_process = saved
+
+
+def output_weight(model) -> torch.Tensor:
+    """This TP rank's vocab shard [V_pad/tp, h] of the output (or tied embedding) weight."""
+    m = unwrap(model)
+    if m.share_embeddings_and_output_weights:
+        return m.shared_embedding_or_output_weight()
+    return m.output_layer.weight
+
+
+def megatron_loss_scale(num_microbatches: int) -> float:
+    """Factor that undoes Megatron's scalings (module docstring): M * dp."""
+    from megatron.core import parallel_state as ps
+
+    return float(num_microbatches * ps.get_data_parallel_world_size())
+
+
+def _logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, *,
+                          temperature: float, vocab_size: int, compute_entropy: bool):
+    """hidden [s, b, h] (or its SP shard) + targets [b, s] -> logps, entropy [b, s] fp32."""
+    from megatron.core import parallel_state as ps
+
+    config = unwrap(model).config
+    b, s = targets.shape
+    logp, ent = vocab_parallel_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]), output_weight(model),
+        targets.t().reshape(-1),                                    # s-major like hidden
+        temperature=temperature, tp_group=ps.get_tensor_model_parallel_group(),
+        sequence_parallel=config.sequence_parallel, compute_entropy=compute_entropy,
+        vocab_size=vocab_size)
+    logp = logp.view(s, b).t()
+    ent = ent.view(s, b).t() if ent is not None else None
+    return logp, ent
+
+
+def _run_schedule(chunks, micro_batches: list[dict], forward_step, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    seq = max(mb["input_ids"].shape[1] for mb in micro_batches)
+    mbs = micro_batches[0]["input_ids"].shape[0]
+    if any(mb["input_ids"].shape[1] != seq for mb in micro_batches):
+        # The pipeline's p2p buffers are sized by seq_length; keep every micro-batch equal.
+        raise ValueError("all micro-batches of one schedule call must have the same length; "
+                         "collate them with a common pad length")
+    iters = ([iter(micro_batches) for _ in chunks] if len(chunks) > 1
+             else iter(micro_batches))
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iters, model=chunks,
+        num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs,
+        forward_only=forward_only)
+
+
+def is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+@torch.no_grad()
+def forward_logprobs(chunks, micro_batches: list[dict], *, temperature: float, vocab_size: int,
+                     compute_entropy: bool = False) -> Optional[list[dict]]:
+    """Per-token log-probs (and entropy) [b, s] of each micro-batch, forward only.
+
+    Returns the list on the last pipeline stage and None on the others.
+    """
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        with _hidden_only(model):
+            hidden = model(batch["input_ids"], batch["position_ids"], None)
+
+        def loss_fn(h):
+            logp, ent = _logprobs_from_hidden(model, h, batch["targets"], temperature=temperature,
+                                              vocab_size=vocab_size,
+                                              compute_entropy=compute_entropy)
+            zero = h.new_zeros(())
+            return zero, {"logps": logp, "entropy": ent}
+        return hidden, loss_fn
+
+    for c in chunks:
+        c.eval()
+    out = _run_schedule(chunks, micro_batches, forward_step, forward_only=True)
+    for c in chunks:
+        c.train()
+    return out if is_last_stage() else None
+
+
+def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
+                        normalizer: torch.Tensor, vocab_size: int) -> dict:
+    """Forward + backward of one optimizer step's micro-batches on this rank.
+
+    `normalizer` is the global denominator from `algorithms.loss_normalizer` (counts
+    all-reduced over DP beforehand). Returns metric partials of this rank (last stage;
+    empty elsewhere) and this rank's share of the step loss under "loss".
+    """
+    num_mb = len(micro_batches)
+    scale = megatron_loss_scale(num_mb)
+    need_entropy = opts.log_entropy or opts.top_entropy_quantile < 1.0
+    parts = []
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        with _hidden_only(model):
+            hidden = model(batch["input_ids"], batch["position_ids"], None)
+
+        def loss_fn(h):
+            logp, ent = _logprobs_from_hidden(model, h, batch["targets"],
+                                              temperature=opts.temperature,
+                                              vocab_size=vocab_size, compute_entropy=need_entropy)
+            out = compute_policy_loss(
+                logp, batch["advantages"], batch["completion_mask"],
+                old_logps=batch.get("old_logps"), loss_type=opts.loss_type,
+                epsilon=opts.epsilon, epsilon_high=opts.epsilon_high, delta=opts.delta,
+                importance_sampling_level=opts.importance_sampling_level, beta=opts.beta,
+                ref_logps=batch.get("ref_logps"), kl_estimator=opts.kl_estimator,
+                kl_in_reward=opts.kl_in_reward, entropy=ent,
+                top_entropy_quantile=opts.top_entropy_quantile,
+                truncated=batch["truncated"], overlong_filter=opts.overlong_filter,
+                rollout_logps=batch.get("rollout_logps"),
+                rollout_importance_sampling_mode=opts.rollout_importance_sampling_mode,
+                rollout_importance_sampling_threshold=opts.rollout_importance_sampling_threshold)
+            loss = local_loss(out.per_token_loss, out.loss_mask, opts.loss_type, normalizer)
+            p = policy_metric_partials(out, loss_type=opts.loss_type, epsilon=opts.epsilon,
+                                       epsilon_high=opts.epsilon_high,
+                                       entropy=ent if opts.log_entropy else None)
+            if batch.get("rollout_logps") is not None:
+                old = batch.get("old_logps")
+                old = logp.detach() if old is None else old
+                p = merge_partials(p, rollout_metric_partials(
+                    old, batch["rollout_logps"], batch["completion_mask"],
+                    rollout_importance_sampling_mode=opts.rollout_importance_sampling_mode,
+                    rollout_importance_sampling_threshold=opts.
+                    rollout_importance_sampling_threshold))
+            p["sum"]["loss"] = loss.detach().to(torch.float64)
+            parts.append(p)
+            return loss * scale, {"loss": loss.detach().clone()}
+        return hidden, loss_fn
+
+    _run_schedule(chunks, micro_batches, forward_step, forward_only=False)
+    return merge_partials(*parts) if parts else {"sum": {}, "min": {}, "max": {}}
+
+
+def reduce_partials(partials: dict, group=None) -> dict:
+    """All-reduce metric partials (SUM/MIN/MAX per op) over `group` (default: DP)."""
+    from megatron.core import parallel_state as ps
+
+    from ..algorithms import stack_partials, unstack_partials
+
+    group = group or ps.get_data_parallel_group()
+    stacked = stack_partials(partials)
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    for op, t in stacked.items():
+        if t.numel():
+            dist.all_reduce(t, op=ops[op], group=group)
+    return unstack_partials(stacked, partials)

@@ -1,0 +1,125 @@
+"""The GRPO step through Megatron: gradients independent of how the step is split.
+
+Holds megatron_grpo.train.engine to the normalisation contract (DESIGN.md): the
+gradient of one optimizer step is the gradient of the global loss `loss_type` defines,
+for DP=1 x 4 micro-batches, DP=2 x 2 micro-batches and one micro-batch alike; and a
+TP=2 model's gradients equal TP=1's.
+"""
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.mcore_utils import TINY_QWEN2, setup
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
+N_SAMPLES, VOCAB = 8, TINY_QWEN2["vocab_size"]
+
+
+def make_samples(seed=0):
+    """8 completions (2 prompts x 4) of different lengths with off-policy log-probs."""
+    from megatron_grpo.train import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(N_SAMPLES):
+        p = int(torch.randint(3, 7, (1,), generator=g))
+        c = int(torch.randint(2, 9, (1,), generator=g))
+        out.append(Sample(
+            prompt_ids=torch.randint(0, VOCAB, (p,), generator=g).tolist(),
+            completion_ids=torch.randint(0, VOCAB, (c,), generator=g).tolist(),
+            advantage=float(torch.randn((), generator=g)),
+            truncated=bool(i % 5 == 0),
+            # old/ref/rollout log-probs around the model's (about -log V = -6.9):
+            # far enough that clipping, KL and IS weights all act.
+            old_logps=(-6.9 + 0.3 * torch.randn(c, generator=g)),
+            ref_logps=(-6.9 + 0.3 * torch.randn(c, generator=g)),
+            rollout_logps=(-6.9 + 0.3 * torch.randn(c, generator=g)).tolist()))
+    return out
+
+
+def _grads(rank, world, loss_type, num_mb_per_rank, tp, parts, beta):
+    """Gradients of one step over the samples of `parts` (indices), split over ranks."""
+    from megatron_grpo.algorithms import count_partials, loss_normalizer
+    from megatron_grpo.model import wrap_ddp
+    from megatron_grpo.train import LossOptions, micro_batches, train_micro_batches
+    from megatron_grpo.train.batch import collate
+    from megatron.core import parallel_state as ps
+
+    config, args, chunks = setup(world, tp=tp)
+    chunks = wrap_ddp(config, chunks)
+    samples = make_samples()
+    step = [samples[i] for i in parts]
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = step[dp_rank::dp]
+    mbs = len(mine) // num_mb_per_rank
+    opts = LossOptions(loss_type=loss_type, beta=beta, epsilon_high=0.28,
+                       overlong_filter=True, rollout_importance_sampling_mode="token_truncate")
+    # Global counts: of the step, and (dapo/cispo) of the whole generation batch.
+    step_counts = count_partials(collate(step)["completion_mask"] & ~collate(step)["truncated"][:, None],
+                                 collate(step)["completion_mask"])
+    gen = collate(samples)
+    gen_counts = count_partials(gen["completion_mask"], gen["completion_mask"])
+    norm = loss_normalizer(loss_type, step_counts, generation_counts=gen_counts,
+                           max_completion_length=8)
+    for c in chunks:
+        c.zero_grad_buffer()
+    batches = micro_batches(mine, mbs, pad_to_length=16)
+    parts_out = train_micro_batches(chunks, batches, opts, normalizer=norm, vocab_size=VOCAB)
+    grads = {}
+    for name, p in chunks[0].module.named_parameters():
+        g = p.main_grad.detach().clone()
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            pieces = [torch.empty_like(g) for _ in range(tp)]
+            torch.distributed.all_gather(pieces, g, group=ps.get_tensor_model_parallel_group())
+            if name.endswith("linear_fc1.weight"):   # [gate_r; up_r] per rank -> [gate; up]
+                halves = [x.chunk(2, dim=0) for x in pieces]
+                g = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            else:
+                g = torch.cat(pieces, dim=p.partition_dim)
+        grads[name] = g
+    return grads, parts_out["sum"].get("loss")
+
+
+def _compare(a, b, rtol=2e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        ref = b[k].double()
+        diff = (a[k].double() - ref).norm() / ref.norm().clamp(min=1e-12)
+        assert diff < rtol, f"{k}: relative difference {diff:.2e}"
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_step_gradient_independent_of_split(loss_type):
+    everything = list(range(N_SAMPLES))
+    ref, _ = run_distributed(_grads, 1, args=(loss_type, 1, 1, everything, 0.04))[0]
+    mb4, _ = run_distributed(_grads, 1, args=(loss_type, 4, 1, everything, 0.04))[0]
+    dp2 = run_distributed(_grads, 2, args=(loss_type, 2, 1, everything, 0.04))
+    _compare(mb4, ref)
+    _compare(dp2[0][0], ref)
+    _compare(dp2[1][0], ref)
+    assert any(g.abs().sum() > 0 for g in ref.values())
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_steps_per_generation(loss_type):
+    """Two optimizer steps of half a generation batch each, against one step over all.
+
+    dapo normalises by the generation batch's tokens, so the two half-step gradients
+    add up to the full-batch gradient; grpo averages over each step's own completions
+    (4 instead of 8), so the two half-step gradients add up to twice the full one.
+    """
+    everything = list(range(N_SAMPLES))
+    full, _ = run_distributed(_grads, 1, args=(loss_type, 1, 1, everything, 0.0))[0]
+    h1, _ = run_distributed(_grads, 1, args=(loss_type, 2, 1, everything[:4], 0.0))[0]
+    h2, _ = run_distributed(_grads, 1, args=(loss_type, 2, 1, everything[4:], 0.0))[0]
+    total = {k: h1[k] + h2[k] for k in h1}
+    factor = 1.0 if loss_type == "dapo" else 2.0
+    _compare(total, {k: factor * v for k, v in full.items()})
+
+
+def test_tp2_gradients_equal_tp1():
+    everything = list(range(N_SAMPLES))
+    ref, ref_loss = run_distributed(_grads, 1, args=("dapo", 2, 1, everything, 0.04))[0]
+    tp2 = run_distributed(_grads, 2, args=("dapo", 2, 2, everything, 0.04), timeout=240)
+    _compare(tp2[0][0], ref, rtol=1e-4)
+    assert tp2[0][1].item() == pytest.approx(ref_loss.item(), rel=1e-5)
