@@ -1,10 +1,14 @@
 """The CPU quickstart behind `bash scripts/quickstart.sh`.
 
-Until the GRPO trainer lands (issue 6) it runs a smoke job that exercises the real
-stack end to end on this machine: it builds a tiny Qwen2 checkpoint, runs a TP=2
-Megatron-Core forward on 2 gloo processes, and samples from the same checkpoint
-with vLLM. When `megatron_grpo.trainer` exists it runs the GRPO quickstart config
-instead; the command stays the same.
+Builds a tiny Qwen2 checkpoint (random weights, locally trained tokenizer), then runs
+`NPROC_PER_NODE=2 megatron rlhf --config configs/quickstart_cpu.yaml`: GRPO with a
+TP=2 Megatron-Core model and a colocated vLLM engine on 2 CPU processes, rewarding
+digits in the completions (examples/plugins/digits_reward.py). It ends by printing
+the reward of the first and last steps; the run's folder holds metrics.jsonl,
+completions.jsonl, reward_curve.png, checkpoints and the final HF model.
+
+`--smoke` (and any checkout without the trainer) runs the earlier smoke job instead:
+a TP=2 Megatron forward on 2 gloo processes and a vLLM generate.
 """
 from __future__ import annotations
 
@@ -66,15 +70,22 @@ def vllm_generate(model_dir: str) -> None:
           flush=True)
 
 
-def smoke(out_dir: str) -> None:
+def build_tiny(out_dir: str) -> str:
     from tools.make_tiny_model import make_tiny_model
 
-    t0 = time.time()
     model_dir = os.path.join(out_dir, "tiny-qwen2")
-    step(f"building a tiny Qwen2 checkpoint in {model_dir}")
+    step(f"building a tiny Qwen2 checkpoint (random weights, local tokenizer) in {model_dir}")
+    # hidden 128 / 4 heads: vLLM's CPU attention needs head_dim >= 32.
     make_tiny_model(model_dir, family="qwen2", num_layers=2, hidden_size=128,
                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
                     vocab_size=999)
+    return model_dir
+
+
+def smoke(out_dir: str) -> None:
+
+    t0 = time.time()
+    model_dir = build_tiny(out_dir)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     step("Megatron-Core TP=2 forward on 2 CPU processes (gloo)")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -89,6 +100,7 @@ def smoke(out_dir: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--output_dir", default=os.path.join(ROOT, "runs", "quickstart"))
+    p.add_argument("--smoke", action="store_true", help="run the smoke job instead of GRPO")
     p.add_argument("--_forward", help=argparse.SUPPRESS)
     p.add_argument("--_generate", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -98,14 +110,36 @@ def main() -> None:
         return vllm_generate(a._generate)
     import importlib.util
 
-    if importlib.util.find_spec("megatron_grpo.trainer") is None:
-        step("the GRPO trainer is not there yet: running the smoke job")
+    if a.smoke or importlib.util.find_spec("megatron_grpo.trainer") is None:
         return smoke(a.output_dir)
+    model_dir = build_tiny(a.output_dir)
     cfg = os.path.join(ROOT, "configs", "quickstart_cpu.yaml")
-    step(f"GRPO quickstart: NPROC_PER_NODE=2 megatron rlhf --config {cfg}")
+    out = os.path.join(a.output_dir, "grpo")
+    if os.path.isdir(out):   # a demo starts fresh (megatron rlhf itself would resume)
+        import shutil
+
+        shutil.rmtree(out)
+    step(f"GRPO on 2 CPU processes: NPROC_PER_NODE=2 megatron rlhf --config {cfg}")
     env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
-    sys.exit(subprocess.call([sys.executable, "-m", "megatron_grpo.cli", "rlhf", "--config", cfg,
-                              "--output_dir", a.output_dir], env=env))
+    t0 = time.time()
+    rc = subprocess.call([sys.executable, "-m", "megatron_grpo.cli", "rlhf", "--config", cfg,
+                          "--model", model_dir, "--output_dir", out], env=env, cwd=ROOT)
+    if rc != 0:
+        sys.exit(rc)
+    report(out, time.time() - t0)
+
+
+def report(out_dir: str, seconds: float) -> None:
+    """Print the reward at the start and the end of the run: the quickstart's bar."""
+    import json
+
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    first = sum(r["reward"] for r in rows[:5]) / len(rows[:5])
+    last = sum(r["reward"] for r in rows[-5:]) / len(rows[-5:])
+    step(f"{len(rows)} steps in {seconds:.0f} s; mean reward of the first 5 steps {first:.4f}, "
+         f"of the last 5 {last:.4f} ({last / max(first, 1e-9):.1f}x)")
+    step(f"metrics: {out_dir}/metrics.jsonl, curve: {out_dir}/reward_curve.png, "
+         f"final model: {out_dir}/final_hf")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ it through Megatron's copy/gather-to-TP-region mappings, or the gradient is redu
 Precision: fp32 throughout (tiles, statistics, hidden-gradient accumulation and its TP
 reduction); the returned hidden gradient has the hidden's dtype, the weight gradient the
 weight's dtype. Targets must be valid ids of the padded vocab (not checked: that would need a
-device sync); padded vocab rows take part in the softmax, as in Megatron's cross entropy.
+device sync); padded vocab rows take part in the softmax, as in Megatron's cross entropy,
+unless `vocab_size` says where the real vocab ends (then they are left out).
 """
 from __future__ import annotations
 
@@ -82,6 +83,23 @@ def _tile_targets(tgt_local: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
     return torch.where((col >= 0) & (col < v1 - v0), col, torch.full_like(col, -1))
 
 
+def _tile(ws: dict, name: str, rows: int, cols: int, device) -> torch.Tensor:
+    """A contiguous fp32 [rows, cols] view of a flat buffer kept in `ws` for the whole call.
+    Reusing one buffer per role (the first tile is the largest) keeps the footprint at a few
+    tiles and spares the allocator a malloc/free of a tile-sized block per tile."""
+    buf = ws.get(name)
+    if buf is None or buf.numel() < rows * cols:
+        buf = ws[name] = torch.empty(rows * cols, dtype=torch.float32, device=device)
+    return buf[:rows * cols].view(rows, cols)
+
+
+def _weight_f32(weight: torch.Tensor, v0: int, v1: int, ws: dict) -> torch.Tensor:
+    """Rows [v0, v1) of the weight in fp32: a view when fp32, else a copy into a buffer."""
+    if weight.dtype == torch.float32:
+        return weight[v0:v1]
+    return _tile(ws, "w", v1 - v0, weight.shape[1], weight.device).copy_(weight[v0:v1])
+
+
 def _forward_stats(h32, weight, inv_temp, tgt_local, ct, cv, ops, compute_entropy):
     """Per-token running (m, s, a, target logit) over this rank's vocab shard.
     h32: [T, H] fp32; weight: [Vl, H]."""
@@ -90,16 +108,26 @@ def _forward_stats(h32, weight, inv_temp, tgt_local, ct, cv, ops, compute_entrop
     s = torch.zeros(T, dtype=torch.float32, device=h32.device)
     a = torch.zeros_like(s)
     zt = torch.zeros_like(s)
+    ws: dict = {}
     for v0 in range(0, Vl, cv):
         v1 = min(v0 + cv, Vl)
-        # The temperature goes into the small weight chunk, not into a [T, H] copy of hidden.
-        w = weight[v0:v1].to(torch.float32) * inv_temp                     # [cv, H]
+        w = _weight_f32(weight, v0, v1, ws)                                # [cv, H]
         for t0 in range(0, T, ct):
             t1 = min(t0 + ct, T)
-            z = torch.mm(h32[t0:t1], w.t())                                # [ct, cv]
+            z = _tile(ws, "z", t1 - t0, v1 - v0, h32.device)               # [ct, cv]
+            # z = h @ w^T / temperature; beta=0: the buffer's old contents are not read.
+            torch.addmm(z, h32[t0:t1], w.t(), beta=0, alpha=inv_temp, out=z)
             ops.forward_update(z, _tile_targets(tgt_local[t0:t1], v0, v1),
-                               m[t0:t1], s[t0:t1], a[t0:t1], zt[t0:t1], compute_entropy)
+                               m[t0:t1], s[t0:t1], a[t0:t1], zt[t0:t1], compute_entropy,
+                               _tile(ws, "scratch", t1 - t0, v1 - v0, h32.device))
     return m, s, a, zt
+
+
+def _valid_rows(vocab_size: Optional[int], rank: int, shard_rows: int) -> int:
+    """How many rows of this rank's shard are real vocab entries (the rest is padding)."""
+    if vocab_size is None:
+        return shard_rows
+    return max(0, min(shard_rows, vocab_size - rank * shard_rows))
 
 
 def _combine_stats(m, s, a, zt, group, tp):
@@ -110,7 +138,10 @@ def _combine_stats(m, s, a, zt, group, tp):
         m = ms.amax(dim=0)                                                 # [T]
         w = torch.exp(ms - m)                                              # [tp, T]
         s = (w * ss).sum(dim=0)
-        a = (w * (as_ + (ms - m) * ss)).sum(dim=0)   # shift each rank's a to the global max
+        # Shift each rank's a to the global max; a rank whose shard is all padding has
+        # m = -inf and s = 0, and (-inf) * 0 would be NaN, so it contributes 0 explicitly.
+        shift = torch.where(ss > 0, (ms - m) * ss, torch.zeros_like(ss))
+        a = (w * (as_ + shift)).sum(dim=0)
         zt = zts.sum(dim=0)                          # only the owning rank's entry is non-zero
     log_s = torch.log(s)
     lse = m + log_s
@@ -124,14 +155,17 @@ class _VocabParallelLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, group, tp, sequence_parallel,
-                ct, cv, compute_entropy, ops):
+                ct, cv, compute_entropy, ops, vocab_size):
         rank = _comm.group_rank(group) if tp > 1 else 0
         # [T, H]: the full sequence; with SP every rank gathers the shards (rank order).
         h = _comm.all_gather_rows(hidden, group, tp) if sequence_parallel and tp > 1 else hidden
         inv_temp = 1.0 / temperature
         h32 = h.to(torch.float32)                              # [T, H]; no copy when fp32
         tgt_local = targets.to(torch.long) - rank * weight.shape[0]        # [T]
-        m, s, a, zt = _forward_stats(h32, weight, inv_temp, tgt_local, ct, cv, ops,
+        # Rows of this shard past the real vocab (Megatron's TP padding) are left out of
+        # the softmax altogether: they are not tokens of the model.
+        valid = _valid_rows(vocab_size, rank, weight.shape[0])
+        m, s, a, zt = _forward_stats(h32, weight[:valid], inv_temp, tgt_local, ct, cv, ops,
                                      compute_entropy)
         del h, h32
         lse, logp, ent = _combine_stats(m, s, a, zt, group, tp)
@@ -142,7 +176,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, tgt_local, lse, ent)
         ctx.group, ctx.tp, ctx.sequence_parallel = group, tp, sequence_parallel
         ctx.inv_temp, ctx.ct, ctx.cv, ctx.ops = inv_temp, ct, cv, ops
-        ctx.compute_entropy = compute_entropy
+        ctx.compute_entropy, ctx.valid = compute_entropy, valid
         ctx.set_materialize_grads(False)   # an unused output arrives as None: skip its terms
         return logp, ent
 
@@ -150,7 +184,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         hidden, weight, tgt_local, lse, ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none_rest = (None,) * 9
+        none_rest = (None,) * 10
         if not ctx.compute_entropy:
             g_ent = None
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
@@ -164,35 +198,37 @@ class _VocabParallelLogprob(torch.autograd.Function):
         h32 = h.to(torch.float32)                              # [T, H]; no copy when fp32
         del h
         T, H = h32.shape
-        Vl = weight.shape[0]
+        Vl = ctx.valid                    # padded vocab rows get a zero gradient
         grad_h32 = torch.zeros_like(h32) if need_h else None               # [T, H] fp32
-        grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) \
-            if need_w else None                                            # [Vl, H]
+        grad_w = None
+        if need_w:                                                         # [V/tp, H]
+            grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            grad_w[Vl:].zero_()
+        inv_temp, ws = ctx.inv_temp, {}
         for v0 in range(0, Vl, cv):
             v1 = min(v0 + cv, Vl)
-            w = weight[v0:v1].to(torch.float32) * ctx.inv_temp             # [cv, H]
+            w = _weight_f32(weight, v0, v1, ws)                            # [cv, H]
             if need_w:   # fp32 accumulator for this vocab chunk; the output itself when fp32
                 gw = grad_w[v0:v1] if grad_w.dtype == torch.float32 else \
-                    torch.empty((v1 - v0, H), dtype=torch.float32, device=weight.device)
+                    _tile(ws, "gw", v1 - v0, H, weight.device)
             for t0 in range(0, T, ct):
                 t1 = min(t0 + ct, T)
-                z = torch.mm(h32[t0:t1], w.t())                            # [ct, cv]
+                z = _tile(ws, "z", t1 - t0, v1 - v0, h32.device)           # [ct, cv]
+                torch.addmm(z, h32[t0:t1], w.t(), beta=0, alpha=inv_temp, out=z)
                 dz = ops.backward_grad(
                     z, _tile_targets(tgt_local[t0:t1], v0, v1), lse[t0:t1],
                     ent[t0:t1] if g_ent is not None else None,
                     None if g_lp is None else g_lp[t0:t1],
-                    None if g_ent is None else g_ent[t0:t1])               # dL/dz [ct, cv]
-                if need_h:   # dz/dh = W / temperature = w
-                    grad_h32[t0:t1].addmm_(dz, w)
-                if need_w:   # dz/dW = h / temperature: the 1/temperature is applied below
-                    if t0 == 0:
-                        torch.mm(dz.t(), h32[t0:t1], out=gw)
-                    else:
-                        gw.addmm_(dz.t(), h32[t0:t1])
-            if need_w:
-                gw.mul_(ctx.inv_temp)
-                if gw.data_ptr() != grad_w[v0:v1].data_ptr():
-                    grad_w[v0:v1].copy_(gw)
+                    None if g_ent is None else g_ent[t0:t1],
+                    _tile(ws, "scratch", t1 - t0, v1 - v0, h32.device))   # dL/dz [ct, cv]
+                # z = h @ W^T / temperature: dz/dh = W / temperature, dz/dW = h / temperature.
+                if need_h:
+                    grad_h32[t0:t1].addmm_(dz, w, alpha=inv_temp)
+                if need_w:
+                    torch.addmm(gw, dz.t(), h32[t0:t1], beta=0 if t0 == 0 else 1,
+                                alpha=inv_temp, out=gw)
+            if need_w and gw.data_ptr() != grad_w[v0:v1].data_ptr():
+                grad_w[v0:v1].copy_(gw)
         del h32
 
         grad_hidden = None
@@ -211,7 +247,7 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor,
                             chunk_size_tokens: int = DEFAULT_CHUNK_TOKENS,
                             chunk_size_vocab: int = DEFAULT_CHUNK_VOCAB,
                             compute_entropy: bool = True, sequence_parallel: bool = False,
-                            backend: str = "auto"
+                            backend: str = "auto", vocab_size: Optional[int] = None
                             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of `targets` and entropy of softmax(hidden @ W^T / temperature), fused.
 
@@ -226,6 +262,10 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor,
         compute_entropy: also return the entropy (and accept its gradient).
         sequence_parallel: `hidden` is the sequence-parallel shard (Megatron's SP layout).
         backend: "auto" (Triton on CUDA when importable, else torch), "torch" or "triton".
+        vocab_size: the real vocab size when the weight's rows are padded for TP (Megatron
+            pads to a multiple of 128 * tp): rows >= vocab_size are excluded from the
+            softmax and get zero gradient, so log-probs match the unpadded HF model.
+            None: every row is a token.
 
     Returns:
         (logp, entropy): fp32 `[T]` each, identical on every TP rank; entropy is None when
@@ -256,5 +296,5 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor,
     ops = _resolve_backend(backend, hidden.device)
     logp, ent = _VocabParallelLogprob.apply(
         hidden, weight_shard, targets, float(temperature), tp_group, tp, bool(sequence_parallel),
-        chunk_size_tokens, chunk_size_vocab, bool(compute_entropy), ops)
+        chunk_size_tokens, chunk_size_vocab, bool(compute_entropy), ops, vocab_size)
     return logp, (ent if compute_entropy else None)

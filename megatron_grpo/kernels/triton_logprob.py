@@ -103,8 +103,9 @@ class TritonChunkOps:
 
     @staticmethod
     def forward_update(z: torch.Tensor, tgt: torch.Tensor, m: torch.Tensor, s: torch.Tensor,
-                       a: torch.Tensor, zt: torch.Tensor, compute_entropy: bool) -> None:
-        # z: [ct, cv] fp32 with unit column stride (torch.mm output); [ct] vectors contiguous.
+                       a: torch.Tensor, zt: torch.Tensor, compute_entropy: bool,
+                       scratch: torch.Tensor) -> None:
+        # z: [ct, cv] fp32, contiguous; [ct] vectors contiguous; scratch is not needed.
         ct, cv = z.shape
         _fwd_stats_kernel[(ct,)](z, z.stride(0), tgt.contiguous(), m, s, a, zt, cv,
                                  COMPUTE_ENTROPY=bool(compute_entropy), BLOCK=_BLOCK_FWD)
@@ -112,8 +113,8 @@ class TritonChunkOps:
     @staticmethod
     def backward_grad(z: torch.Tensor, tgt: torch.Tensor, lse: torch.Tensor,
                       ent: Optional[torch.Tensor], g_lp: Optional[torch.Tensor],
-                      g_ent: Optional[torch.Tensor]) -> torch.Tensor:
-        ct, cv = z.shape
+                      g_ent: Optional[torch.Tensor], scratch: torch.Tensor) -> torch.Tensor:
+        ct, cv = z.shape   # dL/dz is written over z; scratch is not needed
         # Unused pointers get any valid tensor; the constexpr flags compile their loads out.
         _bwd_grad_kernel[(ct, triton.cdiv(cv, _BLOCK_BWD))](
             z, z.stride(0), tgt.contiguous(), lse,

@@ -1,0 +1,103 @@
+"""Run outputs on the main rank: metrics.jsonl, completions.jsonl, a progress bar,
+tensorboard (when asked) and, at the end, a reward-curve PNG."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+
+def _clean(value):
+    value = float(value)
+    return value if math.isfinite(value) else None     # JSON has no NaN
+
+
+class RunLogger:
+    def __init__(self, output_dir: str, total_steps: int, *, report_to=(), logging_steps=1,
+                 log_completions=False, enabled=True, start_step=0):
+        self.enabled = enabled
+        self.output_dir = output_dir
+        self.logging_steps = max(1, logging_steps)
+        self.log_completions = log_completions
+        self.tb = None
+        self.bar = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.completions_path = os.path.join(output_dir, "completions.jsonl")
+        if "tensorboard" in (report_to or ()):
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(output_dir, "runs"))
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step",
+                        dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and v is not None:
+                    self.tb.add_scalar(k, v, step)
+        self.bar.update(1)
+        if step % self.logging_steps == 0:
+            short = {k: row.get(k) for k in ("reward", "loss", "kl", "grad_norm",
+                                             "completions/mean_length") if row.get(k) is not None}
+            self.bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in short.items()})
+            self.bar.write(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in short.items()))
+
+    def completions(self, step: int, prompts, texts, rewards, reward_names, extra=None) -> None:
+        if not (self.enabled and self.log_completions):
+            return
+        with open(self.completions_path, "a") as f:
+            for i, (p, c) in enumerate(zip(prompts, texts)):
+                row = {"step": step, "prompt": p, "completion": c}
+                row.update({name: _clean(rewards[i][j]) for j, name in enumerate(reward_names)})
+                if extra:
+                    row.update({k: v[i] for k, v in extra.items()})
+                f.write(json.dumps(row) + "\n")
+
+    def close(self) -> Optional[str]:
+        """Close the bar and writers; plot reward (and loss) per step. Returns the PNG path."""
+        if not self.enabled:
+            return None
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        return plot_metrics(self.metrics_path, os.path.join(self.output_dir, "reward_curve.png"))
+
+
+def plot_metrics(metrics_path: str, png_path: str, keys=("reward", "loss", "kl",
+                                                         "completions/mean_length")):
+    if not os.path.isfile(metrics_path):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
+    keys = [k for k in keys if any(r.get(k) is not None for r in rows)]
+    if not keys:
+        return None
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True)
+    axes = [axes] if len(keys) == 1 else axes
+    for ax, k in zip(axes, keys):
+        pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", lw=1)
+        ax.set_ylabel(k)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("optimizer step")
+    axes[0].set_title("GRPO training")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path

@@ -1,0 +1,147 @@
+"""Building a run from its config, in order (STYLE.md: builders, one role each).
+
+    dims = build_parallel(cfg)                       # torch.distributed + Megatron groups
+    model = build_policy(cfg)                        # chunks (DDP), optimizer, scheduler
+    ref = build_reference(cfg, model) if beta > 0    # frozen chunks, same layout
+    engine = build_sampler(cfg)                      # colocated vLLM or a server client
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Policy:
+    config: Any          # TransformerConfig
+    args: Any            # ModelArgs
+    chunks: list         # DDP-wrapped GPTModel chunks of this rank
+    optimizer: Any
+    scheduler: Any
+
+
+def build_parallel(cfg):
+    import torch.distributed as dist
+
+    from ..platform import ParallelDims, init_parallel, init_process_group
+
+    init_process_group()
+    p = cfg.parallel
+    dims = ParallelDims(world_size=dist.get_world_size(), tp=p.tensor_model_parallel_size,
+                        pp=p.pipeline_model_parallel_size,
+                        vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size)
+    init_parallel(dims, seed=cfg.training.seed)
+    return dims
+
+
+def _dtype(cfg) -> str:
+    if cfg.training.bf16:
+        return "bfloat16"
+    return "float32"
+
+
+def build_chunks(cfg, load_weights: bool = True):
+    """Megatron chunks of this rank with the HF weights loaded by the bridge."""
+    from bridge import load_hf_weights
+
+    from ..model import build_model, build_transformer_config
+
+    p = cfg.parallel
+    config, args = build_transformer_config(
+        cfg.model.model, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+        vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
+        sequence_parallel=p.sequence_parallel, dtype=_dtype(cfg))
+    chunks = build_model(config, args)
+    if load_weights:
+        load_hf_weights(chunks, config, args, cfg.model.model)
+    return config, args, chunks
+
+
+def total_steps(cfg, num_prompts: int) -> int:
+    """Optimizer steps of the run: train_iters, or num_train_epochs over the prompts."""
+    g = cfg.grpo
+    if cfg.training.train_iters:
+        return int(cfg.training.train_iters)
+    prompts_per_generation = g.generation_batch_size // g.num_generations
+    generations = max(1, int(num_prompts * cfg.training.num_train_epochs
+                             // prompts_per_generation))
+    return generations * g.steps_per_generation
+
+
+def build_policy(cfg, steps: int) -> Policy:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from ..model import wrap_ddp
+
+    t = cfg.training
+    config, args, chunks = build_chunks(cfg)
+    chunks = wrap_ddp(config, chunks,
+                      use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer), chunks)
+    warmup = t.lr_warmup_iters or int(round((t.warmup_ratio or 0.0) * steps))
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=max(t.lr_decay_iters or steps, warmup + 1),
+        lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
+        wd_incr_steps=max(steps, 1), wd_incr_style="constant")
+    return Policy(config, args, chunks, optimizer, scheduler)
+
+
+def build_reference(cfg) -> list:
+    """Frozen reference chunks (beta > 0): the initial HF weights, eval mode, no grads."""
+    _, _, chunks = build_chunks(cfg)
+    for c in chunks:
+        c.eval()
+        for p in c.parameters():
+            p.requires_grad_(False)
+    return chunks
+
+
+def build_sampler(cfg):
+    """The vLLM side: a colocated engine in this rank, or a client of `megatron rollout`."""
+    r, g = cfg.rollout, cfg.grpo
+    if r.vllm_mode == "server":
+        from ..rollout.client import RolloutClient
+
+        host = (r.vllm_server_host or ["127.0.0.1"])[0]
+        port = (r.vllm_server_port or [8000])[0]
+        base = (r.vllm_server_base_url or [None])[0]
+        client = RolloutClient(vllm_server_host=host, vllm_server_port=port,
+                               vllm_server_base_url=base,
+                               vllm_server_timeout=r.vllm_server_timeout,
+                               temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                               max_completion_length=g.max_completion_length,
+                               num_generations=g.num_generations, seed=cfg.training.seed)
+        client.wait_until_ready()
+        return client
+    from ..rollout.colocate import ColocateEngine
+
+    return ColocateEngine(
+        cfg.model.model, vllm_tensor_parallel_size=r.vllm_tensor_parallel_size,
+        vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        vllm_max_model_len=r.vllm_max_model_len, vllm_enforce_eager=r.vllm_enforce_eager,
+        vllm_enable_prefix_caching=r.vllm_enable_prefix_caching,
+        vllm_max_num_seqs=r.vllm_max_num_seqs, vllm_engine_kwargs=r.vllm_engine_kwargs,
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        repetition_penalty=r.repetition_penalty, max_completion_length=g.max_completion_length,
+        num_generations=g.num_generations, seed=cfg.training.seed,
+        dtype="bfloat16" if cfg.training.bf16 else "float32", sleep_level=r.sleep_level)
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
+    os.environ.setdefault("PYTHONHASHSEED", str(seed))

@@ -1,0 +1,274 @@
+"""The GRPO loop (DESIGN.md "One training step"):
+
+    generate -> score -> advantages -> old/ref log-probs -> train -> sync -> log/save
+
+Every rank holds the whole generation batch (train/rollout_step.py); data-parallel
+rank d trains on every dp-th completion of each optimizer step. Megatron-specific
+scaling lives in train/engine.py; the math in algorithms/.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .algorithms import count_partials, finalize_metrics, loss_normalizer, merge_partials
+from .train import LossOptions, forward_logprobs, micro_batches, reduce_partials
+from .train.batch import collate, split_completion_values
+from .train.engine import is_last_stage, train_micro_batches
+from .train.logger import RunLogger
+from .train.rollout_step import _all_gather_objects, generate_and_score
+from .train.setup import (build_parallel, build_policy, build_reference, build_sampler,
+                          seed_everything, total_steps)
+
+
+def _loss_options(cfg) -> LossOptions:
+    g, r = cfg.grpo, cfg.rollout
+    return LossOptions(
+        loss_type=g.loss_type, epsilon=g.epsilon, epsilon_high=g.epsilon_high, delta=g.delta,
+        importance_sampling_level=g.importance_sampling_level, beta=g.beta,
+        kl_estimator=g.kl_estimator, kl_in_reward=bool(g.kl_in_reward),
+        top_entropy_quantile=g.top_entropy_quantile, overlong_filter=g.overlong_filter,
+        rollout_importance_sampling_mode=g.rollout_importance_sampling_mode,
+        rollout_importance_sampling_threshold=g.rollout_importance_sampling_threshold,
+        temperature=r.temperature, log_entropy=g.log_entropy)
+
+
+def _check_supported(cfg) -> None:
+    g = cfg.grpo
+    if g.kl_in_reward and g.beta:
+        raise ValueError("--kl_in_reward true is not implemented by the trainer yet; use "
+                         "--kl_in_reward false (KL in the loss) or --beta 0")
+    if g.dynamic_sample:
+        raise ValueError("--dynamic_sample true is not implemented by the trainer yet")
+    if cfg.parallel.context_parallel_size > 1:
+        raise ValueError("--context_parallel_size > 1 is not wired into the trainer yet")
+
+
+def _per_token(chunks, batches, samples, field, temperature, vocab_size):
+    """Fill samples' `field` with per-token log-probs (last pipeline stage only)."""
+    outs = forward_logprobs(chunks, batches, temperature=temperature, vocab_size=vocab_size)
+    if outs is None:
+        return
+    mbs = len(samples) // len(batches)
+    for b, (batch, out) in enumerate(zip(batches, outs)):
+        for i, values in enumerate(split_completion_values(out["logps"], batch)):
+            setattr(samples[b * mbs + i], field, values)
+
+
+def sync_weights(policy, engine, cfg, is_server: bool) -> dict:
+    """Stream the policy's HF weights into vLLM (every rank iterates: the export is
+    collective); optionally prove vLLM holds them."""
+    from bridge import export_hf_weights
+
+    from .rollout.verify import StreamFingerprints, check_weight_sync
+    from .rollout.weights import load_weight_stream
+
+    r = cfg.rollout
+    total = sum(p.numel() * p.element_size() for c in policy.chunks for p in c.parameters())
+    total = torch.tensor(float(total))
+    dist.all_reduce(total)   # an upper bound of the HF model's bytes (TP/PP shards summed)
+    bucket = int(total.item() // r.move_model_batches) + 1 if r.move_model_batches else 512 << 20
+    stream = export_hf_weights(policy.chunks, policy.config, policy.args,
+                               bucket_size_bytes=bucket, offload_bridge=r.offload_bridge)
+    expected = StreamFingerprints() if r.check_weight_sync else None
+    if expected is not None:
+        stream = expected.watch(stream)
+    if is_server and dist.get_rank() != 0:
+        for _ in stream:          # take part in the collectives; rank 0 does the upload
+            pass
+        info = {}
+    else:
+        info = load_weight_stream(engine, stream)
+        if expected is not None:
+            check_weight_sync(engine, expected.result)
+    dist.barrier()
+    return info
+
+
+def train(cfg) -> None:
+    from transformers import AutoTokenizer
+
+    from .data import PromptSampler, load_prompt_dataset, render_prompt
+    from .rewards import build_reward_funcs, load_plugins
+
+    _check_supported(cfg)
+    g, t = cfg.grpo, cfg.training
+    build_parallel(cfg)
+    rank = dist.get_rank()
+    seed_everything(t.seed, rank)
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dataset = load_prompt_dataset(cfg.data.dataset, seed=t.seed, system=cfg.data.system,
+                                  columns=cfg.data.columns)
+    sampler = PromptSampler(len(dataset), g.generation_batch_size // g.num_generations,
+                            seed=t.seed, shuffle=cfg.data.dataset_shuffle)
+    steps = total_steps(cfg, len(dataset))
+    policy = build_policy(cfg, steps)
+    opts = _loss_options(cfg)
+    ref = build_reference(cfg) if g.beta != 0.0 else None
+    load_plugins(cfg.reward.external_plugins or [])
+    reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
+    reward_names = list(cfg.reward.reward_funcs)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.model)
+    out_dir = cfg.logging.output_dir
+    from . import checkpoint as ckpt
+
+    step = 0
+    resume_from = _resume_path(cfg.logging.resume, out_dir)
+    if resume_from:
+        state = ckpt.load_checkpoint(resume_from, policy.chunks, policy.optimizer,
+                                     policy.scheduler)
+        step = int(state["step"])
+        sampler.load_state_dict(state["sampler"])
+    is_server = cfg.rollout.vllm_mode == "server"
+    engine = build_sampler(cfg)
+    if step > 0 or is_server:   # vLLM must hold the (resumed) policy, not the HF start
+        sync_weights(policy, engine, cfg, is_server)
+    logger = RunLogger(out_dir, steps, report_to=cfg.logging.report_to,
+                       logging_steps=cfg.logging.logging_steps,
+                       log_completions=cfg.logging.log_completions, enabled=rank == 0,
+                       start_step=step)
+    vocab = policy.args.vocab_size
+    per_step = g.generation_batch_size // g.steps_per_generation    # = global_batch_size
+    mbs = t.micro_batch_size
+    need_old = g.steps_per_generation > 1 or g.num_iterations > 1
+    while step < steps:
+        # 1-4: rollouts for the next steps_per_generation optimizer steps.
+        gen = generate_and_score(
+            engine=engine, tokenizer=tokenizer, dataset=dataset,
+            prompt_indices=sampler.next_batch(), reward_funcs=reward_funcs,
+            reward_names=reward_names, num_generations=g.num_generations,
+            max_prompt_length=cfg.data.max_length, reward_weights=cfg.reward.reward_weights,
+            advantage_estimator=g.advantage_estimator, scale_rewards=g.scale_rewards,
+            render=render_prompt)
+        samples = gen.samples
+        steps_data = [samples[k * per_step:(k + 1) * per_step] for k in range(g.steps_per_generation)]
+        mine = [sl[dp_rank::dp] for sl in steps_data]
+        pad = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
+        # 5: old (off-policy) and reference log-probs, before any update of this batch.
+        t0 = time.perf_counter()
+        for part in mine:
+            batches = micro_batches(part, mbs, pad_to_length=pad)
+            if need_old:
+                _per_token(policy.chunks, batches, part, "old_logps", opts.temperature, vocab)
+            if ref is not None:
+                _per_token(ref, batches, part, "ref_logps", opts.temperature, vocab)
+        t_logprobs = time.perf_counter() - t0
+        gen_mask = collate(samples)["completion_mask"]
+        gen_counts = count_partials(gen_mask, gen_mask)
+        # 6: optimizer steps.
+        for _ in range(g.num_iterations):
+            for k in range(g.steps_per_generation):
+                if step >= steps:
+                    break
+                t0 = time.perf_counter()
+                full = collate(steps_data[k])
+                loss_mask = full["completion_mask"] & ~(full["truncated"][:, None]
+                                                        if g.overlong_filter else False)
+                norm = loss_normalizer(g.loss_type, count_partials(loss_mask,
+                                                                   full["completion_mask"]),
+                                       generation_counts=gen_counts,
+                                       max_completion_length=g.max_completion_length)
+                for c in policy.chunks:
+                    c.zero_grad_buffer()
+                policy.optimizer.zero_grad()
+                parts = train_micro_batches(policy.chunks, micro_batches(mine[k], mbs,
+                                                                         pad_to_length=pad),
+                                            opts, normalizer=norm, vocab_size=vocab)
+                ok, grad_norm, _ = policy.optimizer.step()
+                policy.scheduler.step(increment=1)
+                step += 1
+                metrics = _step_metrics(parts, gen, grad_norm, policy, k)
+                metrics["timing/train"] = time.perf_counter() - t0
+                metrics["timing/logprobs"] = t_logprobs
+                if step % g.steps_per_generation == 0 or step >= steps:
+                    t0 = time.perf_counter()
+                    sync_weights(policy, engine, cfg, is_server)   # 7: vLLM gets the update
+                    metrics["timing/sync"] = time.perf_counter() - t0
+                logger.log(step, metrics)
+                if k == 0:
+                    logger.completions(step, gen.prompts, gen.texts, gen.rewards_per_func.tolist(),
+                                       reward_names)
+                if step % cfg.logging.save_steps == 0 or step >= steps:
+                    ckpt.save_checkpoint(out_dir, step, policy.chunks, policy.optimizer,
+                                         policy.scheduler,
+                                         {"step": step, "sampler": sampler.state_dict(),
+                                          "config": cfg.to_flat()},
+                                         save_total_limit=cfg.logging.save_total_limit)
+    png = logger.close()
+    _save_final_hf(policy, cfg, out_dir)
+    if rank == 0:
+        print(f"[megatron-grpo] done: {step} steps; metrics in {out_dir}/metrics.jsonl"
+              + (f", curve {png}" if png else ""), flush=True)
+    if hasattr(engine, "close"):
+        engine.close()
+
+
+def _resume_path(resume, out_dir: str):
+    """--resume PATH, or (unset / true / auto) the newest checkpoint in output_dir."""
+    from .checkpoint import find_latest_checkpoint
+
+    if resume in (None, "", "auto", "true", "True", True):
+        return find_latest_checkpoint(out_dir) if os.path.isdir(out_dir) else None
+    if resume in ("false", "False", False, "none"):
+        return None
+    if not os.path.isdir(resume):
+        raise ValueError(f"--resume {resume!r}: no such checkpoint folder")
+    return resume
+
+
+def _step_metrics(parts, gen, grad_norm, policy, k) -> dict:
+    """Reduce the step's partials over DP on the last stage; every rank gets the result."""
+    reduced = None
+    if is_last_stage():
+        summed = reduce_partials(parts)
+        reduced = {key: float(v) for key, v in finalize_metrics(summed).items()}
+        if "loss" in summed["sum"]:   # the step loss: sum of every micro-batch's share
+            reduced["loss"] = float(summed["sum"]["loss"])
+    mine = reduced if (is_last_stage() and dist.get_rank() == dist.get_world_size() - 1) else None
+    found = [m for m in _all_gather_objects(mine) if m is not None]
+    metrics = dict(found[0]) if found else {}
+    metrics.update(gen.metrics)
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["learning_rate"] = policy.optimizer.param_groups[0]["lr"]
+    metrics.update(gen.timing if k == 0 else {})
+    return metrics
+
+
+def _save_final_hf(policy, cfg, out_dir: str) -> None:
+    """The trained model as an HF checkpoint (safetensors + the source's config/tokenizer)."""
+    import json
+    import shutil
+
+    from bridge import export_hf_weights
+    from safetensors.torch import save_file
+
+    final = os.path.join(out_dir, "final_hf")
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        os.makedirs(final + ".tmp", exist_ok=True)
+    index, shard = {}, 0
+    for bucket in export_hf_weights(policy.chunks, policy.config, policy.args,
+                                    bucket_size_bytes=1 << 30):
+        if rank0:
+            name = f"model-{shard:05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in bucket}, os.path.join(final + ".tmp", name),
+                      metadata={"format": "pt"})
+            index.update({k: name for k, _ in bucket})
+        shard += 1
+    if rank0:
+        with open(os.path.join(final + ".tmp", "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": index}, f, indent=1)
+        src = cfg.model.model
+        for fname in os.listdir(src):
+            if not fname.endswith((".safetensors", ".index.json")) and \
+                    os.path.isfile(os.path.join(src, fname)):
+                shutil.copy2(os.path.join(src, fname), os.path.join(final + ".tmp", fname))
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(final + ".tmp", final)
+    dist.barrier()
