@@ -48,6 +48,11 @@ def layer_spec(config, use_te: bool | None = None):
             # module (no sequence_parallel tag) would be wrong only under SP; ours is fine.
             attn.q_layernorm = RMSNorm
             attn.k_layernorm = RMSNorm
+        if config.context_parallel_size > 1:
+            # Megatron's local attention refuses CP; ours exchanges K/V across the CP group.
+            from .cp_attention import ContextParallelDotProductAttention
+
+            attn.core_attention = ContextParallelDotProductAttention
         final_norm = RMSNorm
     return layer, final_norm
 

@@ -1,0 +1,208 @@
+"""Context-parallel core attention for Megatron's local (non-Transformer-Engine) layer spec.
+
+Megatron-Core's `DotProductAttention` refuses context parallelism and Transformer
+Engine (whose attention does CP) exists only on GPUs. This module takes the
+local attention's place when --context_parallel_size > 1 without TE.
+
+Layout (see `data/cp_split.py`): the sequence, padded to a multiple of 2*cp, is cut
+into 2*cp chunks and CP rank r holds chunks r and 2*cp-1-r, in that order. Megatron's
+rotary embedding already rotates each rank's queries and keys with those global
+positions (`RotaryEmbedding.forward` -> `get_pos_emb_on_this_cp_rank`).
+
+Algorithm (all-gather, not ring): every rank all-gathers K and V of the whole
+sequence across the CP group, scores its own queries against all keys and masks
+causally by GLOBAL position: query at position p sees keys at positions <= p. The
+gathered keys are left in rank-major order instead of being reordered into
+sequence order: softmax and the weighted sum over keys do not depend on the key
+order, only the mask needs each key's global position. Memory is O(s) for K/V and
+O(s/cp * s) for the scores per head.
+
+Backward: the all-gather's adjoint is a reduce-scatter (every rank's queries
+contribute to the gradient of every rank's keys; rank r keeps the sum for its own
+rows). The rest is autograd through plain tensor math, so the gradient is exact.
+
+Supported: causal self-attention, GQA, attention_dropout 0 (these families), no
+attention mask argument (right padding needs none under a causal mask; padded
+positions are dropped by the loss mask), no packed sequences.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+from ..data.cp_split import local_positions
+
+# torch 2.13 renamed the tensor collectives (the old names warn); older torch has only those.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_HINT = "the local layer spec's context-parallel attention (CP without Transformer Engine)"
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[s, ...] on each rank -> [cp * s, ...] in rank order; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        x = x.contiguous()
+        out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+        _all_gather(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # d loss / d x_r = sum over ranks q of (d loss_q / d gathered)[rows of r]:
+        # sum across the group and keep this rank's rows.
+        size = dist.get_world_size(ctx.group)
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // size,) + tuple(grad.shape[1:]))
+        _reduce_scatter(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+@lru_cache(maxsize=64)
+def _causal_mask(local_len: int, cp_size: int, cp_rank: int, device: str) -> Tensor:
+    """[local_len, cp * local_len] bool, True where a local query must NOT see a gathered key.
+
+    Queries are this rank's tokens; keys are every rank's tokens in rank order (the
+    all-gather's order). Both are mapped to global positions.
+    """
+    total = local_len * cp_size
+    q_pos = local_positions(total, cp_size, cp_rank)                          # [sq]
+    k_pos = torch.cat([local_positions(total, cp_size, r) for r in range(cp_size)])  # [sk]
+    return (k_pos.unsqueeze(0) > q_pos.unsqueeze(1)).to(device)
+
+
+def _rope_positions_on_cpu() -> None:
+    """Make Megatron's rotary CP slicing run without CUDA (idempotent).
+
+    `get_pos_emb_on_this_cp_rank` builds its index with `pin_memory=True`, which a
+    CPU-only torch refuses. The replacement selects the same chunks (r, 2*cp-1-r).
+    Megatron modules imported the function by name, so each reference is replaced.
+    """
+    import sys
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if getattr(rope_utils.get_pos_emb_on_this_cp_rank, "_cpu_safe", False):
+        return
+
+    def pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group) -> Tensor:
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        size, rank = cp_group.size(), cp_group.rank()
+        idx = local_positions(pos_emb.shape[seq_dim], size, rank).to(pos_emb.device)
+        return pos_emb.index_select(seq_dim, idx)
+
+    pos_emb_on_this_cp_rank._cpu_safe = True
+    original = rope_utils.get_pos_emb_on_this_cp_rank
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("megatron.core") and \
+                getattr(mod, "get_pos_emb_on_this_cp_rank", None) is original:
+            mod.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+
+
+class ContextParallelDotProductAttention(MegatronModule):
+    """Drop-in for Megatron's `DotProductAttention` (same constructor and forward) under CP.
+
+    forward: query [sq, b, np, hn], key/value [sq, b, ng, hn] (this rank's chunks)
+    -> context [sq, b, np * hn]. Also correct for cp = 1 (plain causal attention).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout {dropout} is not supported by {_HINT}; "
+                             "valid: 0.0 (the value of the supported families)")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"attention mask type {attn_mask_type.name} is not supported by "
+                             f"{_HINT}; valid: causal")
+        if attention_type != "self":
+            raise ValueError(f"attention_type {attention_type!r} is not supported by {_HINT}; "
+                             "valid: 'self'")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"softmax_type {config.softmax_type!r} is not supported by {_HINT};"
+                             " valid: 'vanilla'")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError(f"sliding-window attention (window_size {config.window_size}) is "
+                             f"not supported by {_HINT}")
+        if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+            tp_size = pg_collection.tp.size()
+        else:
+            tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        if self.cp_group is None:
+            self.cp_group = parallel_state.get_context_parallel_group()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.num_heads = divide(config.num_attention_heads, tp_size)     # np
+        self.num_groups = divide(config.num_query_groups, tp_size)       # ng
+        # apply_query_key_layer_scaling only moves a factor between the product and the
+        # fp32 softmax in Megatron; the scores here are scaled once, so it needs nothing.
+        head_dim = config.kv_channels
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        if not torch.cuda.is_available():
+            _rope_positions_on_cpu()
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                attention_mask: Optional[Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[Tensor] = None, packed_seq_params=None) -> Tensor:
+        if packed_seq_params is not None:
+            raise ValueError(f"packed sequences (packed_seq_params) are not supported by "
+                             f"{_HINT}; pad the batch to [b, s] and split it with "
+                             "data.cp_split.shard_batch, or use Transformer Engine on GPU")
+        if attention_bias is not None:
+            raise ValueError(f"attention_bias is not supported by {_HINT}")
+        if attention_mask is not None:
+            raise ValueError(f"an explicit attention_mask is not supported by {_HINT}: pass "
+                             "None (the causal mask is built from global positions; right "
+                             "padding is dropped by the loss mask)")
+        if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"attention mask type {attn_mask_type.name} is not supported by "
+                             f"{_HINT}; valid: causal")
+        sq, b, np_, hn = query.shape
+        cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        if cp_size > 1 and sq % 2 != 0:
+            raise ValueError(f"local sequence length {sq} is odd: under context parallelism "
+                             "each rank holds two equal chunks; split the batch with "
+                             "data.cp_split.shard_batch (it pads to a multiple of 2*cp)")
+        hv = value.shape[-1]
+        if cp_size > 1:
+            # One collective for K and V: [sq, b, ng, hn + hv] -> [cp * sq, ...].
+            kv = _GatherSequence.apply(torch.cat([key, value], dim=-1), self.cp_group)
+            key, value = kv.split([hn, hv], dim=-1)
+            cp_rank = dist.get_rank(self.cp_group)
+        else:
+            cp_rank = 0
+        # GQA: query head i reads kv group i // (np / ng), as Megatron's repeat_interleave.
+        rep = np_ // key.shape[2]
+        if rep > 1:
+            key = key.repeat_interleave(rep, dim=2)
+            value = value.repeat_interleave(rep, dim=2)
+        q = query.permute(1, 2, 0, 3)                   # [b, np, sq, hn]
+        k = key.permute(1, 2, 3, 0)                     # [b, np, hn, sk]
+        v = value.permute(1, 2, 0, 3)                   # [b, np, sk, hv]
+        # Scale q before the product (fp16/bf16 headroom), softmax in fp32.
+        scores = torch.matmul(q * self.softmax_scale, k).float()   # [b, np, sq, sk]
+        mask = _causal_mask(sq, cp_size, cp_rank, str(scores.device))
+        # Every query sees at least itself, so no row is fully masked.
+        scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        context = torch.matmul(probs, v)                # [b, np, sq, hv]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hv)   # [sq, b, np * hv]
