@@ -37,8 +37,10 @@ def make_samples(seed=0):
     return out
 
 
-def _grads(rank, world, loss_type, num_mb_per_rank, tp, parts, beta):
-    """Gradients of one step over the samples of `parts` (indices), split over ranks."""
+def _grads(rank, world, cases, tp=1):
+    """Gradients of one step per case (loss_type, micro-batches per rank, sample indices,
+    beta), on one model: spawning a world costs more than the steps, so a world runs
+    every case of a test."""
     from megatron_grpo.algorithms import count_partials, loss_normalizer
     from megatron_grpo.model import wrap_ddp
     from megatron_grpo.train import LossOptions, micro_batches, train_micro_batches
@@ -48,36 +50,42 @@ def _grads(rank, world, loss_type, num_mb_per_rank, tp, parts, beta):
     config, args, chunks = setup(world, tp=tp)
     chunks = wrap_ddp(config, chunks)
     samples = make_samples()
-    step = [samples[i] for i in parts]
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mine = step[dp_rank::dp]
-    mbs = len(mine) // num_mb_per_rank
-    opts = LossOptions(loss_type=loss_type, beta=beta, epsilon_high=0.28,
-                       overlong_filter=True, rollout_importance_sampling_mode="token_truncate")
-    # Global counts: of the step, and (dapo/cispo) of the whole generation batch.
-    step_counts = count_partials(collate(step)["completion_mask"] & ~collate(step)["truncated"][:, None],
-                                 collate(step)["completion_mask"])
     gen = collate(samples)
     gen_counts = count_partials(gen["completion_mask"], gen["completion_mask"])
-    norm = loss_normalizer(loss_type, step_counts, generation_counts=gen_counts,
-                           max_completion_length=8)
-    for c in chunks:
-        c.zero_grad_buffer()
-    batches = micro_batches(mine, mbs, pad_to_length=16)
-    parts_out = train_micro_batches(chunks, batches, opts, normalizer=norm, vocab_size=VOCAB)
-    grads = {}
-    for name, p in chunks[0].module.named_parameters():
-        g = p.main_grad.detach().clone()
-        if tp > 1 and getattr(p, "tensor_model_parallel", False):
-            pieces = [torch.empty_like(g) for _ in range(tp)]
-            torch.distributed.all_gather(pieces, g, group=ps.get_tensor_model_parallel_group())
-            if name.endswith("linear_fc1.weight"):   # [gate_r; up_r] per rank -> [gate; up]
-                halves = [x.chunk(2, dim=0) for x in pieces]
-                g = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-            else:
-                g = torch.cat(pieces, dim=p.partition_dim)
-        grads[name] = g
-    return grads, parts_out["sum"].get("loss")
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    results = []
+    for loss_type, num_mb_per_rank, parts, beta in cases:
+        step = [samples[i] for i in parts]
+        mine = step[dp_rank::dp]
+        opts = LossOptions(loss_type=loss_type, beta=beta, epsilon_high=0.28,
+                           overlong_filter=True,
+                           rollout_importance_sampling_mode="token_truncate")
+        # Global counts: of the step, and (dapo/cispo) of the whole generation batch.
+        full = collate(step)
+        step_counts = count_partials(full["completion_mask"] & ~full["truncated"][:, None],
+                                     full["completion_mask"])
+        norm = loss_normalizer(loss_type, step_counts, generation_counts=gen_counts,
+                               max_completion_length=8)
+        for c in chunks:
+            c.zero_grad_buffer()
+        batches = micro_batches(mine, len(mine) // num_mb_per_rank, pad_to_length=16)
+        parts_out = train_micro_batches(chunks, batches, opts, normalizer=norm,
+                                        vocab_size=VOCAB)
+        grads = {}
+        for name, p in chunks[0].module.named_parameters():
+            g = p.main_grad.detach().clone()
+            if tp > 1 and getattr(p, "tensor_model_parallel", False):
+                pieces = [torch.empty_like(g) for _ in range(tp)]
+                torch.distributed.all_gather(pieces, g,
+                                             group=ps.get_tensor_model_parallel_group())
+                if name.endswith("linear_fc1.weight"):  # [gate_r; up_r] per rank -> [gate; up]
+                    halves = [x.chunk(2, dim=0) for x in pieces]
+                    g = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+                else:
+                    g = torch.cat(pieces, dim=p.partition_dim)
+            grads[name] = g
+        results.append((grads, parts_out["sum"].get("loss")))
+    return results
 
 
 def _compare(a, b, rtol=2e-5):
@@ -88,38 +96,42 @@ def _compare(a, b, rtol=2e-5):
         assert diff < rtol, f"{k}: relative difference {diff:.2e}"
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_step_gradient_independent_of_split(loss_type):
-    everything = list(range(N_SAMPLES))
-    ref, _ = run_distributed(_grads, 1, args=(loss_type, 1, 1, everything, 0.04))[0]
-    mb4, _ = run_distributed(_grads, 1, args=(loss_type, 4, 1, everything, 0.04))[0]
-    dp2 = run_distributed(_grads, 2, args=(loss_type, 2, 1, everything, 0.04))
-    _compare(mb4, ref)
-    _compare(dp2[0][0], ref)
-    _compare(dp2[1][0], ref)
-    assert any(g.abs().sum() > 0 for g in ref.values())
+ALL = list(range(N_SAMPLES))
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_steps_per_generation(loss_type):
+def test_step_gradient_independent_of_split():
+    """For every loss_type: 1 micro-batch == 4 micro-batches == DP=2 x 2 micro-batches."""
+    one_rank = run_distributed(_grads, 1, args=(
+        [(lt, 1, ALL, 0.04) for lt in LOSS_TYPES] + [(lt, 4, ALL, 0.04) for lt in LOSS_TYPES],))
+    dp2 = run_distributed(_grads, 2, args=([(lt, 2, ALL, 0.04) for lt in LOSS_TYPES],),
+                          timeout=300)
+    for i, lt in enumerate(LOSS_TYPES):
+        ref = one_rank[0][i][0]
+        assert any(g.abs().sum() > 0 for g in ref.values()), lt
+        _compare(one_rank[0][len(LOSS_TYPES) + i][0], ref)
+        _compare(dp2[0][i][0], ref)
+        _compare(dp2[1][i][0], ref)
+
+
+def test_steps_per_generation():
     """Two optimizer steps of half a generation batch each, against one step over all.
 
     dapo normalises by the generation batch's tokens, so the two half-step gradients
     add up to the full-batch gradient; grpo averages over each step's own completions
     (4 instead of 8), so the two half-step gradients add up to twice the full one.
     """
-    everything = list(range(N_SAMPLES))
-    full, _ = run_distributed(_grads, 1, args=(loss_type, 1, 1, everything, 0.0))[0]
-    h1, _ = run_distributed(_grads, 1, args=(loss_type, 2, 1, everything[:4], 0.0))[0]
-    h2, _ = run_distributed(_grads, 1, args=(loss_type, 2, 1, everything[4:], 0.0))[0]
-    total = {k: h1[k] + h2[k] for k in h1}
-    factor = 1.0 if loss_type == "dapo" else 2.0
-    _compare(total, {k: factor * v for k, v in full.items()})
+    cases = []
+    for lt in ("dapo", "grpo"):
+        cases += [(lt, 1, ALL, 0.0), (lt, 2, ALL[:4], 0.0), (lt, 2, ALL[4:], 0.0)]
+    out = run_distributed(_grads, 1, args=(cases,))[0]
+    for j, lt in enumerate(("dapo", "grpo")):
+        (full, _), (h1, _), (h2, _) = out[3 * j:3 * j + 3]
+        factor = 1.0 if lt == "dapo" else 2.0
+        _compare({k: h1[k] + h2[k] for k in h1}, {k: factor * v for k, v in full.items()})
 
 
 def test_tp2_gradients_equal_tp1():
-    everything = list(range(N_SAMPLES))
-    ref, ref_loss = run_distributed(_grads, 1, args=("dapo", 2, 1, everything, 0.04))[0]
-    tp2 = run_distributed(_grads, 2, args=("dapo", 2, 2, everything, 0.04), timeout=240)
-    _compare(tp2[0][0], ref, rtol=1e-4)
-    assert tp2[0][1].item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    ref, ref_loss = run_distributed(_grads, 1, args=([("dapo", 2, ALL, 0.04)],))[0][0]
+    tp2 = run_distributed(_grads, 2, args=([("dapo", 2, ALL, 0.04)], 2), timeout=300)
+    _compare(tp2[0][0][0], ref, rtol=1e-4)
+    assert tp2[0][0][1].item() == pytest.approx(ref_loss.item(), rel=1e-5)

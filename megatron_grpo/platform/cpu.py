@@ -12,9 +12,9 @@ Megatron's code:
    named generator states and swaps them in and out of the default generator,
    which works the same with CPU states (the model-parallel dropout stream stays
    distinct from the data-parallel one).
-3. A TorchFunctionMode rewrites `device=` arguments that name CUDA into CPU,
-   makes `Tensor.cuda()` an identity and answers `Tensor.type()` with the CUDA
-   spelling Megatron compares against.
+3. A TorchFunctionMode rewrites `device=` arguments that name CUDA into CPU, drops
+   `pin_memory=True` (it needs CUDA), makes `Tensor.cuda()` an identity and answers
+   `Tensor.type()` with the CUDA spelling Megatron compares against.
 
 It is only ever installed when CUDA is absent, and it is idempotent.
 """
@@ -59,6 +59,9 @@ class _CudaToCpuMode(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and _is_cuda_device(device):
             kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):
+            # Pinned host memory needs CUDA; on a CPU-only machine it is plain memory.
+            kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
