@@ -1,0 +1,193 @@
+"""The trainer's client of a `megatron rollout` server (server mode).
+
+    client = RolloutClient(vllm_server_host="127.0.0.1", vllm_server_port=8000)
+    client.wait_until_ready()                 # retries with backoff, up to the timeout
+    completions = client.generate(prompt_token_ids, num_generations=8, temperature=0.9)
+    load_weight_stream(client, bridge_buckets)        # weights.py, as in colocate mode
+    check_weight_sync(client, expected)               # verify.py
+
+Same interface as ColocateEngine (generate, score, the weight-update calls), plain
+HTTP with the standard library. Failures are RolloutServerError with the URL and
+what to do: a server that never comes up fails after `vllm_server_timeout`
+seconds; a server that dies mid-request fails that request at once (the socket
+closes), and `request_timeout` bounds a request to a server that hangs.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Dict, List, Optional, Sequence
+
+from .colocate import Completion, SamplingOptions
+from .server import API_KEY_ENV
+
+
+class RolloutServerError(RuntimeError):
+    """The rollout server is unreachable, gone, or refused a request."""
+
+
+class RolloutClient:
+    """HTTP client of one rollout server."""
+
+    def __init__(self, vllm_server_host: str = "127.0.0.1", vllm_server_port: int = 8000,
+                 vllm_server_base_url: Optional[str] = None, vllm_server_timeout: float = 240.0,
+                 api_key: Optional[str] = None, request_timeout: float = 1800.0,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                 repetition_penalty: float = 1.0, max_completion_length: int = 512,
+                 num_generations: int = 1, seed: Optional[int] = None) -> None:
+        if vllm_server_base_url:
+            if not vllm_server_base_url.startswith(("http://", "https://")):
+                raise ValueError(f"vllm_server_base_url={vllm_server_base_url!r} must start "
+                                 "with http:// or https://")
+            self.base_url = vllm_server_base_url.rstrip("/")
+        else:
+            if not 0 < int(vllm_server_port) < 65536:
+                raise ValueError(f"vllm_server_port={vllm_server_port} is not a port (1-65535)")
+            self.base_url = f"http://{vllm_server_host}:{int(vllm_server_port)}"
+        if vllm_server_timeout <= 0:
+            raise ValueError(f"vllm_server_timeout={vllm_server_timeout} must be > 0 seconds")
+        self.timeout = float(vllm_server_timeout)
+        self.request_timeout = float(request_timeout)
+        self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        self.sampling = SamplingOptions(temperature, top_p, top_k, repetition_penalty,
+                                        max_completion_length, num_generations)
+        self.seed = seed
+        self._model: Optional[str] = None
+
+    # ------------------------------------------------------------------ HTTP
+    def _request(self, method: str, path: str, body: Optional[bytes] = None,
+                 content_type: str = "application/json", timeout: Optional[float] = None) -> Any:
+        headers = {"Content-Type": content_type}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.base_url + path, data=body, method=method,
+                                     headers=headers)
+        url = self.base_url + path
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as resp:
+                data = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            raise RolloutServerError(f"rollout server {url} answered HTTP {e.code}: {detail}") \
+                from None
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError,
+                socket.timeout, TimeoutError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise RolloutServerError(
+                f"rollout server {url} failed: {type(reason).__name__}: {reason}. Is "
+                "`megatron rollout` still running there? (it may have crashed or been stopped)"
+            ) from None
+        return json.loads(data) if data else None
+
+    def _post_json(self, path: str, payload: Dict[str, Any]) -> Any:
+        return self._request("POST", path, json.dumps(payload).encode())
+
+    def wait_until_ready(self) -> None:
+        """Poll /health with exponential backoff until it answers 200, for at most
+        `vllm_server_timeout` seconds (a server start takes minutes on big models)."""
+        deadline = time.monotonic() + self.timeout
+        delay, last = 0.25, None
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self._request("GET", "/health", timeout=max(0.5, min(5.0, remaining)))
+                return
+            except RolloutServerError as e:
+                last = e
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RolloutServerError(
+                    f"no rollout server answered at {self.base_url} within "
+                    f"vllm_server_timeout={self.timeout:g}s (last error: {last}). Start one with "
+                    "`megatron rollout --model DIR --host H --port P` and point "
+                    "vllm_server_host/vllm_server_port (or vllm_server_base_url) at it")
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 5.0)
+
+    @property
+    def model(self) -> str:
+        """The served model's name (vLLM's /v1/models)."""
+        if self._model is None:
+            self._model = self._request("GET", "/v1/models")["data"][0]["id"]
+        return self._model
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], **overrides) -> List[Completion]:
+        """Sample `num_generations` completions per prompt through /v1/completions."""
+        opts = SamplingOptions(**{**self.sampling.__dict__, **overrides})
+        prompts = [[int(t) for t in p] for p in prompt_token_ids]
+        if not prompts:
+            return []
+        payload = dict(model=self.model, prompt=prompts, n=opts.num_generations,
+                       max_tokens=opts.max_completion_length, temperature=opts.temperature,
+                       top_p=opts.top_p, top_k=opts.top_k,
+                       repetition_penalty=opts.repetition_penalty, logprobs=0,
+                       return_token_ids=True, skip_special_tokens=True)
+        if self.seed is not None:
+            payload["seed"] = self.seed
+        out = self._post_json("/v1/completions", payload)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        # OpenAI order: choice index = prompt index * n + sample index.
+        result = []
+        for choice in choices:
+            token_ids = list(choice["token_ids"])
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            result.append(Completion(
+                prompt_index=choice["index"] // opts.num_generations, token_ids=token_ids,
+                text=choice["text"], truncated=choice["finish_reason"] == "length",
+                logprobs=logprobs, finish_reason=choice["finish_reason"]))
+        return result
+
+    def score(self, prompt_ids: Sequence[Sequence[int]],
+              completion_ids: Sequence[Sequence[int]]) -> List[List[float]]:
+        """Per-token log-probs (temperature 1) of each completion given its prompt."""
+        if len(prompt_ids) != len(completion_ids):
+            raise ValueError(f"score: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
+        full = [[int(t) for t in p] + [int(t) for t in c] for p, c in zip(prompt_ids, completion_ids)]
+        out = self._post_json("/v1/completions", dict(
+            model=self.model, prompt=full, max_tokens=1, temperature=0.0, prompt_logprobs=0))
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        result = []
+        for choice, ids, p in zip(choices, full, prompt_ids):
+            entries = choice["prompt_logprobs"]  # one per position; the first is None
+            result.append([float(entries[pos][str(ids[pos])]["logprob"])
+                           for pos in range(len(p), len(ids))])
+        return result
+
+    # ------------------------------------------------------------------ weights (weights.py)
+    def begin_weight_update(self) -> None:
+        self._request("POST", "/update_weights/begin", b"")
+
+    def load_bucket(self, bucket: Sequence) -> None:
+        from safetensors.torch import save
+
+        tensors, seen = {}, set()
+        for name, t in bucket:
+            t = t.detach().contiguous()
+            if t.untyped_storage().data_ptr() in seen:  # safetensors refuses shared storage
+                t = t.clone()
+            seen.add(t.untyped_storage().data_ptr())
+            tensors[name] = t.cpu()
+        self._request("POST", "/update_weights/bucket", save(tensors),
+                      content_type="application/octet-stream")
+
+    def finish_weight_update(self) -> None:
+        self._request("POST", "/update_weights/finish", b"")
+
+    def reset_prefix_cache(self) -> None:
+        self._request("POST", "/reset_prefix_cache", b"")
+
+    def sleep(self, level: int) -> None:
+        """Server mode never sleeps (the server has its own devices): a no-op."""
+
+    def wake_up(self, tags=None) -> None:
+        """See sleep()."""
+
+    def weight_fingerprints(self) -> List[List[dict]]:
+        """Fingerprint pieces, one list per vLLM engine (data-parallel replica)."""
+        return self._request("GET", "/weight_fingerprints")["engines"]

@@ -1,0 +1,289 @@
+"""A vLLM engine inside each training rank (colocate mode).
+
+    engine = ColocateEngine("path/to/hf_model", vllm_tensor_parallel_size=2, temperature=0.9,
+                            num_generations=8, max_completion_length=512, seed=42)
+    completions = engine.generate(prompt_token_ids)      # this rank's prompts
+    load_weight_stream(engine, bridge_buckets)            # weights.py
+
+vLLM TP groups. Inside a torchrun world (torch.distributed already initialised),
+vLLM runs with `distributed_executor_backend="external_launcher"`: every rank is
+one vLLM worker and vLLM builds its groups from torch's world, with contiguous
+ranks forming a TP group ([0, 1], [2, 3], ... for TP=2; the remaining dimension
+is vLLM's "external data parallel": groups sample independently). The ranks of a
+TP group run one engine together, so they must submit the same requests in the
+same order with the same seed: `generate` all-gathers the ranks' prompts within
+the group, every member generates for all of them, and each rank keeps its own
+part. Different TP groups get different seeds (seed + group index), so two groups
+never draw the same samples. With a world of one rank vLLM runs plainly in-process.
+
+Rollout log-probs. The engine runs with `logprobs_mode="processed_logprobs"`: the
+log-prob vLLM returns for a sampled token is taken from the distribution it was
+sampled from, i.e. log_softmax(logits / temperature) after top-k / top-p masking
+(renormalised over the kept tokens). With top_k=-1 and top_p=1 this is exactly the
+trainer's log_softmax(logits / temperature); with top-k / top-p it is the
+behaviour policy's true probability, which importance-sampling corrections need.
+`raw_logprobs` (vLLM's default) would return log_softmax(logits) at temperature 1,
+matching neither. Greedy sampling (temperature 0) returns log_softmax(logits).
+`score` (prompt log-probs) is always temperature 1: prompt tokens skip sampling.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .worker_ext import WORKER_EXTENSION
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt."""
+    prompt_index: int           # index into the prompts this rank passed to generate()
+    token_ids: List[int]        # sampled tokens, eos included when generation stopped there
+    text: str
+    truncated: bool             # stopped by max_completion_length (finish_reason == "length")
+    logprobs: List[float]       # rollout log-prob of each sampled token (see module doc)
+    finish_reason: Optional[str] = None
+
+
+def vllm_tp_groups(world_size: int, vllm_tensor_parallel_size: int) -> List[List[int]]:
+    """vLLM's TP groups in a colocated world: contiguous blocks of ranks.
+
+    Raises ValueError, before anything heavy starts, when TP does not divide the world.
+    """
+    tp = vllm_tensor_parallel_size
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"vllm_tensor_parallel_size={tp!r} must be a positive integer")
+    if world_size % tp != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"vllm_tensor_parallel_size={tp} does not divide the world size {world_size}: in "
+            f"colocate mode every rank joins one vLLM TP group. Use one of {divisors}")
+    return [list(range(g * tp, (g + 1) * tp)) for g in range(world_size // tp)]
+
+
+def _world() -> tuple:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@dataclass
+class SamplingOptions:
+    """What generate() samples; per-call overrides go through generate(**overrides)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    max_completion_length: int = 512
+    num_generations: int = 1
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be -1 (disabled) or >= 1")
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length={self.max_completion_length} must be >= 1")
+        if self.num_generations < 1:
+            raise ValueError(f"num_generations={self.num_generations} must be >= 1")
+
+
+class ColocateEngine:
+    """vllm.LLM in this rank, sharing the torch.distributed world with the trainer."""
+
+    def __init__(self, model: str, *, vllm_tensor_parallel_size: int = 1,
+                 vllm_gpu_memory_utilization: float = 0.9, vllm_max_model_len: Optional[int] = None,
+                 vllm_enforce_eager: bool = False, vllm_enable_prefix_caching: bool = True,
+                 vllm_max_num_seqs: Optional[int] = None,
+                 vllm_engine_kwargs: Optional[Dict[str, Any]] = None,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                 repetition_penalty: float = 1.0, max_completion_length: int = 512,
+                 num_generations: int = 1, seed: int = 42, dtype: str = "auto",
+                 sleep_level: int = 0) -> None:
+        # Every check that needs no vLLM runs first: a bad option fails in milliseconds.
+        self.rank, self.world_size = _world()
+        groups = vllm_tp_groups(self.world_size, vllm_tensor_parallel_size)
+        if not 0 < vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"vllm_gpu_memory_utilization={vllm_gpu_memory_utilization} must be "
+                             "in (0, 1] (on CPU: the fraction of RAM for the KV cache)")
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"sleep_level={sleep_level!r} must be 0, 1 or 2")
+        self.sampling = SamplingOptions(temperature, top_p, top_k, repetition_penalty,
+                                        max_completion_length, num_generations)
+        self.tp_size = vllm_tensor_parallel_size
+        self.group_index = self.rank // self.tp_size
+        self.group_ranks = groups[self.group_index]
+        self.sleep_level = sleep_level
+        self.seed = seed + self.group_index
+        self.tp_group = None
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            # Every rank takes part in creating every group (a collective).
+            self.tp_group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+
+        # The engine core must live in this process (external_launcher insists anyway).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        kwargs: Dict[str, Any] = dict(
+            model=model, tokenizer=model, dtype=dtype, seed=self.seed,
+            tensor_parallel_size=self.tp_size,
+            gpu_memory_utilization=vllm_gpu_memory_utilization,
+            max_model_len=vllm_max_model_len, enforce_eager=vllm_enforce_eager,
+            enable_prefix_caching=vllm_enable_prefix_caching,
+            logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
+            # Sleeping frees memory only where vLLM supports it (CUDA, ROCm, XPU); on CPU
+            # the sleep/wake calls still run, and free nothing.
+            enable_sleep_mode=sleep_level > 0 and current_platform.is_sleep_mode_available(),
+        )
+        if vllm_max_num_seqs is not None:
+            kwargs["max_num_seqs"] = vllm_max_num_seqs
+        if self.world_size > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        kwargs.update(vllm_engine_kwargs or {})
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def close(self) -> None:
+        """Shut the engine down (at the end of a run).
+
+        vLLM's teardown also destroys torch.distributed's process groups (its
+        `cleanup_dist_env_and_memory`), so nothing collective can follow. Without
+        this call the same teardown runs at interpreter exit.
+        """
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+    # ------------------------------------------------------------------ TP-group plumbing
+    def _in_tp_group(self, items: Sequence[Any], run: Callable[[List[Any]], List[Any]]) -> List[Any]:
+        """Run `run` on the items of every rank of this vLLM TP group; return this rank's
+        part. `run` maps a list of items to a list of results, one per item."""
+        if self.tp_group is None:
+            return run(list(items))
+        import torch.distributed as dist
+
+        gathered: List[Any] = [None] * self.tp_size
+        dist.all_gather_object(gathered, list(items), group=self.tp_group)
+        flat = [x for part in gathered for x in part]
+        results = run(flat)
+        local = self.rank - self.group_ranks[0]
+        start = sum(len(part) for part in gathered[:local])
+        return results[start:start + len(items)]
+
+    # ------------------------------------------------------------------ sampling
+    def _sampling_params(self, **overrides):
+        from vllm import SamplingParams
+
+        opts = SamplingOptions(**{**self.sampling.__dict__, **overrides})
+        return SamplingParams(
+            n=opts.num_generations, temperature=opts.temperature, top_p=opts.top_p,
+            top_k=opts.top_k, repetition_penalty=opts.repetition_penalty,
+            max_tokens=opts.max_completion_length, logprobs=0)
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], **overrides) -> List[Completion]:
+        """Sample `num_generations` completions for each prompt (token-id lists).
+
+        Collective over the vLLM TP group: its ranks call together (any prompt counts).
+        Returns completions ordered by prompt, then sample; `prompt_index` refers to
+        this rank's list. `overrides`: any SamplingOptions field for this call.
+        """
+        params = self._sampling_params(**overrides)
+        prompts = [[int(t) for t in p] for p in prompt_token_ids]
+
+        def run(all_prompts: List[List[int]]) -> List[List[Completion]]:
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], params,
+                                     use_tqdm=False)
+            return [[_completion(i, c) for c in out.outputs] for i, out in enumerate(outs)]
+
+        per_prompt = self._in_tp_group(prompts, run)
+        result = []
+        for i, group in enumerate(per_prompt):
+            for c in group:
+                c.prompt_index = i
+                result.append(c)
+        return result
+
+    def score(self, prompt_ids: Sequence[Sequence[int]],
+              completion_ids: Sequence[Sequence[int]]) -> List[List[float]]:
+        """Per-token log-probs (temperature 1) of each completion given its prompt.
+
+        vLLM's prompt log-probs over prompt + completion, read at the completion's
+        positions. Collective over the vLLM TP group, like generate().
+        """
+        from vllm import SamplingParams
+
+        if len(prompt_ids) != len(completion_ids):
+            raise ValueError(f"score: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
+        pairs = [([int(t) for t in p], [int(t) for t in c])
+                 for p, c in zip(prompt_ids, completion_ids)]
+        for p, c in pairs:
+            if not p or not c:
+                raise ValueError("score: every prompt and completion needs at least one token")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+        def run(all_pairs):
+            outs = self.llm.generate([{"prompt_token_ids": p + c} for p, c in all_pairs], params,
+                                     use_tqdm=False)
+            return [prompt_logprobs_of(out, p, c) for out, (p, c) in zip(outs, all_pairs)]
+
+        return self._in_tp_group(pairs, run)
+
+    # ------------------------------------------------------------------ engine plumbing
+    # The interface weights.py and verify.py drive (the server client has the same).
+    def begin_weight_update(self) -> None:
+        self.llm.collective_rpc("mg_begin_weight_update")
+
+    def load_bucket(self, bucket: Sequence) -> None:
+        self.llm.collective_rpc("mg_load_weights", args=(list(bucket),))
+
+    def finish_weight_update(self) -> None:
+        self.llm.collective_rpc("mg_finish_weight_update")
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: Optional[List[str]] = None) -> None:
+        self.llm.wake_up(tags=tags)
+
+    def weight_fingerprints(self) -> List[List[dict]]:
+        """Fingerprint pieces of this rank's engine, i.e. of the whole vLLM TP group
+        (collective over it; each rank holds one worker's shard)."""
+        pieces = [p for worker in self.llm.collective_rpc("mg_fingerprint_pieces") for p in worker]
+        if self.tp_group is None:
+            return [pieces]
+        import torch.distributed as dist
+
+        gathered: List[Any] = [None] * self.tp_size
+        dist.all_gather_object(gathered, pieces, group=self.tp_group)
+        return [[p for part in gathered for p in part]]
+
+
+def _completion(prompt_index: int, c) -> Completion:
+    token_ids = list(c.token_ids)
+    logprobs = []
+    for tok, entry in zip(token_ids, c.logprobs or []):
+        # logprobs=0: each entry holds the sampled token (plus nothing else).
+        logprobs.append(float(entry[tok].logprob))
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens")
+    return Completion(prompt_index=prompt_index, token_ids=token_ids, text=c.text,
+                      truncated=c.finish_reason == "length", logprobs=logprobs,
+                      finish_reason=c.finish_reason)
+
+
+def prompt_logprobs_of(out, prompt: List[int], completion: List[int]) -> List[float]:
+    """Log-probs of `completion`'s tokens from a RequestOutput over prompt + completion."""
+    entries = out.prompt_logprobs  # one per prompt position; the first is None
+    full = prompt + completion
+    return [float(entries[pos][full[pos]].logprob) for pos in range(len(prompt), len(full))]

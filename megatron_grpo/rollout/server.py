@@ -1,0 +1,183 @@
+"""`megatron rollout`: a vLLM server for server mode, fed weights by the trainer.
+
+    megatron rollout --model DIR --vllm_tensor_parallel_size N --vllm_data_parallel_size M \
+        --host 127.0.0.1 --port 8000 [--api_key TOKEN]
+    python -m megatron_grpo.rollout.server --model DIR ...      (the same)
+
+It is vLLM's own OpenAI-compatible server (`/v1/completions`, `/v1/chat/completions`,
+`/v1/models`, `/health`, ...: built with vLLM's app factory, so every option of the
+API behaves as in `vllm serve`) with routes added for the trainer:
+
+    POST /update_weights/begin            start a weight update (layer-wise reload)
+    POST /update_weights/bucket           body: one bucket, safetensors-serialised
+    POST /update_weights/finish           finish it; resets the prefix cache
+    POST /reset_prefix_cache
+    GET  /weight_fingerprints             per-engine fingerprint pieces (verify.py)
+
+The weight routes need `Authorization: Bearer <token>` when a token is set
+(`--api_key`, or the MEGATRON_ROLLOUT_API_KEY environment variable); the server
+binds 127.0.0.1 unless --host says otherwise. The engine samples with
+`logprobs_mode=processed_logprobs`, as the colocated engine does (see colocate.py).
+
+A bucket's bytes are written to a temporary file (in /dev/shm when it exists) that
+every vLLM worker process reads: tensors never go through vLLM's RPC encoding. With
+vllm_data_parallel_size > 1 vLLM runs one engine per replica behind this one API
+server (it balances requests); weight updates go to every engine, and the
+fingerprints come back per engine.
+"""
+# No `from __future__ import annotations` here: FastAPI reads the route signatures.
+
+import json
+import os
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+API_KEY_ENV = "MEGATRON_ROLLOUT_API_KEY"
+
+
+def vllm_cli_args(cfg) -> list:
+    """`vllm serve` flags for a RolloutServerConfig."""
+    from .worker_ext import WORKER_EXTENSION
+
+    argv = ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+            "--tensor-parallel-size", str(cfg.vllm_tensor_parallel_size),
+            "--data-parallel-size", str(cfg.vllm_data_parallel_size),
+            "--gpu-memory-utilization", str(cfg.vllm_gpu_memory_utilization),
+            "--seed", str(cfg.seed), "--logprobs-mode", "processed_logprobs",
+            "--worker-extension-cls", WORKER_EXTENSION,
+            "--enable-prefix-caching" if cfg.vllm_enable_prefix_caching
+            else "--no-enable-prefix-caching"]
+    if cfg.vllm_max_model_len is not None:
+        argv += ["--max-model-len", str(cfg.vllm_max_model_len)]
+    if cfg.vllm_enforce_eager:
+        argv.append("--enforce-eager")
+    if cfg.vllm_max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(cfg.vllm_max_num_seqs)]
+    return argv
+
+
+def build_vllm_namespace(cfg):
+    """vLLM's serve arguments (its own parser and validation), plus vllm_engine_kwargs."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="megatron rollout"))
+    args = parser.parse_args(vllm_cli_args(cfg))
+    for key, value in (cfg.vllm_engine_kwargs or {}).items():
+        dest = key.replace("-", "_")
+        if not hasattr(args, dest):
+            raise ValueError(f"--vllm_engine_kwargs: {key!r} is not a vLLM engine argument")
+        setattr(args, dest, value)
+    validate_parsed_serve_args(args)
+    return args
+
+
+def make_router(engine, api_key: Optional[str]):
+    """The trainer's routes, bound to vLLM's engine client."""
+    from fastapi import APIRouter, HTTPException, Request, Response
+
+    router = APIRouter()
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+    def authorise(request: Request) -> None:
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise HTTPException(status_code=401, detail="missing or wrong API token for "
+                                                        "weight updates (Authorization: Bearer)")
+
+    async def rpc_all(method: str, *args):
+        """collective_rpc on every engine (each DP replica); results per engine."""
+        core = getattr(engine, "engine_core", None)
+        call_all = getattr(core, "call_utility_all_async", None)
+        if call_all is not None and engine.vllm_config.parallel_config.data_parallel_size > 1:
+            return await call_all("collective_rpc", method, None, args, None)
+        return [await engine.collective_rpc(method, args=args)]
+
+    @router.post("/update_weights/begin")
+    async def begin(request: Request):
+        authorise(request)
+        await rpc_all("mg_begin_weight_update")
+        return {"ok": True}
+
+    @router.post("/update_weights/bucket")
+    async def bucket(request: Request):
+        authorise(request)
+        body = await request.body()
+        if not body:
+            raise HTTPException(status_code=400, detail="empty bucket")
+        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="mgrpo_bucket_", dir=shm)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            del body
+            counts = await rpc_all("mg_load_weights_file", path)
+        finally:
+            os.unlink(path)
+        return {"ok": True, "tensors": counts[0][0]}
+
+    @router.post("/update_weights/finish")
+    async def finish(request: Request):
+        authorise(request)
+        await rpc_all("mg_finish_weight_update")
+        await engine.reset_prefix_cache()
+        return {"ok": True}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        authorise(request)
+        await engine.reset_prefix_cache()
+        return {"ok": True}
+
+    @router.get("/weight_fingerprints")
+    async def weight_fingerprints(request: Request):
+        authorise(request)
+        per_engine = await rpc_all("mg_fingerprint_pieces")
+        # [engine][worker][piece] -> [engine][piece]. Plain json: a garbage weight may
+        # fingerprint as NaN, which is evidence to report, not an encoding error.
+        body = {"engines": [[p for worker in workers for p in worker] for workers in per_engine]}
+        return Response(json.dumps(body, allow_nan=True), media_type="application/json")
+
+    return router
+
+
+async def serve(cfg) -> None:
+    """Start vLLM's engine and API server with the trainer's routes; run until stopped."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+
+    args = build_vllm_namespace(cfg)
+    api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
+    # Bind first: a port already in use fails before minutes of engine start-up.
+    _, sock = setup_server(args, reuse_port=False)
+    async with build_async_engine_client(args) as engine:
+        tasks = await engine.get_supported_tasks()
+        app = build_app(args, tasks, engine.model_config)
+        await init_app_state(engine, app.state, args, tasks)
+        app.include_router(make_router(engine, api_key))
+        shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port,
+                                    log_level=args.uvicorn_log_level,
+                                    access_log=not args.disable_uvicorn_access_log)
+    try:
+        await shutdown
+    finally:
+        sock.close()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of `megatron rollout` (argv: its flags, without the sub-command)."""
+    from ..config.rollout_server import parse_rollout_args
+
+    cfg = parse_rollout_args(argv)
+    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"megatron rollout: listening on {cfg.host}:{cfg.port}, reachable from the "
+              "network" + ("" if cfg.api_key or os.environ.get(API_KEY_ENV)
+                           else "; weight updates are unguarded: set --api_key"), file=sys.stderr)
+    import uvloop
+
+    uvloop.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

