@@ -18,6 +18,7 @@ from .algorithms import count_partials, finalize_metrics, loss_normalizer, merge
 from .train import LossOptions, forward_logprobs, micro_batches, reduce_partials
 from .train.batch import collate, split_completion_values
 from .train.engine import is_last_stage, train_micro_batches
+from .model.kv_replication import sync_replicated_kv_grads
 from .train.logger import RunLogger
 from .train.rollout_step import _all_gather_objects, generate_and_score
 from .train.setup import (build_parallel, build_policy, build_reference, build_sampler,
@@ -43,8 +44,10 @@ def _check_supported(cfg) -> None:
                          "--kl_in_reward false (KL in the loss) or --beta 0")
     if g.dynamic_sample:
         raise ValueError("--dynamic_sample true is not implemented by the trainer yet")
-    if cfg.parallel.context_parallel_size > 1:
-        raise ValueError("--context_parallel_size > 1 is not wired into the trainer yet")
+    # --context_parallel_size > 1 is supported with TP (and SP), PP and DP: every CP rank
+    # of a DP rank takes the same micro-batches, and train/engine.py pads each one to a
+    # multiple of 2*cp (2*cp*tp under SP) and takes this rank's chunks. What the local CP
+    # attention cannot do (attention dropout, sliding windows) raises when the model is built.
 
 
 def _per_token(chunks, batches, samples, field, temperature, vocab_size):
@@ -179,6 +182,9 @@ def train(cfg) -> None:
                 parts = train_micro_batches(policy.chunks, micro_batches(mine[k], mbs,
                                                                          pad_to_length=pad),
                                             opts, normalizer=norm, vocab_size=vocab)
+                # Replicated kv heads (kv heads < TP) must get the sum of their replicas'
+                # gradients before clipping and the update (model/kv_replication.py).
+                sync_replicated_kv_grads(policy.chunks, policy.config, policy.args)
                 ok, grad_norm, _ = policy.optimizer.step()
                 policy.scheduler.step(increment=1)
                 step += 1
@@ -192,7 +198,8 @@ def train(cfg) -> None:
                 logger.log(step, metrics)
                 if k == 0:
                     logger.completions(step, gen.prompts, gen.texts, gen.rewards_per_func.tolist(),
-                                       reward_names)
+                                       reward_names, extra={"prompt_index": [
+                                           s.meta["prompt_index"] for s in samples]})
                 if step % cfg.logging.save_steps == 0 or step >= steps:
                     ckpt.save_checkpoint(out_dir, step, policy.chunks, policy.optimizer,
                                          policy.scheduler,
