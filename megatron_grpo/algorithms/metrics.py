@@ -42,6 +42,12 @@ rollout_correction/     off-policy diagnostics of the sampler (rollout) vs train
     clipped_frac    token modes: token fraction with rho_t > C;
                     sequence modes: completion fraction whose weight ratio
                     exp(mean_t clip(lr, +-20)) exceeds C
+
+Context parallelism: pass `sequence_sums` (policy_loss's hook: per-row partial sums of
+this rank -> sums over the CP group). Every quantity is then taken from whole-row sums
+(token sums are sums of row sums), so each CP rank returns the SAME partials, those of
+whole completions: reduce them over DP only, never over DP x CP (that would count every
+completion cp times).
 """
 from __future__ import annotations
 
@@ -50,7 +56,8 @@ from typing import Dict, Optional
 import torch
 
 from .options import check_option
-from .policy_loss import LOSS_TYPES, ROLLOUT_IS_MODES, PolicyLossOutput, rollout_is_weights
+from .policy_loss import (LOSS_TYPES, ROLLOUT_IS_MODES, PolicyLossOutput, SequenceSums,
+                          rollout_is_weights)
 
 Partials = Dict[str, Dict[str, torch.Tensor]]
 _OPS = ("sum", "min", "max")
@@ -88,26 +95,32 @@ def _add_max(p: Partials, name: str, values) -> None:
     p["max"][name] = v.max() if v.numel() else torch.tensor(float("-inf"), dtype=torch.float64, device=v.device)
 
 
-def _per_completion_fraction(flags: torch.Tensor, mask: torch.Tensor):
-    """flags, mask [B, L] -> (fraction [C] for the C completions with tokens, C)."""
-    n = mask.sum(dim=-1)                                                 # [B]
-    has = n > 0
-    frac = (flags & mask).sum(dim=-1).to(torch.float64) / n.clamp(min=1).to(torch.float64)
-    return frac[has], has.sum()
+def _row_sums(rows: Dict[str, torch.Tensor],
+              sequence_sums: Optional[SequenceSums]) -> Dict[str, torch.Tensor]:
+    """{name: [B, L]} -> {name: [B] float64 sum of each row}, over the whole rows.
+
+    One stacked `sequence_sums` call (one all-reduce under CP) for every quantity.
+    """
+    names = list(rows)
+    sums = torch.stack([rows[k].detach().to(torch.float64).sum(dim=-1) for k in names],
+                       dim=-1)                                           # [B, k]
+    if sequence_sums is not None:
+        sums = sequence_sums(sums)
+    return dict(zip(names, sums.unbind(-1)))
 
 
 def policy_metric_partials(out: PolicyLossOutput, *, loss_type: str, epsilon: float,
                            epsilon_high: Optional[float] = None,
-                           entropy: Optional[torch.Tensor] = None) -> Partials:
-    """kl, clip_ratio/* and (with `entropy` [B, L]) entropy/* partials of one micro-batch."""
+                           entropy: Optional[torch.Tensor] = None,
+                           sequence_sums: Optional[SequenceSums] = None) -> Partials:
+    """kl, clip_ratio/* and (with `entropy` [B, L]) entropy/* partials of one micro-batch.
+
+    sequence_sums: under context parallelism (module docstring); None for whole rows.
+    """
     check_option("loss_type", loss_type, LOSS_TYPES)
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     p = empty_partials()
     mask = out.loss_mask                                                 # [B, L] bool
-    if out.per_token_kl is not None:
-        kl = torch.where(mask, out.per_token_kl.detach(), torch.zeros_like(out.per_token_kl))
-        _add_mean(p, "kl", kl.sum(), mask.sum())
-
     ratio, adv = out.ratio, out.advantages                               # [B, L]
     if loss_type == "cispo":
         low = torch.zeros_like(mask)
@@ -115,9 +128,19 @@ def policy_metric_partials(out: PolicyLossOutput, *, loss_type: str, epsilon: fl
     else:
         low = (ratio < 1.0 - epsilon) & (adv < 0)
         high = (ratio > 1.0 + epsilon_high) & (adv > 0)
-    low_frac, n_seq = _per_completion_fraction(low, mask)
-    high_frac, _ = _per_completion_fraction(high, mask)
-    region_frac, _ = _per_completion_fraction(low | high, mask)
+    rows = {"n": mask, "low": low & mask, "high": high & mask, "region": (low | high) & mask}
+    if out.per_token_kl is not None:
+        rows["kl"] = torch.where(mask, out.per_token_kl.detach(), torch.zeros_like(out.per_token_kl))
+    if entropy is not None:
+        rows["entropy"] = torch.where(mask, entropy.detach(), torch.zeros_like(entropy))
+    sums = _row_sums(rows, sequence_sums)                                # name -> [B]
+    n = sums["n"]                                                        # loss tokens per completion
+    has = n > 0                                                          # completions counted
+    n_seq, per_seq = has.sum(), n.clamp(min=1.0)
+
+    if out.per_token_kl is not None:
+        _add_mean(p, "kl", sums["kl"].sum(), n.sum())
+    low_frac, high_frac, region_frac = ((sums[k] / per_seq)[has] for k in ("low", "high", "region"))
     _add_mean(p, "clip_ratio/low_mean", low_frac.sum(), n_seq)
     _add_mean(p, "clip_ratio/high_mean", high_frac.sum(), n_seq)
     _add_mean(p, "clip_ratio/region_mean", region_frac.sum(), n_seq)
@@ -125,11 +148,8 @@ def policy_metric_partials(out: PolicyLossOutput, *, loss_type: str, epsilon: fl
     _add_max(p, "clip_ratio/high_max", high_frac)
 
     if entropy is not None:
-        ent = torch.where(mask, entropy.detach(), torch.zeros_like(entropy)).to(torch.float64)
-        n = mask.sum(dim=-1)
-        has = n > 0
-        seq_ent = (ent.sum(dim=-1) / n.clamp(min=1).to(torch.float64))[has]  # [C]
-        _add_mean(p, "entropy/mean", seq_ent.sum(), has.sum())
+        seq_ent = (sums["entropy"] / per_seq)[has]                       # [C]
+        _add_mean(p, "entropy/mean", seq_ent.sum(), n_seq)
         _add_min(p, "entropy/min", seq_ent)
         _add_max(p, "entropy/max", seq_ent)
     if out.entropy_threshold is not None:
@@ -139,30 +159,43 @@ def policy_metric_partials(out: PolicyLossOutput, *, loss_type: str, epsilon: fl
 
 def rollout_metric_partials(old_logps: torch.Tensor, rollout_logps: torch.Tensor, completion_mask: torch.Tensor, *,
                             rollout_importance_sampling_mode: Optional[str] = None,
-                            rollout_importance_sampling_threshold: float = 2.0) -> Partials:
-    """rollout_correction/* partials of one micro-batch; inputs [B, L], mask before the overlong filter."""
+                            rollout_importance_sampling_threshold: float = 2.0,
+                            sequence_sums: Optional[SequenceSums] = None) -> Partials:
+    """rollout_correction/* partials of one micro-batch; inputs [B, L], mask before the overlong filter.
+
+    sequence_sums: under context parallelism (module docstring); None for whole rows.
+    """
     pre = "rollout_correction/"
     p = empty_partials()
     mask = completion_mask.bool()
     zeros = torch.zeros_like(old_logps, dtype=torch.float64)
     old = torch.where(mask, old_logps.detach().to(torch.float64), zeros)
     rollout = torch.where(mask, rollout_logps.detach().to(torch.float64), zeros)
-    n_tok = mask.sum()
-    n = mask.sum(dim=-1)
-    has = n > 0                                                          # completions counted
-    n_seq = has.sum()
 
     lr = old - rollout                                                   # [B, L], 0 off-mask
     lr_safe = lr.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-    k3 = (torch.exp(lr_safe) - lr_safe - 1.0).clamp(-_K3_BOUND, _K3_BOUND)
-    rho2 = torch.where(mask, torch.exp(2.0 * lr_safe), zeros)
-    _add_mean(p, pre + "kl", (-lr).sum(), n_tok)
-    _add_mean(p, pre + "k3_kl", k3.sum(), n_tok)
-    _add_mean(p, pre + "chi2_token", rho2.sum(), n_tok)                  # finalised as mean - 1
+    k3 = (torch.exp(lr_safe) - lr_safe - 1.0).clamp(-_K3_BOUND, _K3_BOUND)  # 0 off-mask
+    rows = {"n": mask, "neg_lr": -lr, "k3": k3, "lr_safe": lr_safe, "old": old, "rollout": rollout,
+            "rho2": torch.where(mask, torch.exp(2.0 * lr_safe), zeros)}
+    mode = c = None
+    if rollout_importance_sampling_mode is not None:
+        mode = check_option("rollout_importance_sampling_mode", rollout_importance_sampling_mode, ROLLOUT_IS_MODES)
+        c = rollout_importance_sampling_threshold
+        w = torch.where(mask, rollout_is_weights(old, rollout, mask, mode, c, sequence_sums), zeros)  # [B, L]
+        w_ess = torch.where(mask, w.clamp(1.0 / c, c), zeros)
+        rows.update(w=w, w_ess=w_ess, w_ess2=w_ess ** 2, over=(torch.exp(lr_safe) > c) & mask)
+    sums = _row_sums(rows, sequence_sums)                                # name -> [B]
+    n = sums["n"]
+    has = n > 0                                                          # completions counted
+    n_tok, n_seq = n.sum(), has.sum()
 
-    counts = n.clamp(min=1).to(torch.float64)
-    mean_old = (old.sum(dim=-1) / counts)[has]                           # [C]
-    mean_roll = (rollout.sum(dim=-1) / counts)[has]
+    _add_mean(p, pre + "kl", sums["neg_lr"].sum(), n_tok)
+    _add_mean(p, pre + "k3_kl", sums["k3"].sum(), n_tok)
+    _add_mean(p, pre + "chi2_token", sums["rho2"].sum(), n_tok)          # finalised as mean - 1
+
+    counts = n.clamp(min=1.0)
+    mean_old = (sums["old"] / counts)[has]                               # [C]
+    mean_roll = (sums["rollout"] / counts)[has]
     diff = mean_roll - mean_old
     seq_lr = (mean_old - mean_roll).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
     _add_mean(p, pre + "training_ppl", torch.exp(-mean_old).sum(), n_seq)
@@ -176,21 +209,16 @@ def rollout_metric_partials(old_logps: torch.Tensor, rollout_logps: torch.Tensor
     _add_mean(p, pre + "ppl_ratio", torch.exp(diff).sum(), n_seq)
     _add_mean(p, pre + "chi2_seq", torch.exp(2.0 * seq_lr).sum(), n_seq)  # finalised as mean - 1
 
-    if rollout_importance_sampling_mode is not None:
-        mode = check_option("rollout_importance_sampling_mode", rollout_importance_sampling_mode, ROLLOUT_IS_MODES)
-        c = rollout_importance_sampling_threshold
-        w = rollout_is_weights(old, rollout, mask, mode, c)              # [B, L]
-        w = torch.where(mask, w, zeros)
-        _add_mean(p, pre + "is_weight_mean", w.sum(), n_tok)
-        w_ess = torch.where(mask, w.clamp(1.0 / c, c), zeros)
-        p["sum"][pre + "ess::w1"] = w_ess.sum()
-        p["sum"][pre + "ess::w2"] = (w_ess ** 2).sum()
+    if mode is not None:
+        _add_mean(p, pre + "is_weight_mean", sums["w"].sum(), n_tok)
+        p["sum"][pre + "ess::w1"] = sums["w_ess"].sum()
+        p["sum"][pre + "ess::w2"] = sums["w_ess2"].sum()
         p["sum"][pre + "ess" + _DEN] = _f64(n_tok)
         if mode.startswith("token"):
-            _add_mean(p, pre + "clipped_frac", ((torch.exp(lr_safe) > c) & mask).sum(), n_tok)
+            _add_mean(p, pre + "clipped_frac", sums["over"].sum(), n_tok)
         else:
             # the sequence ratio of the weights: mean of the clipped token log-ratios
-            seq_ratio = torch.exp((lr_safe.sum(dim=-1) / counts)[has])
+            seq_ratio = torch.exp((sums["lr_safe"] / counts)[has])
             _add_mean(p, pre + "clipped_frac", (seq_ratio > c).sum(), n_seq)
     return p
 

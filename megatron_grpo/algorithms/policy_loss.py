@@ -3,9 +3,10 @@ overlong filter and the rollout importance-sampling correction.
 
 Tensors are padded `[B, L]`: B completions (rows), L the longest completion, a boolean
 `completion_mask` marking real completion tokens. A caller with packed sequences (THD)
-scatters its `[T]` log-probs into this layout first; under context parallelism the
-sequence-level quantities (sequence ratios, per-sequence means) need each completion
-whole, as ms-swift reconstructs it across CP ranks.
+scatters its `[T]` log-probs into this layout first. Under context parallelism each
+rank holds its own positions of every row; the sequence-level quantities (sequence
+ratios, per-sequence means) then reduce per-row sums across CP ranks (`sequence_sums`,
+end of this docstring) instead of reconstructing each completion, as ms-swift does.
 
 Order of operations (ms-swift's Megatron GRPO loss), per token t of completion i:
 
@@ -41,6 +42,13 @@ Order of operations (ms-swift's Megatron GRPO loss), per token t of completion i
 
 The result is the per-token loss, zero outside the loss mask; `aggregation` turns it into
 the step's loss.
+
+Context parallelism (CP): each CP rank holds some positions of every row. Every
+per-sequence mean above (the sequence importance weight, the sequence rollout IS
+ratio) is a ratio of two per-row sums, so a caller under CP passes `sequence_sums`: a
+function [B, k] per-row partial sums of this rank's tokens -> the sums over the whole
+row (an all-reduce over the CP group, differentiable for the sequence-level weights).
+None means the rows are whole (the default, and CP=1).
 """
 from __future__ import annotations
 
@@ -59,10 +67,22 @@ _LOG_RATIO_BOUND = 20.0
 _K3_BOUND = 10.0
 
 
-def masked_sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-row mean of x [B, L] over mask [B, L] -> [B]; 0 for an empty row."""
+# [B, k] per-row partial sums of this rank -> [B, k] sums over the whole rows (see above).
+SequenceSums = Callable[[torch.Tensor], torch.Tensor]
+
+
+def masked_sequence_mean(x: torch.Tensor, mask: torch.Tensor,
+                         sequence_sums: Optional[SequenceSums] = None) -> torch.Tensor:
+    """Per-row mean of x [B, L] over mask [B, L] -> [B]; 0 for an empty row.
+
+    sequence_sums: under CP, completes this rank's per-row (sum, count) into the whole
+    row's (module docstring); None when each row is whole.
+    """
     mask = mask.to(x.dtype)
-    return (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    if sequence_sums is None:
+        return (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    sums = sequence_sums(torch.stack([(x * mask).sum(dim=-1), mask.sum(dim=-1)], dim=-1))  # [B, 2]
+    return sums[:, 0] / sums[:, 1].clamp(min=1.0)
 
 
 # ---- KL estimators: fn(logps [B, L], ref_logps [B, L]) -> [B, L] -------------------------
@@ -114,13 +134,17 @@ LOSS_TYPES: Dict[str, Callable[..., torch.Tensor]] = {
 
 
 def log_importance_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor,
-                           importance_sampling_level: str) -> torch.Tensor:
-    """logps, old_logps, mask [B, L] -> log importance weight [B, L] ([B, 1] for 'sequence')."""
+                           importance_sampling_level: str,
+                           sequence_sums: Optional[SequenceSums] = None) -> torch.Tensor:
+    """logps, old_logps, mask [B, L] -> log importance weight [B, L] ([B, 1] for 'sequence').
+
+    sequence_sums: see the module docstring (CP); it must pass gradients for 'sequence'.
+    """
     check_option("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
     log_ratio = logps - old_logps
     if importance_sampling_level == "token":
         return log_ratio
-    seq = masked_sequence_mean(log_ratio, mask).unsqueeze(-1)  # [B, 1]
+    seq = masked_sequence_mean(log_ratio, mask, sequence_sums).unsqueeze(-1)  # [B, 1]
     if importance_sampling_level == "sequence":
         return seq
     # sequence_token: the sequence ratio as value, each token's own gradient.
@@ -171,8 +195,12 @@ def loss_mask_after_overlong_filter(completion_mask: torch.Tensor, truncated: Op
 
 def rollout_is_weights(old_logps: torch.Tensor, rollout_logps: torch.Tensor, completion_mask: torch.Tensor,
                        rollout_importance_sampling_mode: str,
-                       rollout_importance_sampling_threshold: float) -> torch.Tensor:
-    """Detached IS weights [B, L] correcting for the sampler/trainer mismatch (see module doc)."""
+                       rollout_importance_sampling_threshold: float,
+                       sequence_sums: Optional[SequenceSums] = None) -> torch.Tensor:
+    """Detached IS weights [B, L] correcting for the sampler/trainer mismatch (see module doc).
+
+    sequence_sums: see the module docstring (CP; used by the sequence modes).
+    """
     mode = check_option("rollout_importance_sampling_mode", rollout_importance_sampling_mode, ROLLOUT_IS_MODES)
     threshold = rollout_importance_sampling_threshold
     if not threshold > 0:
@@ -185,7 +213,7 @@ def rollout_is_weights(old_logps: torch.Tensor, rollout_logps: torch.Tensor, com
         return torch.clamp(ratio, max=threshold)
     if mode == "token_mask":
         return torch.where(ratio <= threshold, ratio, torch.zeros_like(ratio))
-    seq_ratio = torch.exp(masked_sequence_mean(log_ratio, mask)).unsqueeze(-1)  # [B, 1]
+    seq_ratio = torch.exp(masked_sequence_mean(log_ratio, mask, sequence_sums)).unsqueeze(-1)  # [B, 1]
     if mode == "sequence_truncate":
         return torch.clamp(seq_ratio, max=threshold).expand_as(ratio)
     return ratio * (seq_ratio <= threshold).to(ratio.dtype)  # sequence_mask
@@ -231,13 +259,15 @@ def compute_policy_loss(
     rollout_logps: Optional[torch.Tensor] = None,
     rollout_importance_sampling_mode: Optional[str] = None,
     rollout_importance_sampling_threshold: float = 2.0,
+    sequence_sums: Optional[SequenceSums] = None,
 ) -> PolicyLossOutput:
     """Per-token GRPO loss of a micro-batch (module docstring gives the formulas).
 
     logps [B, L] current policy log-probs (with grad); advantages [B] or [B, L];
     completion_mask [B, L]; old/ref/rollout logps and entropy [B, L]; truncated [B].
     `entropy_threshold_value`: the global threshold in distributed use; None computes
-    it from this call's loss tokens.
+    it from this call's loss tokens (under CP pass it: this rank holds part of the rows).
+    `sequence_sums`: under CP, the per-row sum reduction (module docstring).
     """
     check_option("loss_type", loss_type, LOSS_TYPES)
     check_option("kl_estimator", kl_estimator, KL_ESTIMATORS)
@@ -268,9 +298,11 @@ def compute_policy_loss(
     is_weights = None
     if rollout_importance_sampling_mode is not None:
         is_weights = rollout_is_weights(old, _zero_outside(rollout_logps.detach(), mask), mask,
-                                        rollout_importance_sampling_mode, rollout_importance_sampling_threshold)
+                                        rollout_importance_sampling_mode, rollout_importance_sampling_threshold,
+                                        sequence_sums)
 
-    log_w = log_importance_weights(logps, old, mask, importance_sampling_level)  # [B, L] | [B, 1]
+    log_w = log_importance_weights(logps, old, mask, importance_sampling_level,
+                                   sequence_sums)                              # [B, L] | [B, 1]
     coef1 = torch.exp(log_w)
     per_token = LOSS_TYPES[loss_type](coef1, adv, logps, epsilon, epsilon_high, delta).expand_as(logps)
 

@@ -74,6 +74,24 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
     return out
 
 
+def cp_shard(batch: dict, cp_size: int, cp_rank: int, sp_size: int = 1) -> dict:
+    """This context-parallel rank's share of a collated micro-batch (data/cp_split.py).
+
+    Every [B, S] tensor becomes [B, S_pad / cp_size], S_pad = S padded to a multiple of
+    2*cp_size (2*cp_size*sp_size under sequence parallelism: sp_size = TP size): the
+    load-balanced chunks r and 2*cp-1-r. input_ids and targets are padded with 0,
+    position_ids with their own global positions, completion_mask with False (no loss
+    on the padding) and the log-probs with 0. The per-sequence advantages [B] and
+    truncated [B] are replicated. "seq_len" (an int) keeps S for `gather_from_cp`.
+    """
+    from ..data.cp_split import shard_batch
+
+    shard = shard_batch(batch, cp_size, cp_rank, sp_size=sp_size)
+    out = dict(shard.tensors)
+    out["seq_len"] = shard.seq_len
+    return out
+
+
 def split_completion_values(values: torch.Tensor, batch: dict) -> list[torch.Tensor]:
     """[B, S] per-token values -> one [len(completion)] tensor per sample (inverse of collate)."""
     return [values[i][batch["completion_mask"][i]] for i in range(values.shape[0])]

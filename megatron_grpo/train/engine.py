@@ -13,6 +13,19 @@ returns before backward and reduction:
 Net factor on our gradient: cp / M / (dp * cp) = 1 / (M * dp). We return
 `L_mb * M * dp`, so the summed gradient is exactly d(sum L_mb)/d(theta).
 `megatron_loss_scale` holds that rule and tests/test_train_engine.py holds us to it.
+(dp is the data-parallel size WITHOUT CP: Megatron's get_data_parallel_world_size().)
+
+Context parallelism (CP). Each CP rank gets its load-balanced chunks of every [B, S]
+tensor of the micro-batch (`batch.cp_shard`) and runs the kernel on its [S/cp, B, h]
+hidden states. Its loss is its own tokens' share: sum_t coef_t * l_t over local
+tokens, with coefficients from whole-row counts, so the CP ranks' shares add up to
+L_mb; the gradient summed over DP x CP by DDP is then again d(sum L_mb)/d(theta) with
+the same factor, cp * 1/(dp * cp) * M * dp / M = 1 (the x cp of the schedule and the
+1/cp of DDP cancel). Per-sequence quantities (sequence-level importance ratio, rollout
+IS sequence ratio, grpo's per-completion token counts, per-completion metrics) need
+whole rows: each rank all-reduces its per-row partial sums over the CP group
+(`_SumOverCP`) instead of gathering log-probs. Metric partials are then identical on
+every CP rank and reduced over DP only.
 
 The last pipeline stage runs GPTModel up to its final norm only (`_hidden_only`); the
 fused vocab-parallel kernel turns hidden states into log-probs and entropy without
@@ -27,9 +40,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..algorithms import (compute_policy_loss, local_loss, merge_partials,
+from ..algorithms import (compute_policy_loss, entropy_threshold, local_loss, merge_partials,
                           policy_metric_partials, rollout_metric_partials)
+from ..algorithms.policy_loss import loss_mask_after_overlong_filter
 from ..kernels import vocab_parallel_logprobs
+from .batch import cp_shard
 
 
 @dataclass
@@ -105,7 +120,78 @@ def _logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, *,
     return logp, ent
 
 
+class _SumOverCP(torch.autograd.Function):
+    """y = sum over the CP ranks of x (all-reduce); backward all-reduces the gradient too.
+
+    Why the backward all-reduces: y is replicated, and every CP rank r feeds it into its
+    own local loss L_r (its own tokens). The objective is sum_r L_r (DDP sums the CP
+    ranks' gradients), so dObjective/dx_r = sum_r' dL_r'/dy * dy/dx_r = sum_r' dL_r'/dy:
+    the upstream gradients of ALL ranks, i.e. an all-reduce of the upstream gradient.
+    (Megatron's TP reduce has an identity backward because there every rank computes the
+    same loss from y and only one copy of it counts; here each rank's loss differs.)
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        y = x.detach().clone().contiguous()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone().contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def cp_sequence_sums():
+    """The `sequence_sums` hook of algorithms under CP ([B, k] per-row partial sums ->
+    whole-row sums over the CP group, differentiable), or None without CP."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() == 1:
+        return None
+    group = ps.get_context_parallel_group()
+    return lambda partial: _SumOverCP.apply(partial, group)
+
+
+def _cp_micro_batches(chunks, micro_batches: list[dict]) -> list[dict]:
+    """Each micro-batch as this CP rank's chunks (unchanged without CP)."""
+    from megatron.core import parallel_state as ps
+
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return micro_batches
+    # Under sequence parallelism each CP rank's tokens are split again over TP.
+    sp = (ps.get_tensor_model_parallel_world_size()
+          if unwrap(chunks[0]).config.sequence_parallel else 1)
+    rank = ps.get_context_parallel_rank()
+    return [cp_shard(mb, cp, rank, sp) for mb in micro_batches]
+
+
+def _gather_cp(local: Optional[torch.Tensor], batch: dict) -> Optional[torch.Tensor]:
+    """[b, S_pad/cp] of each CP rank -> [b, S] in sequence order (no autograd); as is
+    without CP."""
+    from ..data.cp_split import gather_from_cp
+
+    if local is None or "seq_len" not in batch:
+        return local
+    return gather_from_cp(local, seq_len=batch["seq_len"])
+
+
+def _cp_entropy_threshold(ent: torch.Tensor, batch: dict, opts: "LossOptions") -> torch.Tensor:
+    """The micro-batch's top_entropy_quantile threshold from the entropies of all of its
+    loss tokens, gathered over CP (the quantile is not a sum: it needs every value)."""
+    mask = loss_mask_after_overlong_filter(batch["completion_mask"], batch["truncated"],
+                                           opts.overlong_filter)
+    full_mask = _gather_cp(mask.to(torch.uint8), batch).bool()          # [b, S]
+    return entropy_threshold(_gather_cp(ent.detach(), batch), opts.top_entropy_quantile,
+                             full_mask)
+
+
 def _run_schedule(chunks, micro_batches: list[dict], forward_step, forward_only: bool):
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     seq = max(mb["input_ids"].shape[1] for mb in micro_batches)
@@ -116,6 +202,9 @@ def _run_schedule(chunks, micro_batches: list[dict], forward_step, forward_only:
                          "collate them with a common pad length")
     iters = ([iter(micro_batches) for _ in chunks] if len(chunks) > 1
              else iter(micro_batches))
+    # The schedule wants the FULL sequence length: it divides by cp (and tp under SP)
+    # to size its p2p buffers; CP micro-batches hold S_pad / cp positions.
+    seq *= ps.get_context_parallel_world_size()
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iters, model=chunks,
         num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs,
@@ -133,7 +222,9 @@ def forward_logprobs(chunks, micro_batches: list[dict], *, temperature: float, v
                      compute_entropy: bool = False) -> Optional[list[dict]]:
     """Per-token log-probs (and entropy) [b, s] of each micro-batch, forward only.
 
-    Returns the list on the last pipeline stage and None on the others.
+    Returns the list on the last pipeline stage and None on the others. Under CP the
+    values are gathered over the CP group back to the micro-batch's [b, s] (they become
+    old/ref log-probs of whole samples; a forward-only gather of [b, s] floats).
     """
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -145,12 +236,13 @@ def forward_logprobs(chunks, micro_batches: list[dict], *, temperature: float, v
                                               vocab_size=vocab_size,
                                               compute_entropy=compute_entropy)
             zero = h.new_zeros(())
-            return zero, {"logps": logp, "entropy": ent}
+            return zero, {"logps": _gather_cp(logp, batch), "entropy": _gather_cp(ent, batch)}
         return hidden, loss_fn
 
     for c in chunks:
         c.eval()
-    out = _run_schedule(chunks, micro_batches, forward_step, forward_only=True)
+    out = _run_schedule(chunks, _cp_micro_batches(chunks, micro_batches), forward_step,
+                        forward_only=True)
     for c in chunks:
         c.train()
     return out if is_last_stage() else None
@@ -162,11 +254,17 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
 
     `normalizer` is the global denominator from `algorithms.loss_normalizer` (counts
     all-reduced over DP beforehand). Returns metric partials of this rank (last stage;
-    empty elsewhere) and this rank's share of the step loss under "loss".
+    empty elsewhere) and this rank's share of the step loss under "loss". Under CP
+    `micro_batches` are still whole [B, S] micro-batches (every CP rank passes the same
+    ones); each CP rank takes its chunks here, and the partials (loss included) are
+    those of whole completions, equal on every CP rank: reduce them over DP only.
     """
+    from megatron.core import parallel_state as ps
+
     num_mb = len(micro_batches)
     scale = megatron_loss_scale(num_mb)
     need_entropy = opts.log_entropy or opts.top_entropy_quantile < 1.0
+    seq_sums = cp_sequence_sums()       # None without CP: every row is whole
     parts = []
 
     def forward_step(data_iterator, model):
@@ -178,6 +276,11 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
             logp, ent = _logprobs_from_hidden(model, h, batch["targets"],
                                               temperature=opts.temperature,
                                               vocab_size=vocab_size, compute_entropy=need_entropy)
+            cp_kwargs, coef_kwargs = {}, {}
+            if seq_sums is not None:
+                cp_kwargs["sequence_sums"] = seq_sums
+                if opts.top_entropy_quantile < 1.0:
+                    cp_kwargs["entropy_threshold_value"] = _cp_entropy_threshold(ent, batch, opts)
             out = compute_policy_loss(
                 logp, batch["advantages"], batch["completion_mask"],
                 old_logps=batch.get("old_logps"), loss_type=opts.loss_type,
@@ -189,11 +292,19 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
                 truncated=batch["truncated"], overlong_filter=opts.overlong_filter,
                 rollout_logps=batch.get("rollout_logps"),
                 rollout_importance_sampling_mode=opts.rollout_importance_sampling_mode,
-                rollout_importance_sampling_threshold=opts.rollout_importance_sampling_threshold)
-            loss = local_loss(out.per_token_loss, out.loss_mask, opts.loss_type, normalizer)
+                rollout_importance_sampling_threshold=opts.rollout_importance_sampling_threshold,
+                **cp_kwargs)
+            if seq_sums is not None:
+                # grpo's 1/n_i needs each completion's loss tokens on every CP rank.
+                n = out.loss_mask.sum(dim=-1, keepdim=True).to(torch.float64)    # [B, 1]
+                coef_kwargs["sequence_token_counts"] = seq_sums(n)[:, 0]
+            loss = local_loss(out.per_token_loss, out.loss_mask, opts.loss_type, normalizer,
+                              **coef_kwargs)
+            metric_kwargs = {"sequence_sums": seq_sums} if seq_sums is not None else {}
             p = policy_metric_partials(out, loss_type=opts.loss_type, epsilon=opts.epsilon,
                                        epsilon_high=opts.epsilon_high,
-                                       entropy=ent if opts.log_entropy else None)
+                                       entropy=ent if opts.log_entropy else None,
+                                       **metric_kwargs)
             if batch.get("rollout_logps") is not None:
                 old = batch.get("old_logps")
                 old = logp.detach() if old is None else old
@@ -201,18 +312,26 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
                     old, batch["rollout_logps"], batch["completion_mask"],
                     rollout_importance_sampling_mode=opts.rollout_importance_sampling_mode,
                     rollout_importance_sampling_threshold=opts.
-                    rollout_importance_sampling_threshold))
-            p["sum"]["loss"] = loss.detach().to(torch.float64)
+                    rollout_importance_sampling_threshold, **metric_kwargs))
+            reported = loss.detach().clone()
+            if seq_sums is not None:    # the micro-batch's share: sum of the CP ranks' shares
+                dist.all_reduce(reported, group=ps.get_context_parallel_group())
+            p["sum"]["loss"] = reported.to(torch.float64)
             parts.append(p)
-            return loss * scale, {"loss": loss.detach().clone()}
+            return loss * scale, {"loss": reported}
         return hidden, loss_fn
 
-    _run_schedule(chunks, micro_batches, forward_step, forward_only=False)
+    _run_schedule(chunks, _cp_micro_batches(chunks, micro_batches), forward_step,
+                  forward_only=False)
     return merge_partials(*parts) if parts else {"sum": {}, "min": {}, "max": {}}
 
 
 def reduce_partials(partials: dict, group=None) -> dict:
-    """All-reduce metric partials (SUM/MIN/MAX per op) over `group` (default: DP)."""
+    """All-reduce metric partials (SUM/MIN/MAX per op) over `group` (default: DP).
+
+    DP without CP: under CP every CP rank already holds the partials of whole
+    completions (train_micro_batches), so the CP group must not be summed again.
+    """
     from megatron.core import parallel_state as ps
 
     from ..algorithms import stack_partials, unstack_partials

@@ -13,6 +13,17 @@ def _clean(value):
     return value if math.isfinite(value) else None     # JSON has no NaN
 
 
+def _truncate_after(path: str, step: int) -> None:
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(rows)
+    os.replace(tmp, path)
+
+
 class RunLogger:
     def __init__(self, output_dir: str, total_steps: int, *, report_to=(), logging_steps=1,
                  log_completions=False, enabled=True, start_step=0):
@@ -27,6 +38,10 @@ class RunLogger:
         os.makedirs(output_dir, exist_ok=True)
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
         self.completions_path = os.path.join(output_dir, "completions.jsonl")
+        # On resume, rows of steps after the checkpoint were lost with the crash and
+        # will be redone: drop them so that every step appears once.
+        for path in (self.metrics_path, self.completions_path):
+            _truncate_after(path, start_step)
         if "tensorboard" in (report_to or ()):
             from torch.utils.tensorboard import SummaryWriter
 
