@@ -152,6 +152,9 @@ def train(cfg) -> None:
         steps_data = [samples[k * per_step:(k + 1) * per_step] for k in range(g.steps_per_generation)]
         mine = [sl[dp_rank::dp] for sl in steps_data]
         pad = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
+        if policy.config.sequence_parallel:   # the sequence is split over TP ranks
+            tp = cfg.parallel.tensor_model_parallel_size
+            pad = -(-pad // tp) * tp
         # 5: old (off-policy) and reference log-probs, before any update of this batch.
         t0 = time.perf_counter()
         for part in mine:
