@@ -1,0 +1,481 @@
+"""Atomic, resumable training checkpoints on Megatron's distributed checkpointing.
+
+    save_checkpoint(out, step, chunks, optimizer, scheduler,
+                    extra_state={"step": step, "sampler": sampler.state_dict()},
+                    save_total_limit=cfg.save_total_limit)
+    extra = resume(out, chunks, optimizer, scheduler)   # None on a fresh run
+
+(`resume` is find_latest_checkpoint + load_checkpoint; it also takes a checkpoint-N path.)
+
+Layout of `out/checkpoint-{step}/` (`out/latest` names the newest committed one):
+
+    dist/             Megatron distributed checkpoint: model ("model", or "model0", ...
+                      per virtual stage), optimizer, LR scheduler. Tensors are stored by
+                      global name and offset: weights and (default sharding) optimizer
+                      state load under another TP / PP / VPP / DP.
+    rank_00000.pt ..  per global rank: RNG states and `extra_state`. Restored only under
+                      the saving layout (RNG streams belong to a rank); otherwise rank 0's
+                      `extra_state` is returned and the RNG is left alone.
+    checkpoint.json   written last by rank 0: step, time, layout, what is inside.
+
+Atomicity. Everything is written into the hidden sibling `.checkpoint-{step}.tmp`;
+after all ranks are done (barrier) rank 0 writes checkpoint.json, fsyncs the tree,
+renames the folder to its final name (an atomic rename on one file system) and
+replaces `latest` (write a temporary file, fsync, os.replace). A crash at any point
+leaves either no `checkpoint-{step}` at all or a complete one; hidden folders are
+never considered by `find_latest_checkpoint` and are swept by the next save.
+Deletions (save_total_limit) rename first and delete second, for the same reason.
+All ranks must see one shared file system (as for Megatron's own checkpoints).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("megatron_grpo.checkpoint")
+
+FORMAT_VERSION = 1
+META_FILE = "checkpoint.json"
+LATEST_FILE = "latest"
+# How DistributedOptimizer lays out its state on disk (Megatron's names).
+# fully_reshardable: gathered to canonical per-parameter tensors, loads under any
+# TP/PP/DP (slower save); dp_reshardable: each rank's flat buffers, fast, DP-only.
+OPTIM_SHARDING_TYPES = ("fully_reshardable", "dp_reshardable")
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+# ---------------------------------------------------------------- RNG states
+def collect_rng_state() -> dict:
+    """This rank's RNG states: python, numpy, torch CPU, CUDA and Megatron's tracker.
+
+    On a CPU-only machine Megatron's "CUDA" tracker states are CPU generator states
+    (platform.cpu), so the same dict covers both cases.
+    """
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        # get_states() hands out the tracker's own tensors: copy them.
+        "tracker": {k: v.clone() for k, v in tracker.get_states().items()},
+    }
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of collect_rng_state (the generators continue exactly where they were)."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(
+        {k: v.clone() for k, v in state["tracker"].items()})
+
+
+# ---------------------------------------------------------------- paths
+def checkpoint_path(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"checkpoint-{step}")
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints in output_dir as (step, path), oldest first.
+
+    Complete means a `checkpoint-N` folder holding checkpoint.json; the temporary
+    and being-deleted folders are hidden names and never match.
+    """
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = _CKPT_RE.match(name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isfile(os.path.join(path, META_FILE)):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def find_latest_checkpoint(output_dir: str) -> Optional[str]:
+    """The checkpoint to resume from, or None.
+
+    `latest` wins when it names a complete checkpoint (it is the last committed save,
+    even if an older run left higher-numbered folders); otherwise the highest step.
+    """
+    ckpts = list_checkpoints(output_dir)
+    try:
+        with open(os.path.join(output_dir, LATEST_FILE)) as f:
+            name = f.read().strip()
+        for _, path in ckpts:
+            if os.path.basename(path) == name:
+                return path
+    except OSError:
+        pass
+    return ckpts[-1][1] if ckpts else None
+
+
+def resume(resume_from: str, chunks: list, optimizer=None, scheduler=None) -> Optional[dict]:
+    """Load a checkpoint-N folder, or the latest checkpoint of an output_dir.
+
+    Returns the saved extra_state, or None when an output_dir holds no checkpoint yet
+    (a fresh run). Collective.
+    """
+    path = resume_from
+    if not os.path.isfile(os.path.join(resume_from, META_FILE)):
+        path = find_latest_checkpoint(resume_from)
+        if path is None:
+            return None
+    logger.info("resuming from %s", path)
+    return load_checkpoint(path, chunks, optimizer, scheduler)
+
+
+def read_metadata(path: str) -> dict:
+    meta_file = os.path.join(path, META_FILE)
+    if not os.path.isfile(meta_file):
+        raise ValueError(f"{path} is not a complete checkpoint (no {META_FILE}); pass a "
+                         "checkpoint-N folder written by save_checkpoint, or use "
+                         "find_latest_checkpoint(output_dir)")
+    with open(meta_file) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------- file helpers
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(os.path.dirname(path) or ".")
+
+
+def _remove_dir(path: str) -> None:
+    """Hide the folder first (rename), then delete it: a crash never leaves a half
+    deleted folder under a name that find_latest_checkpoint would pick."""
+    hidden = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.deleting")
+    if os.path.exists(hidden):
+        shutil.rmtree(hidden)
+    os.rename(path, hidden)
+    shutil.rmtree(hidden)
+
+
+def _sweep_leftovers(output_dir: str) -> None:
+    """Remove temporary / half-deleted folders left by saves that crashed."""
+    for name in os.listdir(output_dir):
+        if name.startswith(".checkpoint-") and name.endswith((".tmp", ".deleting")):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+
+
+def _rank_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"rank_{rank:05d}.pt")
+
+
+def _write_rank_state(path: str, rank: int, state: dict) -> None:
+    with open(_rank_file(path, rank), "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------- state dicts
+def _layout() -> dict:
+    """The parallel layout the per-rank files belong to."""
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": dist.get_world_size(),
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def _unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module: tensor keys must not depend on wrappers
+    (DDP's generic sharded_state_dict would prefix every key with "module.")."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _torch_adam_distopts(optimizer) -> list:
+    """The DistributedOptimizers in `optimizer` that run torch's own Adam.
+
+    Megatron-Core 0.16 handles the Adam `step` of that path (no Apex / TE fused Adam,
+    e.g. on CPU) incompletely when checkpointing; the two helpers below fill the gaps.
+    With fused Adam (GPU) the list is empty and Megatron's code runs untouched.
+    """
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if getattr(dopt, "HAVE_APEX_OR_TE", True):
+        return []
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(o, dopt.DistributedOptimizer)]
+
+
+def _prime_optimizer_state(optimizer) -> None:
+    """Give a never-stepped DistributedOptimizer its per-parameter state before a load.
+
+    Its state_dict() reads the Adam step from the per-parameter state, which torch's
+    Adam creates only at the first step (it asserts on a fresh optimizer). One step
+    with zero gradients and lr = weight_decay = 0 creates that state without moving a
+    weight; the load then overwrites it in place.
+    """
+    for opt in _torch_adam_distopts(optimizer):
+        inner = opt.optimizer
+        if len(inner.state) > 0:
+            continue
+        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()
+        for g, (lr, wd) in zip(inner.param_groups, saved):
+            g["lr"], g["weight_decay"] = lr, wd
+            for p in g["params"]:
+                p.grad = None
+
+
+@contextlib.contextmanager
+def _fix_adam_step_on_load(optimizer):
+    """Two repairs around DistributedOptimizer.load_state_dict on torch's Adam.
+
+    1. load_state_dict first restores `step` from the saved param groups, then its
+       per-parameter loaders copy every key of the live state: with `step` missing
+       from the loaded tensors (fully_reshardable: KeyError) or holding a placeholder
+       (dp_reshardable: the value of the state primed for loading). During the load a
+       per-instance wrapper hands the restored live `step` in, making that copy a no-op.
+    2. It gives every parameter the *same* `step` tensor; torch's foreach Adam then adds
+       1 to it once per parameter per step and the bias correction drifts (resumed runs
+       diverge from the second step on). Afterwards each parameter gets its own copy.
+    """
+    patched = []
+    for opt in _torch_adam_distopts(optimizer):
+        original = opt._set_main_param_and_optimizer_states
+
+        def setter(model_param, tensors, _opt=opt, _original=original):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            live = _opt.optimizer.state[main_param]
+            if "step" in live:
+                tensors = {**tensors, "step": live["step"]}
+            return _original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = setter
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+    for opt in patched:
+        for state in opt.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _optimizer_has_state(optimizer) -> bool:
+    """Whether any per-parameter state (Adam moments) exists on this rank."""
+    return any(len(getattr(o, "optimizer", None).state) > 0
+               for o in getattr(optimizer, "chained_optimizers", [optimizer])
+               if getattr(o, "optimizer", None) is not None)
+
+
+def _any_rank(flag: bool) -> bool:
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(flag))
+    return any(flags)
+
+
+def _sharded_state_dict(chunks, optimizer, scheduler, is_loading: bool,
+                        optim_sharding_type: str) -> dict:
+    # Megatron's own key names: "model" for one chunk, "model{i}" per virtual stage.
+    # Keys inside are global (layer numbers offset by stage), so the dict structure
+    # need not match between save and load.
+    metadata = {"distrib_optim_sharding_type": optim_sharding_type,
+                # New-style keys without a "chained_{i}." prefix where that is possible.
+                "chained_optim_avoid_prefix": True}
+    sd: dict[str, Any] = {}
+    if len(chunks) == 1:
+        sd["model"] = _unwrap(chunks[0]).sharded_state_dict(metadata=dict(metadata))
+    else:
+        for i, chunk in enumerate(chunks):
+            sd[f"model{i}"] = _unwrap(chunk).sharded_state_dict(metadata=dict(metadata))
+    if optimizer is not None:
+        if is_loading:
+            _prime_optimizer_state(optimizer)
+        # The optimizer maps its state onto the model's ShardedTensors by parameter.
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading,
+                                                       metadata=dict(metadata))
+    if scheduler is not None and not is_loading:
+        # Plain values: rank 0 stores them in dist/common.pt, every rank gets them back.
+        sd["scheduler"] = scheduler.state_dict()
+    return sd
+
+
+# ---------------------------------------------------------------- save
+def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, scheduler=None,
+                    extra_state: Optional[dict] = None, *,
+                    save_total_limit: Optional[int] = None,
+                    optim_sharding_type: str = "fully_reshardable") -> str:
+    """Write output_dir/checkpoint-{step} atomically on every rank; returns its path.
+
+    chunks: this rank's model chunks (DDP-wrapped or not); optimizer: Megatron's
+    (plain, distributed or chained); scheduler: an OptimizerParamScheduler;
+    extra_state: this rank's trainer state (step, sampler position, config), anything
+    torch.save takes. save_total_limit: keep at most this many checkpoints, deleting
+    the oldest (never the one just written). Collective: call on all ranks.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    if save_total_limit is not None and (not isinstance(save_total_limit, int)
+                                         or save_total_limit < 1):
+        raise ValueError(f"--save_total_limit must be a positive integer or unset, got "
+                         f"{save_total_limit!r}")
+    if optim_sharding_type not in OPTIM_SHARDING_TYPES:
+        raise ValueError(f"optim_sharding_type {optim_sharding_type!r} is not one of "
+                         f"{OPTIM_SHARDING_TYPES}")
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = checkpoint_path(output_dir, step)
+    tmp = os.path.join(output_dir, f".checkpoint-{step}.tmp")
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        _sweep_leftovers(output_dir)
+        os.makedirs(os.path.join(tmp, "dist"))  # dist_checkpointing wants it to exist
+    dist.barrier()
+
+    started = time.time()
+    # A never-stepped optimizer has no per-parameter state to save, and loading it
+    # would need state that is not there. Fresh is fresh: record it and load nothing.
+    optim_status = None
+    if optimizer is not None:
+        optim_status = "saved" if _any_rank(_optimizer_has_state(optimizer)) else "fresh"
+    sd = _sharded_state_dict(chunks, optimizer if optim_status == "saved" else None,
+                             scheduler, False, optim_sharding_type)
+    dist_checkpointing.save(sd, os.path.join(tmp, "dist"))
+    _write_rank_state(tmp, rank, {"rng": collect_rng_state(), "extra_state": extra_state})
+    dist.barrier()
+
+    error = None
+    if rank == 0:
+        try:
+            import megatron.core
+
+            meta = {"format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+                    "versions": {"torch": torch.__version__,
+                                 "megatron_core": getattr(megatron.core, "__version__", "?")},
+                    "save_seconds": round(time.time() - started, 3),
+                    "layout": _layout(), "num_model_chunks": len(chunks),
+                    "contents": {"model": True, "optimizer": optim_status,
+                                 "scheduler": scheduler is not None, "rng": True,
+                                 "extra_state": sorted((extra_state or {}).keys())},
+                    "optim_sharding_type": optim_sharding_type}
+            _write_atomic(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1))
+            _fsync_tree(tmp)
+            if os.path.exists(final):  # an earlier run reached this step: replace it
+                _remove_dir(final)
+            os.rename(tmp, final)
+            _fsync_path(output_dir)
+            _write_atomic(os.path.join(output_dir, LATEST_FILE), os.path.basename(final))
+            if save_total_limit is not None:
+                _prune(output_dir, save_total_limit, keep=final)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
+            error = f"{type(e).__name__}: {e}"
+            logger.exception("committing checkpoint %s failed", final)
+    status = [error]
+    dist.broadcast_object_list(status, src=0)
+    if status[0] is not None:
+        raise RuntimeError(f"saving checkpoint {final} failed on rank 0: {status[0]}")
+    return final
+
+
+def _prune(output_dir: str, limit: int, keep: str) -> None:
+    """Delete the oldest checkpoints so that at most `limit` remain, never `keep`."""
+    others = [p for _, p in list_checkpoints(output_dir) if p != keep]
+    excess = len(others) - (limit - 1)
+    for path in others[:max(excess, 0)]:
+        logger.info("save_total_limit=%d: deleting %s", limit, path)
+        _remove_dir(path)
+
+
+# ---------------------------------------------------------------- load
+def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
+                    load_rng: bool = True) -> Optional[dict]:
+    """Restore what save_checkpoint wrote into this rank's objects; returns extra_state.
+
+    optimizer / scheduler None: not restored (e.g. weights only, for evaluation or a
+    new run). The model loads under any TP/PP/VPP/DP; the per-rank RNG states and
+    extra_state need the saving layout, otherwise rank 0's extra_state is returned
+    and the RNG streams are left as they are (with a warning). Collective.
+    """
+    meta = read_metadata(path)
+    contents = meta["contents"]
+    if optimizer is not None and contents["optimizer"] is None:
+        raise ValueError(f"{path} holds no optimizer state; pass optimizer=None to load "
+                         "the weights only")
+    if contents["optimizer"] == "fresh":
+        optimizer = None  # saved before the first step: a new optimizer is that state
+    if scheduler is not None and not contents["scheduler"]:
+        raise ValueError(f"{path} holds no LR scheduler state; pass scheduler=None")
+    from megatron.core import dist_checkpointing
+
+    sd = _sharded_state_dict(chunks, optimizer, None, True, meta["optim_sharding_type"])
+    loaded = dist_checkpointing.load(sd, os.path.join(path, "dist"))
+    if len(chunks) == 1:
+        _unwrap(chunks[0]).load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(chunks):
+            _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    if optimizer is not None:
+        # no_grad: with fp32 weights the distributed optimizer's main params are views
+        # of the model's leaf params, and the dp_reshardable loader copies into them.
+        with _fix_adam_step_on_load(optimizer), torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+
+    rank = dist.get_rank()
+    same_layout = meta["layout"] == _layout()
+    if not same_layout:
+        logger.warning("checkpoint %s was saved with layout %s, now %s: RNG states are not "
+                       "restored and rank 0's extra_state is used", path, meta["layout"],
+                       _layout())
+    # Our own files: full unpickling is needed for python/numpy RNG states.
+    own = torch.load(_rank_file(path, rank if same_layout else 0), weights_only=False)
+    if same_layout and load_rng:
+        restore_rng_state(own["rng"])
+    dist.barrier()
+    return own["extra_state"]
