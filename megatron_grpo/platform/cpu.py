@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 
 import torch
@@ -147,6 +148,14 @@ def _patch_megatron() -> None:
             mod.get_default_causal_mask = causal_mask
 
 
+class _DropRngContextWarning(logging.Filter):
+    """Megatron warns when the CPU RNG changes inside its CUDA-RNG fork; on CPU the two
+    generators are one, so the message is always true and never useful."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
 def install() -> bool:
     """Install the CPU layer in this process; returns True if it is (now) active."""
     global _INSTALLED
@@ -157,6 +166,8 @@ def install() -> bool:
             return True
         _patch_torch_cuda()
         _patch_megatron()
+        logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
+            _DropRngContextWarning())
         _CudaToCpuMode().__enter__()  # stays active for the life of the process
         _INSTALLED = True
     return True
