@@ -1,0 +1,328 @@
+"""Whole-checkpoint conversion behind `megatron export`, run inside every rank torchrun started.
+
+    NPROC_PER_NODE=2 megatron export --to_mcore true --model HF_DIR --output_dir MCORE_DIR \\
+        --tensor_model_parallel_size 2 [--pipeline_model_parallel_size P] \\
+        [--virtual_pipeline_model_parallel_size V] [--test_convert_precision true]
+    megatron export --to_hf true --mcore_model MCORE_DIR --output_dir HF_OUT
+
+--to_mcore: HF safetensors -> the bridge's load -> a Megatron distributed checkpoint
+(`dist_checkpointing`, so it loads under any other TP/PP/VPP), plus the HF config and
+tokenizer files in `MCORE_DIR/hf_config/` (what --to_hf needs to rebuild the model).
+--to_hf: the distributed checkpoint loaded at this run's TP/PP -> the bridge's export
+stream -> safetensors shards (rank 0 writes) plus the config and tokenizer files.
+--test_convert_precision: both models on one sample; prints max and mean |logit diff|.
+
+An output folder that already holds files is left alone unless --overwrite true; the
+output is written to `<output_dir>.tmp` first and renamed when complete.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+HF_CONFIG_DIR = "hf_config"
+META_FILE = "megatron_grpo_convert.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".distcp")
+
+
+def _bool(value: str) -> bool:
+    v = str(value).strip().lower()
+    if v in ("true", "1", "yes"):
+        return True
+    if v in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _size(value: str) -> int:
+    v = str(value).strip().upper()
+    for unit, mult in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10), ("B", 1)):
+        if v.endswith(unit):
+            return int(float(v[:-len(unit)]) * mult)
+    return int(v)
+
+
+@dataclass
+class ConvertArgs:
+    to_mcore: bool
+    to_hf: bool
+    model: str | None
+    mcore_model: str | None
+    output_dir: str
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
+    torch_dtype: str | None
+    test_convert_precision: bool
+    overwrite: bool
+    max_shard_size: int
+
+
+def parse_args(argv: list[str]) -> ConvertArgs:
+    p = argparse.ArgumentParser(prog="megatron export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--to_mcore", type=_bool, default=False, help="HF -> Megatron dist checkpoint")
+    p.add_argument("--to_hf", type=_bool, default=False, help="Megatron dist checkpoint -> HF")
+    p.add_argument("--model", help="HF checkpoint folder (--to_mcore)")
+    p.add_argument("--mcore_model", help="folder written by --to_mcore (--to_hf)")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--tensor_model_parallel_size", type=int, default=1)
+    p.add_argument("--pipeline_model_parallel_size", type=int, default=1)
+    p.add_argument("--virtual_pipeline_model_parallel_size", type=int, default=None)
+    p.add_argument("--torch_dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="parameter dtype (default: the checkpoint's)")
+    p.add_argument("--test_convert_precision", type=_bool, default=False)
+    p.add_argument("--overwrite", type=_bool, default=False)
+    p.add_argument("--max_shard_size", type=_size, default=_size("5GB"),
+                   help="HF shard size for --to_hf, e.g. 5GB, 200MB")
+    return ConvertArgs(**vars(p.parse_args(argv)))
+
+
+def check_args(argv: list[str], world_size: int) -> ConvertArgs:
+    """Everything checkable before any process starts; ValueError naming the option."""
+    a = parse_args(argv)
+    if a.to_mcore == a.to_hf:
+        raise ValueError("megatron export: give exactly one of --to_mcore true / --to_hf true")
+    src_flag, src = ("--model", a.model) if a.to_mcore else ("--mcore_model", a.mcore_model)
+    if not src or not os.path.isdir(src):
+        raise ValueError(f"{src_flag} {src!r}: not a folder; it must name the checkpoint to convert")
+    if a.to_hf and not os.path.isfile(os.path.join(src, HF_CONFIG_DIR, "config.json")):
+        raise ValueError(f"--mcore_model {src!r} has no {HF_CONFIG_DIR}/config.json: it was not "
+                         "written by `megatron export --to_mcore`")
+    if a.to_hf:
+        _check_query_groups(a)
+    model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+    if world_size % model_parallel:
+        raise ValueError(f"--tensor_model_parallel_size {a.tensor_model_parallel_size} x "
+                         f"--pipeline_model_parallel_size {a.pipeline_model_parallel_size} = "
+                         f"{model_parallel} does not divide the {world_size} processes "
+                         "(NPROC_PER_NODE / --nproc_per_node)")
+    if os.path.isdir(a.output_dir) and os.listdir(a.output_dir) and not a.overwrite:
+        raise ValueError(f"--output_dir {a.output_dir!r} already holds files; pass "
+                         "--overwrite true to replace them, or choose another folder")
+    return a
+
+
+def _check_query_groups(a: ConvertArgs) -> None:
+    """With fewer kv heads than TP, Megatron runs with `tp` query groups holding kv replicas
+    (model/config.py): the saved layout then depends on the TP it was saved at."""
+    meta_path = os.path.join(a.mcore_model, META_FILE)
+    if not os.path.isfile(meta_path):
+        return
+    with open(meta_path) as f:
+        saved_tp = json.load(f)["tensor_model_parallel_size"]
+    with open(os.path.join(a.mcore_model, HF_CONFIG_DIR, "config.json")) as f:
+        hf = json.load(f)
+    kv = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    groups = lambda tp: max(kv, tp)  # noqa: E731 - Megatron's num_query_groups at that TP
+    if groups(saved_tp) != groups(a.tensor_model_parallel_size):
+        raise ValueError(
+            f"--tensor_model_parallel_size {a.tensor_model_parallel_size}: {a.mcore_model!r} was "
+            f"saved at tensor parallel size {saved_tp} with the model's {kv} kv heads replicated "
+            f"to {groups(saved_tp)} query groups, a layout that only loads at a tensor parallel "
+            f"size giving the same number of groups; use --tensor_model_parallel_size {saved_tp}")
+
+
+def _copy_hf_side_files(src: str, dst: str) -> None:
+    """config.json, tokenizer and generation files: everything but the weights."""
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, os.path.join(dst, name))
+
+
+def _default_dtype(hf_config: dict) -> str:
+    dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+
+
+def _sharded_state_dict(chunks) -> dict:
+    from .params import unwrap
+
+    if len(chunks) == 1:
+        return {"model": unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _finish(tmp: str, out: str) -> None:
+    """Rank 0: replace `out` by the completed `tmp`."""
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def _begin(out: str, rank: int) -> str:
+    import torch.distributed as dist
+
+    tmp = out.rstrip("/") + ".tmp"
+    if rank == 0:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    dist.barrier()
+    return tmp
+
+
+def write_hf_checkpoint(buckets, out_dir: str, max_shard_size: int, write: bool) -> list[str]:
+    """Write a bridge stream as HF safetensors (shards + index when more than one file).
+
+    Every rank must iterate the stream (it is collective); only `write` ranks keep and
+    write the tensors, holding at most one shard in memory. Returns the keys in order.
+    """
+    from safetensors.torch import save_file
+
+    names, shard, shard_bytes, files, weight_map, total = [], {}, 0, [], {}, 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard and write:
+            name = f"shard-{len(files):05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name),
+                      metadata={"format": "pt"})
+            files.append((name, list(shard)))
+        shard, shard_bytes = {}, 0
+
+    for bucket in buckets:
+        for name, tensor in bucket:
+            names.append(name)
+            nbytes = tensor.numel() * tensor.element_size()
+            total += nbytes
+            if shard and shard_bytes + nbytes > max_shard_size:
+                flush()
+            if write:  # a copy: the bucket's buffer is reused for the next bucket
+                shard[name] = tensor.clone()
+            shard_bytes += nbytes
+    flush()
+    if not write:
+        return names
+    if len(files) == 1:
+        os.replace(os.path.join(out_dir, files[0][0]), os.path.join(out_dir, "model.safetensors"))
+        return names
+    for i, (tmp_name, keys) in enumerate(files):
+        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        os.replace(os.path.join(out_dir, tmp_name), os.path.join(out_dir, final))
+        weight_map.update({k: final for k in keys})
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+def megatron_logits(chunks, config, args, ids):
+    """HF-vocab logits [B, S, V] of the model, on every rank (forward_only schedule)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    batch, seq = ids.shape
+    device = next(chunks[0].parameters()).device
+    ids = ids.to(device)
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+
+    def step(data_iterator, model):
+        next(data_iterator)
+        output = model(ids, positions, None)
+
+        def collect(out):
+            full = gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size]
+            return torch.zeros((), device=device), {"logits": full.float().detach().clone()}
+
+        return output, collect
+
+    for c in chunks:
+        c.eval()
+    data = [iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None])
+    with torch.no_grad():
+        result = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=data, model=chunks, num_microbatches=1,
+            seq_length=seq, micro_batch_size=batch, forward_only=True)
+    logits = torch.empty((batch, seq, args.vocab_size), dtype=torch.float32, device=device)
+    # The last stage's ranks hold them; the last rank of the world is one of those.
+    last = dist.get_world_size() - 1
+    if dist.get_rank() == last:
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            raise RuntimeError("the last rank of the world is not on the last pipeline stage")
+        logits.copy_(result[0]["logits"])
+    dist.broadcast(logits, src=last)
+    return logits
+
+
+def _precision(chunks, config, args, hf_dir: str, dtype: str) -> None:
+    """Print max and mean |logit diff| of Megatron vs HF transformers on one sample."""
+    import torch
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab_size, (1, 32), generator=gen)
+    ours = megatron_logits(chunks, config, args, ids).cpu()
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+        with torch.no_grad():
+            theirs = hf(input_ids=ids).logits.float()
+        diff = (ours - theirs).abs()
+        print(f"test_convert_precision: max_abs_diff={diff.max().item():.3e} "
+              f"mean_abs_diff={diff.mean().item():.3e} (Megatron vs HF transformers, {dtype}, "
+              f"{ids.shape[1]} tokens)", flush=True)
+    dist.barrier()
+
+
+def main(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    from megatron_grpo.model import build_model, build_transformer_config, load_hf_config
+    from megatron_grpo.platform import ParallelDims, init_parallel, init_process_group
+
+    init_process_group()
+    a = check_args(argv, dist.get_world_size())
+    rank = dist.get_rank()
+    dist.barrier()  # every rank has checked the output folder before anything is written
+    tp, pp, vpp = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                   a.virtual_pipeline_model_parallel_size)
+    init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp))
+    from megatron.core import dist_checkpointing
+
+    hf_src = a.model if a.to_mcore else os.path.join(a.mcore_model, HF_CONFIG_DIR)
+    dtype = a.torch_dtype or _default_dtype(load_hf_config(hf_src))
+    config, args = build_transformer_config(hf_src, tp=tp, pp=pp, vpp=vpp, dtype=dtype)
+    chunks = build_model(config, args)
+    tmp = _begin(a.output_dir, rank)
+    if a.to_mcore:
+        from .load import load_hf_weights
+
+        load_hf_weights(chunks, config, args, a.model)
+        dist_checkpointing.save(_sharded_state_dict(chunks), tmp)
+        if rank == 0:
+            _copy_hf_side_files(a.model, os.path.join(tmp, HF_CONFIG_DIR))
+            with open(os.path.join(tmp, META_FILE), "w") as f:
+                json.dump({"source": os.path.abspath(a.model), "family": args.family.name,
+                           "dtype": dtype, "tensor_model_parallel_size": tp,
+                           "pipeline_model_parallel_size": pp,
+                           "virtual_pipeline_model_parallel_size": vpp}, f, indent=2)
+        reference = a.model
+    else:
+        from .export import export_hf_weights
+
+        state = dist_checkpointing.load(_sharded_state_dict(chunks), a.mcore_model)
+        from .params import unwrap
+
+        for i, chunk in enumerate(chunks):
+            unwrap(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"])
+        stream = export_hf_weights(chunks, config, args, bucket_size_bytes=512 << 20)
+        write_hf_checkpoint(stream, tmp, a.max_shard_size, write=rank == 0)
+        if rank == 0:
+            _copy_hf_side_files(hf_src, tmp)
+        reference = tmp
+    dist.barrier()
+    if a.test_convert_precision:
+        _precision(chunks, config, args, reference, dtype)
+    if rank == 0:
+        _finish(tmp, a.output_dir)
+        print(f"megatron export: wrote {a.output_dir}", flush=True)
+    dist.barrier()
+    return 0

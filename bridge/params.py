@@ -1,0 +1,68 @@
+"""This rank's Megatron parameters under global names, and the process groups the bridge uses.
+
+Megatron names layers per chunk (`decoder.layers.0` is the first layer of every
+pipeline chunk); the bridge's rules use global layer indices. The offset of a chunk
+is Megatron's own: each `TransformerLayer.layer_number` is 1-based and global
+(`get_transformer_layer_offset` + local index), so global = layer_number - 1.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+        chunk = chunk.module
+    return chunk
+
+
+def global_params(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(global name, parameter) of every parameter of this rank's chunks."""
+    for chunk in chunks:
+        model = unwrap(chunk)
+        layers = model.decoder.layers if hasattr(model, "decoder") else []
+        for name, param in model.named_parameters():
+            m = _LOCAL_LAYER.match(name)
+            if m:
+                layer = layers[int(m.group(1))].layer_number - 1
+                name = f"decoder.layers.{layer}." + name[m.end():]
+            yield name, param
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Megatron's TP and PP groups of this rank, with the global ranks of their members."""
+
+    tp_group: object
+    tp_ranks: list[int]       # global rank of TP rank i
+    tp_rank: int
+    pp_group: object
+    pp_ranks: list[int]       # global rank of pipeline stage i (same TP/DP/CP position)
+    pp_rank: int
+
+    @property
+    def tp(self) -> int:
+        return len(self.tp_ranks)
+
+    @property
+    def pp(self) -> int:
+        return len(self.pp_ranks)
+
+
+def megatron_groups() -> Groups:
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    return Groups(tp_group=tp_group, tp_ranks=dist.get_process_group_ranks(tp_group),
+                  tp_rank=ps.get_tensor_model_parallel_rank(), pp_group=pp_group,
+                  pp_ranks=dist.get_process_group_ranks(pp_group),
+                  pp_rank=ps.get_pipeline_model_parallel_rank())
