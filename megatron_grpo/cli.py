@@ -33,6 +33,13 @@ def _rlhf(argv: list[str]) -> int:
     cfg = parse_rlhf_args(argv)          # option-only checks (fast, no torch import)
     spec = launch.launch_spec(nproc)
     validate_world(cfg, launch.current_world_size(spec))
+    if not launch.in_torchrun():
+        # Read the dataset once here, so that a file without a prompt column fails now,
+        # not after every rank has built its model.
+        from .data import load_prompt_dataset
+
+        load_prompt_dataset(cfg.data.dataset, seed=cfg.training.seed, system=cfg.data.system,
+                            columns=cfg.data.columns)
     if spec.world_size > 1 and not launch.in_torchrun():
         return launch.relaunch("rlhf", argv, spec)
     try:

@@ -149,3 +149,30 @@ def test_sigkill_then_resume(tiny, tmp_path):
         expect = sampler.next_batch()
         got = sorted(set(by_step[step]), key=by_step[step].index)
         assert got == expect, f"step {step}: prompts {got}, expected {expect}"
+
+
+def test_server_mode(tiny, tmp_path):
+    """`megatron rollout` in a subprocess; the trainer (TP=2) samples from it over HTTP and
+    streams its weights to it after each step, verified by fingerprints."""
+    from tests.harness import free_port
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "megatron_grpo.cli", "rollout", "--model", tiny,
+         "--port", str(port), "--vllm_gpu_memory_utilization", "0.03",
+         "--vllm_max_model_len", "128", "--vllm_enforce_eager", "true",
+         "--vllm_engine_kwargs", '{"dtype": "float32"}', "--seed", "0"],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out = str(tmp_path / "run")
+        r = _run(_argv(tiny, out, tensor_model_parallel_size=2, vllm_mode="server",
+                       vllm_server_host="127.0.0.1", vllm_server_port=port,
+                       vllm_server_timeout=300, check_weight_sync="true"))
+        assert r.returncode == 0, r.stderr[-4000:]
+        _check_metrics(_metrics(out), 2)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        log.close()
