@@ -20,7 +20,8 @@ from .train.batch import collate, split_completion_values
 from .train.engine import is_last_stage, train_micro_batches
 from .model.kv_replication import sync_replicated_kv_grads
 from .train.logger import RunLogger
-from .train.rollout_step import _all_gather_objects, generate_and_score
+from .train.rollout_step import (_all_gather_objects, collect_rollouts, finish_batch,
+                                 generate_and_score)
 from .train.setup import (build_parallel, build_policy, build_reference, build_sampler,
                           seed_everything, total_steps)
 
@@ -42,8 +43,6 @@ def _check_supported(cfg) -> None:
     if g.kl_in_reward and g.beta:
         raise ValueError("--kl_in_reward true is not implemented by the trainer yet; use "
                          "--kl_in_reward false (KL in the loss) or --beta 0")
-    if g.dynamic_sample:
-        raise ValueError("--dynamic_sample true is not implemented by the trainer yet")
     # --context_parallel_size > 1 is supported with TP (and SP), PP and DP: every CP rank
     # of a DP rank takes the same micro-batches, and train/engine.py pads each one to a
     # multiple of 2*cp (2*cp*tp under SP) and takes this rank's chunks. What the local CP
@@ -141,13 +140,19 @@ def train(cfg) -> None:
     need_old = g.steps_per_generation > 1 or g.num_iterations > 1
     while step < steps:
         # 1-4: rollouts for the next steps_per_generation optimizer steps.
-        gen = generate_and_score(
-            engine=engine, tokenizer=tokenizer, dataset=dataset,
-            prompt_indices=sampler.next_batch(), reward_funcs=reward_funcs,
-            reward_names=reward_names, num_generations=g.num_generations,
-            max_prompt_length=cfg.data.max_length, reward_weights=cfg.reward.reward_weights,
-            advantage_estimator=g.advantage_estimator, scale_rewards=g.scale_rewards,
-            render=render_prompt)
+        gen = collect_rollouts(
+            lambda: generate_and_score(
+                engine=engine, tokenizer=tokenizer, dataset=dataset,
+                prompt_indices=sampler.next_batch(), reward_funcs=reward_funcs,
+                num_generations=g.num_generations, render=render_prompt,
+                max_prompt_length=cfg.data.max_length),
+            g.generation_batch_size // g.num_generations, g.num_generations,
+            dynamic_sample=g.dynamic_sample, max_resample_times=g.max_resample_times,
+            reward_weights=cfg.reward.reward_weights)
+        gen = finish_batch(gen, g.num_generations, reward_names=reward_names,
+                           reward_weights=cfg.reward.reward_weights,
+                           advantage_estimator=g.advantage_estimator,
+                           scale_rewards=g.scale_rewards)
         samples = gen.samples
         steps_data = [samples[k * per_step:(k + 1) * per_step] for k in range(g.steps_per_generation)]
         mine = [sl[dp_rank::dp] for sl in steps_data]

@@ -41,10 +41,10 @@ def _all_gather_objects(obj):
 
 
 def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int], reward_funcs,
-                       reward_names: list[str], num_generations: int, max_prompt_length=None,
-                       reward_weights=None, advantage_estimator="grpo", scale_rewards=None,
-                       render) -> GenerationBatch:
-    """Sample `num_generations` completions for each prompt index and score them."""
+                       num_generations: int, render, max_prompt_length=None) -> GenerationBatch:
+    """Sample `num_generations` completions for each prompt index and score them.
+
+    Advantages and reward metrics are left to `finish_batch` (after dynamic sampling)."""
     t0 = time.perf_counter()
     prompts = [render(tokenizer, dataset.messages[i]) for i in prompt_indices]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -78,24 +78,83 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     rewards = torch.cat(_all_gather_objects(rows), dim=0)              # [N, F]
     t2 = time.perf_counter()
 
-    adv = compute_advantages(rewards, num_generations, reward_weights=reward_weights,
-                             advantage_estimator=advantage_estimator, scale_rewards=scale_rewards,
-                             reward_func_names=reward_names)
-    samples = []
-    for j, (pi, tokens, text, truncated, logps) in enumerate(gathered):
-        samples.append(Sample(
-            prompt_ids=list(prompt_ids[pi]), completion_ids=list(tokens),
-            advantage=float(adv.advantages[j]), truncated=bool(truncated),
-            rollout_logps=list(logps) if logps else None,
-            meta={"prompt_index": prompt_indices[pi], "reward": float(adv.rewards[j]),
-                  "rewards": rewards[j].tolist()}))
-    lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float64)
-    metrics = {k: float(v) for k, v in adv.metrics.items()}
-    metrics.update({
+    samples = [Sample(prompt_ids=list(prompt_ids[pi]), completion_ids=list(tokens),
+                      truncated=bool(truncated), rollout_logps=list(logps) if logps else None,
+                      meta={"prompt_index": prompt_indices[pi], "rewards": rewards[j].tolist()})
+               for j, (pi, tokens, text, truncated, logps) in enumerate(gathered)]
+    return GenerationBatch(samples, texts, [prompts[g[0]] for g in gathered], rewards, {},
+                           {"timing/generate": t1 - t0, "timing/score": t2 - t1})
+
+
+def _select_groups(batch: GenerationBatch, groups: list[int], k: int) -> GenerationBatch:
+    idx = [g * k + j for g in groups for j in range(k)]
+    return GenerationBatch([batch.samples[i] for i in idx], [batch.texts[i] for i in idx],
+                           [batch.prompts[i] for i in idx], batch.rewards_per_func[idx],
+                           dict(batch.metrics), dict(batch.timing))
+
+
+def _concat(parts: list[GenerationBatch]) -> GenerationBatch:
+    timing = {}
+    for p in parts:
+        for key, v in p.timing.items():
+            timing[key] = timing.get(key, 0.0) + v
+    return GenerationBatch([s for p in parts for s in p.samples], [t for p in parts for t in p.texts],
+                           [q for p in parts for q in p.prompts],
+                           torch.cat([p.rewards_per_func for p in parts], dim=0), {}, timing)
+
+
+def collect_rollouts(sample, num_prompts: int, num_generations: int, *, dynamic_sample=False,
+                     max_resample_times=3, reward_weights=None) -> GenerationBatch:
+    """One generation batch; with `dynamic_sample` (DAPO) groups whose rewards all agree
+    are replaced by groups of freshly drawn prompts, up to `max_resample_times` rounds.
+
+    `sample()` draws the next prompts from the sampler and returns a scored batch. If the
+    rounds run out, the batch is filled up with zero-variance groups (as ms-swift does), so
+    its size never changes.
+    """
+    first = sample()
+    if not dynamic_sample:
+        return first
+    k = num_generations
+    weights = torch.ones(first.rewards_per_func.shape[1]) if reward_weights is None else \
+        torch.as_tensor(reward_weights, dtype=torch.float32)
+
+    def varied(b):
+        r = (b.rewards_per_func * weights).nansum(dim=1).view(-1, k)
+        return [g for g in range(r.shape[0]) if r[g].std() > 0]
+
+    kept = [_select_groups(first, varied(first), k)]
+    have, rounds = len(varied(first)), 0
+    while have < num_prompts and rounds < max_resample_times:
+        more = sample()
+        groups = varied(more)
+        kept.append(_select_groups(more, groups, k))
+        have += len(groups)
+        rounds += 1
+    batch = _concat(kept)
+    if have < num_prompts:   # pad with the first batch's zero-variance groups
+        flat = [g for g in range(num_prompts) if g not in varied(first)][:num_prompts - have]
+        batch = _concat([batch, _select_groups(first, flat, k)])
+    batch = _select_groups(batch, list(range(num_prompts)), k)
+    batch.metrics["dynamic_sample/resample_rounds"] = float(rounds)
+    return batch
+
+
+def finish_batch(batch: GenerationBatch, num_generations: int, *, reward_names, reward_weights=None,
+                 advantage_estimator="grpo", scale_rewards=None) -> GenerationBatch:
+    """Advantages of every completion, and the rollout's reward and length metrics."""
+    adv = compute_advantages(batch.rewards_per_func, num_generations,
+                             reward_weights=reward_weights, advantage_estimator=advantage_estimator,
+                             scale_rewards=scale_rewards, reward_func_names=reward_names)
+    for j, s in enumerate(batch.samples):
+        s.advantage = float(adv.advantages[j])
+        s.meta["reward"] = float(adv.rewards[j])
+    lengths = torch.tensor([len(s.completion_ids) for s in batch.samples], dtype=torch.float64)
+    batch.metrics.update({k: float(v) for k, v in adv.metrics.items()})
+    batch.metrics.update({
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": sum(s.truncated for s in samples) / len(samples),
+        "completions/clipped_ratio": sum(s.truncated for s in batch.samples) / len(batch.samples),
     })
-    return GenerationBatch(samples, texts, [prompts[g[0]] for g in gathered], rewards, metrics,
-                           {"timing/generate": t1 - t0, "timing/score": t2 - t1})
+    return batch
