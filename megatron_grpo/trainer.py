@@ -69,6 +69,10 @@ def sync_weights(policy, engine, cfg, is_server: bool) -> dict:
     from .rollout.weights import load_weight_stream
 
     r = cfg.rollout
+    if not is_server:   # vLLM slept through training (sleep_level > 0): weights back first
+        from .rollout.weights import wake_up
+
+        wake_up(engine, level=r.sleep_level)
     total = sum(p.numel() * p.element_size() for c in policy.chunks for p in c.parameters())
     total = torch.tensor(float(total))
     dist.all_reduce(total)   # an upper bound of the HF model's bytes (TP/PP shards summed)
@@ -140,6 +144,7 @@ def train(cfg) -> None:
     need_old = g.steps_per_generation > 1 or g.num_iterations > 1
     while step < steps:
         # 1-4: rollouts for the next steps_per_generation optimizer steps.
+        _before_generation(cfg, policy, engine)
         gen = collect_rollouts(
             lambda: generate_and_score(
                 engine=engine, tokenizer=tokenizer, dataset=dataset,
@@ -149,6 +154,7 @@ def train(cfg) -> None:
             g.generation_batch_size // g.num_generations, g.num_generations,
             dynamic_sample=g.dynamic_sample, max_resample_times=g.max_resample_times,
             reward_weights=cfg.reward.reward_weights)
+        _after_generation(cfg, policy, engine)
         gen = finish_batch(gen, g.num_generations, reward_names=reward_names,
                            reward_weights=cfg.reward.reward_weights,
                            advantage_estimator=g.advantage_estimator,
@@ -221,6 +227,34 @@ def train(cfg) -> None:
               + (f", curve {png}" if png else ""), flush=True)
     if hasattr(engine, "close"):
         engine.close()
+
+
+def _before_generation(cfg, policy, engine) -> None:
+    """Colocate mode: free the trainer's memory for vLLM (awake since its last sync)."""
+    from .rollout.offload import offload_model, offload_optimizer
+
+    r = cfg.rollout
+    if r.vllm_mode != "colocate":
+        return                      # a server has its own memory
+    if r.offload_model:
+        offload_model(policy.chunks)
+    if r.offload_optimizer:
+        offload_optimizer(policy.optimizer)
+
+
+def _after_generation(cfg, policy, engine) -> None:
+    """Colocate mode: put vLLM to sleep and bring the trainer's state back."""
+    from .rollout.offload import onload_model, onload_optimizer
+    from .rollout.weights import sleep
+
+    r = cfg.rollout
+    if r.vllm_mode != "colocate":
+        return
+    sleep(engine, r.sleep_level)
+    if r.offload_optimizer:
+        onload_optimizer(policy.optimizer)
+    if r.offload_model:
+        onload_model(policy.chunks)
 
 
 def _resume_path(resume, out_dir: str):

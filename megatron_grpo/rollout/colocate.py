@@ -252,9 +252,15 @@ class ColocateEngine:
 
     def sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
+        self.asleep = True
 
     def wake_up(self, tags: Optional[List[str]] = None) -> None:
+        """Wake vLLM up; a no-op when it is awake (the trainer may sync a fresh engine)."""
+        if not getattr(self, "asleep", False):
+            return
         self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
 
     def weight_fingerprints(self) -> List[List[dict]]:
         """Fingerprint pieces of this rank's engine, i.e. of the whole vLLM TP group

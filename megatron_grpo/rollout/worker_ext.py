@@ -36,7 +36,11 @@ class RolloutWorkerExtension:
         """Load one bucket of (HF name, full tensor); returns how many tensors it held."""
         model = self._mg_model()
         with torch.no_grad():
-            model.load_weights(iter(named_tensors))
+            # Layer-wise reload keeps the tensors of a layer it has not finished (a layer
+            # split over buckets; the padded embedding, processed last). The producer
+            # reuses its bucket buffer, so vLLM must hold copies, not views of it: without
+            # the clone a multi-bucket sync silently loads overwritten data.
+            model.load_weights((n, t.clone()) for n, t in named_tensors)
         return len(named_tensors)
 
     def mg_load_weights_file(self, path: str) -> int:

@@ -1,0 +1,225 @@
+"""Time of one colocated weight sync Megatron -> vLLM, against two baselines.
+
+    python tools/bench_sync.py                       # qwen2 hidden 512, 8 layers, vocab 32000, bf16
+    python tools/bench_sync.py --tp 2                # Megatron TP=2 + vLLM TP=2 on 2 ranks
+    python tools/bench_sync.py --layers 2 --iters 2  # quicker
+
+One process by default (a gloo world of one, Megatron TP=1, vLLM in-process, CPU);
+with --tp N, N ranks under torchrun (Megatron TP=N colocated with vLLM TP=N, the
+layout of tests/test_sync_megatron.py). The model is built once with tools/make_tiny_model.py into --workdir (random weights), loaded
+into Megatron by the bridge, changed (a seeded perturbation, so the first sync
+really moves vLLM), and a ColocateEngine is started on the original HF folder.
+Then, interleaved, the fastest of --iters runs of each (after one untimed warm-up):
+- export: the bridge's stream into nothing (`export_hf_weights` drained, every bucket
+  dropped), the producer's cost alone;
+- sync (ours): `load_weight_stream(engine, export_hf_weights(...))`, the trainer's
+  colocated sync: every bucket loaded into the live vLLM model in place, layer-wise
+  reload, prefix cache reset;
+- disk reload (the naive path): the same stream written as an HF safetensors
+  checkpoint (one file per bucket + index; config and tokenizer files copied once,
+  untimed), then vLLM reloads its weights from that folder in place with its own
+  API, `llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})` (what
+  a user without a sync would call: no engine restart; the file is read from the
+  page cache, which favours this path), prefix cache reset. Under --tp, rank 0
+  writes (the stream is on every rank) and every rank's vLLM worker reloads.
+After the runs, the fingerprint check (untimed) proves that vLLM holds the
+trainer's weights after the sync, and after the disk reload as well. For scale, the
+table also shows the engine start on the folder (`LLM(...)`, the other naive path:
+a fresh engine per update), measured once when the engine was created.
+
+Wall times on a shared machine vary with its load (printed); the process CPU time
+(all threads) is shown too. The last line is
+`weight_sync vs_export=<sync/export> vs_disk_reload=<sync/disk reload>`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="/tmp/bench_sync")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv_heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--bucket_mb", type=int, default=512,
+                   help="bridge bucket size (512 MiB: the trainer's default without "
+                        "--move_model_batches)")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1,
+                   help="Megatron TP = vLLM TP = number of ranks (torchrun)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _model_dir(a) -> str:
+    name = f"qwen2_h{a.hidden}_l{a.layers}_f{a.ffn}_v{a.vocab}_{a.dtype}"
+    return os.path.join(a.workdir, name)
+
+
+class _Clock:
+    """Wall and process-CPU seconds of the fastest run (by wall) of each path; barriers
+    around each run (every rank's part counts)."""
+
+    def __init__(self):
+        self.best = {}
+
+    def run(self, name, fn):
+        import torch.distributed as dist
+
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        dist.barrier()
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        if name not in self.best or wall < self.best[name][0]:
+            self.best[name] = (wall, cpu)
+
+
+def _perturb(chunks, seed: int = 1) -> None:
+    """Every parameter x += 0.05 * (mean|x| + 0.01) * noise (seeded): weights vLLM lacks."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+                p.add_((0.05 * (p.float().abs().mean() + 0.01) * noise).to(p.dtype))
+
+
+def main(argv=None) -> None:
+    a = _args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    path = _model_dir(a)
+    if not a.worker and not os.path.isfile(os.path.join(path, "config.json")):
+        from tools.make_tiny_model import make_tiny_model
+
+        print(f"building {path} ...", flush=True)
+        make_tiny_model(path, family="qwen2", num_layers=a.layers, hidden_size=a.hidden,
+                        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                        intermediate_size=a.ffn, vocab_size=a.vocab, dtype=a.dtype,
+                        max_position_embeddings=1024)
+    if a.tp > 1 and not a.worker:
+        import subprocess
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.tp),
+               os.path.abspath(__file__), "--worker"] + \
+            (argv if argv is not None else sys.argv[1:])
+        raise SystemExit(subprocess.call(cmd))
+    _worker(a, path)
+
+
+def _worker(a, path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from bridge import export_hf_weights, load_hf_weights
+    from megatron_grpo.model import build_model, build_transformer_config
+    from megatron_grpo.platform import ParallelDims, init_parallel, init_process_group
+    from megatron_grpo.rollout.colocate import ColocateEngine
+    from megatron_grpo.rollout.verify import StreamFingerprints, check_weight_sync
+    from megatron_grpo.rollout.weights import load_weight_stream
+
+    init_process_group()
+    init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=a.tp))
+    rank0 = dist.get_rank() == 0
+    config, args = build_transformer_config(path, tp=a.tp, dtype=a.dtype)
+    chunks = build_model(config, args)
+    load_hf_weights(chunks, config, args, path)
+    _perturb(chunks)
+    bucket = a.bucket_mb << 20
+
+    def stream():
+        return export_hf_weights(chunks, config, args, bucket_size_bytes=bucket)
+
+    expected = StreamFingerprints()
+    total = sum(t.numel() * t.element_size() for b in expected.watch(stream()) for _, t in b)
+
+    t0 = time.perf_counter()
+    engine = ColocateEngine(path, vllm_tensor_parallel_size=a.tp,
+                            vllm_gpu_memory_utilization=0.05, vllm_max_model_len=256,
+                            vllm_enforce_eager=True, dtype=a.dtype, max_completion_length=4)
+    engine_start = time.perf_counter() - t0
+
+    # The naive path's folder: config and tokenizer once; the weights at every update.
+    folder = os.path.join(a.workdir, "reload")
+    if rank0:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        for f in os.listdir(path):
+            if not f.endswith((".safetensors", ".index.json")):
+                shutil.copy2(os.path.join(path, f), folder)
+
+    def export_only():
+        for b in stream():
+            del b
+
+    def sync():
+        load_weight_stream(engine, stream())
+
+    def disk_reload():
+        index = {}
+        for i, b in enumerate(stream()):  # collective: every rank drains it
+            name = f"model-{i:05d}.safetensors"
+            if rank0:
+                save_file({k: v.contiguous() for k, v in b}, os.path.join(folder, name),
+                          metadata={"format": "pt"})
+            index.update({k: name for k, _ in b})
+        if rank0:
+            with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": index}, f)
+        dist.barrier()  # the files are complete before any worker reads them
+        engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+        engine.reset_prefix_cache()
+
+    clock = _Clock()
+    for name, fn in (("export", export_only), ("sync (ours)", sync), ("disk reload", disk_reload)):
+        fn()  # warm-up: first-call costs (allocator, page faults, lazy imports)
+    for _ in range(a.iters):
+        for name, fn in (("export", export_only), ("sync (ours)", sync),
+                         ("disk reload", disk_reload)):
+            clock.run(name, fn)
+
+    # Proof, untimed: vLLM holds the trainer's weights after each path.
+    checks = {}
+    for name, fn in (("sync (ours)", sync), ("disk reload", disk_reload)):
+        fn()
+        checks[name] = check_weight_sync(engine, expected.result)
+    dist.barrier()
+    engine.close()
+    if not rank0:
+        return
+    best = clock.best
+    ours = best["sync (ours)"][0]
+    print(f"model: qwen2 hidden={a.hidden} layers={a.layers} ffn={a.ffn} heads={a.heads}/"
+          f"{a.kv_heads} vocab={a.vocab} {a.dtype}: {total / 1e6:.0f} MB of HF tensors "
+          f"({len(expected.result)} tensors); bucket {a.bucket_mb} MiB; {a.tp} rank(s), "
+          f"Megatron TP={a.tp}, vLLM TP={a.tp}; "
+          f"best of {a.iters}; load_avg_1min={os.getloadavg()[0]:.1f}; "
+          f"threads={torch.get_num_threads()}")
+    print("fingerprint check passed after: " +
+          ", ".join(f"{k} ({n} tensors)" for k, n in checks.items()))
+    print(f"{'path':<30} {'wall s':>8} {'CPU s':>8} {'GB/s':>7} {'ours / it':>10}")
+    for name, (wall, cpu) in best.items():
+        print(f"{name:<30} {wall:8.3f} {cpu:8.3f} {total / wall / 1e9:7.2f} {ours / wall:10.3f}")
+    print(f"{'engine start LLM(...) (once)':<30} {engine_start:8.3f} {'':>8} {'':>7} "
+          f"{ours / engine_start:10.3f}")
+    print(f"weight_sync vs_export={ours / best['export'][0]:.3f} "
+          f"vs_disk_reload={ours / best['disk reload'][0]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
