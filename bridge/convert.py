@@ -55,6 +55,7 @@ class ConvertArgs:
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     virtual_pipeline_model_parallel_size: int | None
+    context_parallel_size: int
     torch_dtype: str | None
     test_convert_precision: bool
     overwrite: bool
@@ -71,6 +72,8 @@ def parse_args(argv: list[str]) -> ConvertArgs:
     p.add_argument("--tensor_model_parallel_size", type=int, default=1)
     p.add_argument("--pipeline_model_parallel_size", type=int, default=1)
     p.add_argument("--virtual_pipeline_model_parallel_size", type=int, default=None)
+    p.add_argument("--context_parallel_size", type=int, default=1,
+                   help="CP shards activations, not weights: the checkpoint is the same")
     p.add_argument("--torch_dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="parameter dtype (default: the checkpoint's)")
     p.add_argument("--test_convert_precision", type=_bool, default=False)
@@ -93,10 +96,17 @@ def check_args(argv: list[str], world_size: int) -> ConvertArgs:
                          "written by `megatron export --to_mcore`")
     if a.to_hf:
         _check_query_groups(a)
-    model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+    if a.context_parallel_size < 1:
+        raise ValueError(f"--context_parallel_size {a.context_parallel_size} must be >= 1")
+    if a.context_parallel_size > 1 and a.test_convert_precision:
+        raise ValueError("--test_convert_precision true runs a full-sequence forward; use it "
+                         "with --context_parallel_size 1 (CP does not change the weights)")
+    model_parallel = (a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+                      * a.context_parallel_size)
     if world_size % model_parallel:
         raise ValueError(f"--tensor_model_parallel_size {a.tensor_model_parallel_size} x "
-                         f"--pipeline_model_parallel_size {a.pipeline_model_parallel_size} = "
+                         f"--pipeline_model_parallel_size {a.pipeline_model_parallel_size} x "
+                         f"--context_parallel_size {a.context_parallel_size} = "
                          f"{model_parallel} does not divide the {world_size} processes "
                          "(NPROC_PER_NODE / --nproc_per_node)")
     if os.path.isdir(a.output_dir) and os.listdir(a.output_dir) and not a.overwrite:
@@ -284,12 +294,13 @@ def main(argv: list[str]) -> int:
     dist.barrier()  # every rank has checked the output folder before anything is written
     tp, pp, vpp = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                    a.virtual_pipeline_model_parallel_size)
-    init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp))
+    cp = a.context_parallel_size
+    init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp, cp=cp))
     from megatron.core import dist_checkpointing
 
     hf_src = a.model if a.to_mcore else os.path.join(a.mcore_model, HF_CONFIG_DIR)
     dtype = a.torch_dtype or _default_dtype(load_hf_config(hf_src))
-    config, args = build_transformer_config(hf_src, tp=tp, pp=pp, vpp=vpp, dtype=dtype)
+    config, args = build_transformer_config(hf_src, tp=tp, pp=pp, vpp=vpp, cp=cp, dtype=dtype)
     chunks = build_model(config, args)
     tmp = _begin(a.output_dir, rank)
     if a.to_mcore:

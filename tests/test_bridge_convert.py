@@ -50,6 +50,8 @@ def _world(rank, world_size, hf, root):
                       "--test_convert_precision", "true"])
     run("to_hf_pp2", ["--to_hf", "true", "--mcore_model", mcore, "--output_dir", out_pp2,
                       "--pipeline_model_parallel_size", "2", "--max_shard_size", "100KB"])
+    run("to_hf_cp2", ["--to_hf", "true", "--mcore_model", mcore, "--output_dir",
+                      os.path.join(root, "hf_cp2"), "--context_parallel_size", "2"])
     run("overwrite", ["--to_hf", "true", "--mcore_model", mcore, "--output_dir", out_tp1,
                       "--overwrite", "true"])
     return logs
@@ -116,3 +118,12 @@ def test_check_args_errors(tmp_path):
         check_args(["--to_hf", "true", "--mcore_model", str(mcore)] + base, 1)
     check_args(["--to_hf", "true", "--mcore_model", str(mcore), "--tensor_model_parallel_size",
                 "2"] + base, 2)
+
+
+def test_to_hf_under_context_parallelism(converted):
+    """CP shards activations only: a CP=2 conversion writes the original tensors."""
+    hf, root, _ = converted
+    original, cp2 = _tensors(hf), _tensors(root / "hf_cp2")
+    assert original.keys() == cp2.keys()
+    for k in original:
+        assert torch.equal(original[k], cp2[k]), k
