@@ -176,3 +176,22 @@ def test_server_mode(tiny, tmp_path):
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
         log.close()
+
+
+def test_two_nodes_over_loopback(tiny, tmp_path):
+    """NNODES=2 with one process per "node", both on this machine: the ms-swift variables
+    re-launch each command under torchrun and the two meet at MASTER_ADDR:MASTER_PORT."""
+    out = str(tmp_path / "run")
+    argv = _argv(tiny, out, tensor_model_parallel_size=2, train_iters=1)
+    port = str(_free_port())
+    procs = []
+    for node in range(2):
+        env = dict(os.environ, NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o[-4000:]
+    _check_metrics(_metrics(out), 1)

@@ -33,6 +33,7 @@ class RunLogger:
         self.log_completions = log_completions
         self.tb = None
         self.bar = None
+        self.sinks = []
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -46,6 +47,19 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(output_dir, "runs"))
+        # wandb / swanlab: the same scalars; projects from WANDB_PROJECT / SWANLAB_PROJECT.
+        self.sinks = []
+        if "wandb" in (report_to or ()):
+            import wandb
+
+            wandb.init(project=os.environ.get("WANDB_PROJECT", "megatron-grpo"), dir=output_dir)
+            self.sinks.append(wandb)
+        if "swanlab" in (report_to or ()):
+            import swanlab
+
+            swanlab.init(project=os.environ.get("SWANLAB_PROJECT", "megatron-grpo"),
+                         logdir=output_dir)
+            self.sinks.append(swanlab)
         from tqdm import tqdm
 
         self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step",
@@ -61,6 +75,8 @@ class RunLogger:
             for k, v in row.items():
                 if k != "step" and v is not None:
                     self.tb.add_scalar(k, v, step)
+        for sink in self.sinks:
+            sink.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
         self.bar.update(1)
         if step % self.logging_steps == 0:
             short = {k: row.get(k) for k in ("reward", "loss", "kl", "grad_norm",
@@ -87,6 +103,8 @@ class RunLogger:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        for sink in self.sinks:
+            sink.finish()
         return plot_metrics(self.metrics_path, os.path.join(self.output_dir, "reward_curve.png"))
 
 
