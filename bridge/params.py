@@ -14,14 +14,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.model.builder import unwrap  # noqa: F401  (re-exported)
+
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def unwrap(chunk):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    return chunk
 
 
 def global_params(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:

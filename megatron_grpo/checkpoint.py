@@ -43,6 +43,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .model.builder import unwrap
+
 logger = logging.getLogger("megatron_grpo.checkpoint")
 
 FORMAT_VERSION = 1
@@ -220,14 +222,6 @@ def _layout() -> dict:
             "dp": ps.get_data_parallel_world_size()}
 
 
-def _unwrap(chunk):
-    """The GPTModel inside DDP / Float16Module: tensor keys must not depend on wrappers
-    (DDP's generic sharded_state_dict would prefix every key with "module.")."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def _torch_adam_distopts(optimizer) -> list:
     """The DistributedOptimizers in `optimizer` that run torch's own Adam.
 
@@ -328,10 +322,10 @@ def _sharded_state_dict(chunks, optimizer, scheduler, is_loading: bool,
                 "chained_optim_avoid_prefix": True}
     sd: dict[str, Any] = {}
     if len(chunks) == 1:
-        sd["model"] = _unwrap(chunks[0]).sharded_state_dict(metadata=dict(metadata))
+        sd["model"] = unwrap(chunks[0]).sharded_state_dict(metadata=dict(metadata))
     else:
         for i, chunk in enumerate(chunks):
-            sd[f"model{i}"] = _unwrap(chunk).sharded_state_dict(metadata=dict(metadata))
+            sd[f"model{i}"] = unwrap(chunk).sharded_state_dict(metadata=dict(metadata))
     if optimizer is not None:
         if is_loading:
             _prime_optimizer_state(optimizer)
@@ -455,10 +449,10 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     sd = _sharded_state_dict(chunks, optimizer, None, True, meta["optim_sharding_type"])
     loaded = dist_checkpointing.load(sd, os.path.join(path, "dist"))
     if len(chunks) == 1:
-        _unwrap(chunks[0]).load_state_dict(loaded["model"])
+        unwrap(chunks[0]).load_state_dict(loaded["model"])
     else:
         for i, chunk in enumerate(chunks):
-            _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+            unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
         # no_grad: with fp32 weights the distributed optimizer's main params are views
         # of the model's leaf params, and the dp_reshardable loader copies into them.

@@ -20,7 +20,7 @@ from .train.batch import collate, split_completion_values
 from .train.engine import is_last_stage, train_micro_batches
 from .model.kv_replication import sync_replicated_kv_grads
 from .train.logger import RunLogger
-from .train.rollout_step import (_all_gather_objects, collect_rollouts, finish_batch,
+from .train.rollout_step import (all_gather_objects, collect_rollouts, finish_batch,
                                  generate_and_score)
 from .train.setup import (build_parallel, build_policy, build_reference, build_sampler,
                           seed_everything, total_steps)
@@ -279,7 +279,7 @@ def _step_metrics(parts, gen, grad_norm, policy, k) -> dict:
         if "loss" in summed["sum"]:   # the step loss: sum of every micro-batch's share
             reduced["loss"] = float(summed["sum"]["loss"])
     mine = reduced if (is_last_stage() and dist.get_rank() == dist.get_world_size() - 1) else None
-    found = [m for m in _all_gather_objects(mine) if m is not None]
+    found = [m for m in all_gather_objects(mine) if m is not None]
     metrics = dict(found[0]) if found else {}
     metrics.update(gen.metrics)
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")

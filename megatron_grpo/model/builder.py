@@ -19,6 +19,13 @@ except Exception:  # ImportError, or a broken CUDA install
     HAVE_TE = False
 
 
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers (GPTModel has a `decoder`)."""
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
 def use_transformer_engine() -> bool:
     return HAVE_TE and torch.cuda.is_available()
 

@@ -23,13 +23,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .builder import unwrap
+
 _QKV_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
-
-
-def _unwrap(chunk):
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    return chunk
 
 
 def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -67,7 +63,7 @@ def sync_replicated_kv_grads(chunks, config, args) -> None:
     # Views of the kv rows: grad [local_groups * (q_rows + 2d), ...] -> [local_groups, 2d, ...]
     views: dict[torch.dtype, list[torch.Tensor]] = {}
     for chunk in chunks:
-        for name, param in _unwrap(chunk).named_parameters():
+        for name, param in unwrap(chunk).named_parameters():
             if not name.endswith(_QKV_SUFFIXES):
                 continue
             grad = _grad(param)

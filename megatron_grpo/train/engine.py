@@ -44,6 +44,7 @@ from ..algorithms import (compute_policy_loss, entropy_threshold, local_loss, me
                           policy_metric_partials, rollout_metric_partials)
 from ..algorithms.policy_loss import loss_mask_after_overlong_filter
 from ..kernels import vocab_parallel_logprobs
+from ..model.builder import unwrap
 from .batch import cp_shard
 
 
@@ -66,13 +67,6 @@ class LossOptions:
     temperature: float = 1.0
     log_entropy: bool = False
     extra: dict = field(default_factory=dict)
-
-
-def unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ class GenerationBatch:
     timing: dict = field(default_factory=dict)
 
 
-def _all_gather_objects(obj):
+def all_gather_objects(obj):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size()
@@ -60,7 +60,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
         completions = engine.generate(prompt_ids[lo:hi])     # num_generations per prompt
     payload = [(lo + c.prompt_index, c.token_ids, c.text, c.truncated, c.logprobs)
                for c in completions]
-    gathered = sorted((x for part in _all_gather_objects(payload) for x in part),
+    gathered = sorted((x for part in all_gather_objects(payload) for x in part),
                       key=lambda x: x[0])                    # stable: keeps sample order
     if len(gathered) != len(prompt_ids) * num_generations:
         raise RuntimeError(f"expected {len(prompt_ids) * num_generations} completions, gathered "
@@ -75,7 +75,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     share = range(rank * n // world, (rank + 1) * n // world)
     rows = score(reward_funcs, [texts[i] for i in share],
                  {k: [v[i] for i in share] for k, v in columns.items()})
-    rewards = torch.cat(_all_gather_objects(rows), dim=0)              # [N, F]
+    rewards = torch.cat(all_gather_objects(rows), dim=0)              # [N, F]
     t2 = time.perf_counter()
 
     samples = [Sample(prompt_ids=list(prompt_ids[pi]), completion_ids=list(tokens),
