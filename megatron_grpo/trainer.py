@@ -38,17 +38,6 @@ def _loss_options(cfg) -> LossOptions:
         temperature=r.temperature, log_entropy=g.log_entropy)
 
 
-def _check_supported(cfg) -> None:
-    g = cfg.grpo
-    if g.kl_in_reward and g.beta:
-        raise ValueError("--kl_in_reward true is not implemented by the trainer yet; use "
-                         "--kl_in_reward false (KL in the loss) or --beta 0")
-    # --context_parallel_size > 1 is supported with TP (and SP), PP and DP: every CP rank
-    # of a DP rank takes the same micro-batches, and train/engine.py pads each one to a
-    # multiple of 2*cp (2*cp*tp under SP) and takes this rank's chunks. What the local CP
-    # attention cannot do (attention dropout, sliding windows) raises when the model is built.
-
-
 def _per_token(chunks, batches, samples, field, temperature, vocab_size):
     """Fill samples' `field` with per-token log-probs (last pipeline stage only)."""
     outs = forward_logprobs(chunks, batches, temperature=temperature, vocab_size=vocab_size)
@@ -58,6 +47,48 @@ def _per_token(chunks, batches, samples, field, temperature, vocab_size):
     for b, (batch, out) in enumerate(zip(batches, outs)):
         for i, values in enumerate(split_completion_values(out["logps"], batch)):
             setattr(samples[b * mbs + i], field, values)
+
+
+def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
+               temperature: float, vocab_size: int) -> None:
+    """Old (sampling-policy) and reference log-probs of this rank's samples (`mine`: one
+    list per optimizer step), before any update of the generation batch."""
+    for part in mine:
+        batches = micro_batches(part, mbs, pad_to_length=pad)
+        if need_old:
+            _per_token(policy_chunks, batches, part, "old_logps", temperature, vocab_size)
+        if ref is not None:
+            _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
+
+
+def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int) -> torch.Tensor:
+    """The sequence KL of every sample of the generation batch ([n] float64, the same on
+    every rank), for `kl_in_reward`: sum over the completion of old - ref log-probs.
+
+    `mine[k]` are this data rank's samples of optimizer step k (every dp-th one), whose
+    old_logps / ref_logps `fill_logps` set on the last pipeline stage; sample i of
+    mine[k] is sample k * per_step + dp_rank + dp * i of the batch. One rank per data
+    rank (last stage, TP and CP rank 0) contributes its values; all ranks gather them.
+    """
+    from megatron.core import parallel_state as ps
+
+    from .algorithms import sequence_kl_for_reward
+
+    local = {}
+    if is_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
+            ps.get_context_parallel_rank() == 0:
+        for k, part in enumerate(mine):
+            for i, s in enumerate(part):
+                old, ref = s.old_logps.double()[None], s.ref_logps.double()[None]
+                kl = sequence_kl_for_reward(old, ref, torch.ones_like(old, dtype=torch.bool))
+                local[k * per_step + dp_rank + dp * i] = float(kl[0])
+    merged = {}
+    for part in all_gather_objects(local):
+        merged.update(part)
+    missing = [j for j in range(n) if j not in merged]
+    if missing:
+        raise RuntimeError(f"kl_in_reward: no sequence KL for samples {missing[:8]} of {n}")
+    return torch.tensor([merged[j] for j in range(n)], dtype=torch.float64)
 
 
 def sync_weights(policy, engine, cfg, is_server: bool) -> dict:
@@ -100,7 +131,6 @@ def train(cfg) -> None:
     from .data import PromptSampler, load_prompt_dataset, render_prompt
     from .rewards import build_reward_funcs, load_plugins
 
-    _check_supported(cfg)
     g, t = cfg.grpo, cfg.training
     build_parallel(cfg)
     rank = dist.get_rank()
@@ -141,7 +171,9 @@ def train(cfg) -> None:
     vocab = policy.args.vocab_size
     per_step = g.generation_batch_size // g.steps_per_generation    # = global_batch_size
     mbs = t.micro_batch_size
-    need_old = g.steps_per_generation > 1 or g.num_iterations > 1
+    kl_reward = bool(g.kl_in_reward) and g.beta != 0.0
+    # kl_in_reward needs the sampling policy's log-probs before the first update too.
+    need_old = g.steps_per_generation > 1 or g.num_iterations > 1 or kl_reward
     while step < steps:
         # 1-4: rollouts for the next steps_per_generation optimizer steps.
         _before_generation(cfg, policy, engine)
@@ -155,10 +187,6 @@ def train(cfg) -> None:
             dynamic_sample=g.dynamic_sample, max_resample_times=g.max_resample_times,
             reward_weights=cfg.reward.reward_weights)
         _after_generation(cfg, policy, engine)
-        gen = finish_batch(gen, g.num_generations, reward_names=reward_names,
-                           reward_weights=cfg.reward.reward_weights,
-                           advantage_estimator=g.advantage_estimator,
-                           scale_rewards=g.scale_rewards)
         samples = gen.samples
         steps_data = [samples[k * per_step:(k + 1) * per_step] for k in range(g.steps_per_generation)]
         mine = [sl[dp_rank::dp] for sl in steps_data]
@@ -166,15 +194,19 @@ def train(cfg) -> None:
         if policy.config.sequence_parallel:   # the sequence is split over TP ranks
             tp = cfg.parallel.tensor_model_parallel_size
             pad = -(-pad // tp) * tp
-        # 5: old (off-policy) and reference log-probs, before any update of this batch.
+        # 5: old (off-policy) and reference log-probs, before any update of this batch
+        # (and before the advantages: with kl_in_reward the KL is part of the reward).
         t0 = time.perf_counter()
-        for part in mine:
-            batches = micro_batches(part, mbs, pad_to_length=pad)
-            if need_old:
-                _per_token(policy.chunks, batches, part, "old_logps", opts.temperature, vocab)
-            if ref is not None:
-                _per_token(ref, batches, part, "ref_logps", opts.temperature, vocab)
+        fill_logps(policy.chunks, ref, mine, mbs, pad, need_old=need_old,
+                   temperature=opts.temperature, vocab_size=vocab)
+        kl_values = reward_kl_values(mine, len(samples), per_step, dp, dp_rank) \
+            if kl_reward else None
         t_logprobs = time.perf_counter() - t0
+        gen = finish_batch(gen, g.num_generations, reward_names=reward_names,
+                           reward_weights=cfg.reward.reward_weights,
+                           advantage_estimator=g.advantage_estimator,
+                           scale_rewards=g.scale_rewards, kl_in_reward=bool(g.kl_in_reward),
+                           beta=g.beta, kl_values=kl_values)
         gen_mask = collate(samples)["completion_mask"]
         gen_counts = count_partials(gen_mask, gen_mask)
         # 6: optimizer steps.

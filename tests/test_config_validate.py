@@ -152,6 +152,14 @@ def test_sequence_parallel_without_tp_is_turned_off(model_dir, caplog):
     assert any("sequence_parallel" in r.message for r in caplog.records)
 
 
+def test_gdpo_turns_kl_in_reward_off(model_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.config"):
+        cfg = parse_rlhf_args(args(model_dir, "--advantage_estimator", "rloo",
+                                   "--scale_rewards", "gdpo"))
+    assert cfg.grpo.kl_in_reward is False
+    assert any("kl_in_reward" in r.message for r in caplog.records)
+
+
 def test_derived_defaults(model_dir, tmp_path):
     cfg = parse_rlhf_args(args(model_dir, "--advantage_estimator", "rloo"))
     assert cfg.grpo.kl_in_reward is True and cfg.grpo.scale_rewards == "none"

@@ -93,11 +93,16 @@ def _check_metrics(rows, steps, extra=(), steps_per_generation=1):
 
 
 def test_tp2_colocate(tiny, tmp_path):
+    # RLOO with beta > 0 puts the KL into the reward by default (ms-swift's kl_in_reward):
+    # the trainer needs old and reference log-probs before the advantages.
     out = str(tmp_path / "run")
     r = _run(_argv(tiny, out, tensor_model_parallel_size=2, log_completions="true",
-                   check_weight_sync="true"))
+                   check_weight_sync="true", advantage_estimator="rloo", beta=0.04))
     assert r.returncode == 0, r.stderr[-4000:]
-    _check_metrics(_metrics(out), 2)
+    rows = _metrics(out)
+    _check_metrics(rows, 2, extra=("kl",))
+    assert rows[0]["kl"] == 0.0          # step 1 samples from the reference weights
+    assert rows[1]["kl"] != 0.0          # step 2 from the updated policy
     assert os.path.isfile(os.path.join(out, "reward_curve.png"))
     assert os.path.isfile(os.path.join(out, "final_hf", "config.json"))
     assert os.path.isfile(os.path.join(out, "completions.jsonl"))

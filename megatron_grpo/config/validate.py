@@ -184,6 +184,12 @@ def _check_loss(cfg: "GRPOConfig") -> None:
     if g.scale_rewards is None:
         g.scale_rewards = {"grpo": "group", "rloo": "none",
                            "reinforce_plus_plus": "batch"}[g.advantage_estimator]
+    if g.scale_rewards == "gdpo" and g.kl_in_reward:
+        # As ms-swift: GDPO normalises each reward function, so a KL penalty on their sum
+        # would vanish; the KL goes into the loss instead.
+        logger.warning("--scale_rewards gdpo does not support --kl_in_reward true; using "
+                       "--kl_in_reward false (the KL penalty goes into the loss)")
+        g.kl_in_reward = False
 
 
 def _check_rewards(cfg: "GRPOConfig") -> None:

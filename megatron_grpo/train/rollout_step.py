@@ -141,11 +141,17 @@ def collect_rollouts(sample, num_prompts: int, num_generations: int, *, dynamic_
 
 
 def finish_batch(batch: GenerationBatch, num_generations: int, *, reward_names, reward_weights=None,
-                 advantage_estimator="grpo", scale_rewards=None) -> GenerationBatch:
-    """Advantages of every completion, and the rollout's reward and length metrics."""
+                 advantage_estimator="grpo", scale_rewards=None, kl_in_reward=None, beta=0.0,
+                 kl_values=None) -> GenerationBatch:
+    """Advantages of every completion, and the rollout's reward and length metrics.
+
+    With `kl_in_reward` and beta != 0, `kl_values` [N] (the sequence KL of each sample,
+    see `algorithms.sequence_kl_for_reward`) is taken off the rewards before the
+    advantages, and logged as `kl`."""
     adv = compute_advantages(batch.rewards_per_func, num_generations,
                              reward_weights=reward_weights, advantage_estimator=advantage_estimator,
-                             scale_rewards=scale_rewards, reward_func_names=reward_names)
+                             scale_rewards=scale_rewards, kl_in_reward=kl_in_reward, beta=beta,
+                             kl_values=kl_values, reward_func_names=reward_names)
     for j, s in enumerate(batch.samples):
         s.advantage = float(adv.advantages[j])
         s.meta["reward"] = float(adv.rewards[j])
