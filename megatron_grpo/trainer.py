@@ -174,6 +174,7 @@ def train(cfg) -> None:
     kl_reward = bool(g.kl_in_reward) and g.beta != 0.0
     # kl_in_reward needs the sampling policy's log-probs before the first update too.
     need_old = g.steps_per_generation > 1 or g.num_iterations > 1 or kl_reward
+    t_last = time.perf_counter()     # timing/step: wall time between consecutive steps
     while step < steps:
         # 1-4: rollouts for the next steps_per_generation optimizer steps.
         _before_generation(cfg, policy, engine)
@@ -241,6 +242,8 @@ def train(cfg) -> None:
                     t0 = time.perf_counter()
                     sync_weights(policy, engine, cfg, is_server)   # 7: vLLM gets the update
                     metrics["timing/sync"] = time.perf_counter() - t0
+                now = time.perf_counter()
+                metrics["timing/step"], t_last = now - t_last, now
                 logger.log(step, metrics)
                 if k == 0:
                     logger.completions(step, gen.prompts, gen.texts, gen.rewards_per_func.tolist(),

@@ -23,7 +23,7 @@ METRIC_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "rewards/digits/m
                "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
                "clip_ratio/region_mean", "loss", "learning_rate", "grad_norm",
                "timing/generate", "timing/score", "timing/logprobs", "timing/train",
-               "timing/sync"]
+               "timing/sync", "timing/step"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,101 @@
+"""Where the time of one GRPO step goes, for the CPU quickstart.
+
+Runs `NPROC_PER_NODE=2 megatron rlhf --config configs/quickstart_cpu.yaml` (TP=2
+Megatron-Core and a colocated vLLM engine on 2 processes, the tiny Qwen2 of the
+quickstart) for a few steps in a scratch folder, then reads the per-step timings the
+trainer writes to metrics.jsonl:
+
+    timing/generate  vLLM sampling (and gathering the completions)
+    timing/score     reward functions
+    timing/logprobs  old / reference log-prob forwards (0 when none is needed)
+    timing/train     forward + backward + optimizer step
+    timing/sync      streaming the new weights into vLLM
+    timing/step      wall time between consecutive steps (everything above, plus
+                     batching, metrics and logging: the "other" row)
+
+The first `--warmup` steps (first-call allocations, oneDNN packing) are left out. Prints
+a table (median and mean seconds per phase, share of the step time) and as its last line
+
+    e2e step_s=<median step seconds> sync_share=<total sync time / total step time>
+
+Usage: python tools/bench_e2e.py [--steps 14] [--warmup 2] [--keep DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PHASES = ("generate", "score", "logprobs", "train", "sync")
+
+
+def run_quickstart(work: str, steps: int) -> tuple[str, float]:
+    from tools.quickstart import build_tiny
+
+    model_dir = build_tiny(work)
+    out = os.path.join(work, "grpo")
+    cmd = [sys.executable, "-m", "megatron_grpo.cli", "rlhf",
+           "--config", os.path.join(ROOT, "configs", "quickstart_cpu.yaml"),
+           "--model", model_dir, "--output_dir", out, "--train_iters", str(steps),
+           # steady-state loop: no intermediate checkpoint inside the measured steps
+           "--save_steps", str(steps), "--log_completions", "false"]
+    env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
+    print(f"[bench_e2e] {' '.join(cmd[2:])} (NPROC_PER_NODE=2)", flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, env=env, cwd=ROOT, check=True)
+    return out, time.perf_counter() - t0
+
+
+def summarize(rows: list[dict], warmup: int) -> dict:
+    rows = rows[warmup:]
+    if not rows:
+        raise SystemExit("bench_e2e: no steps left after --warmup; raise --steps")
+    step = [r["timing/step"] for r in rows]
+    table = {}
+    for phase in PHASES:
+        vals = [r.get(f"timing/{phase}") or 0.0 for r in rows]
+        table[phase] = vals
+    table["other"] = [s - sum(table[p][i] for p in PHASES) for i, s in enumerate(step)]
+    table["step"] = step
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
+    ap.add_argument("--keep", default=None, help="run in this folder and keep it (default: a temp dir)")
+    a = ap.parse_args()
+    if a.steps <= a.warmup:
+        raise SystemExit(f"--steps {a.steps} must be larger than --warmup {a.warmup}")
+    work = a.keep or tempfile.mkdtemp(prefix="bench_e2e_")
+    try:
+        out, wall = run_quickstart(work, a.steps)
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    finally:
+        if a.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    table = summarize(rows, a.warmup)
+    total = sum(table["step"])
+    print(f"\n{len(rows)} steps in {wall:.1f} s (start-up included); figures over steps "
+          f"{a.warmup + 1}..{len(rows)}")
+    print(f"{'phase':<10} {'median s':>9} {'mean s':>9} {'share':>7}")
+    for name, vals in table.items():
+        share = sum(vals) / total if total > 0 else float("nan")
+        print(f"{name:<10} {statistics.median(vals):>9.4f} {statistics.fmean(vals):>9.4f} "
+              f"{share:>7.1%}")
+    sync_share = sum(table["sync"]) / total
+    print(f"e2e step_s={statistics.median(table['step']):.4f} sync_share={sync_share:.4f}")
+
+
+if __name__ == "__main__":
+    main()
