@@ -140,6 +140,16 @@ def train(cfg) -> None:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     dataset = load_prompt_dataset(cfg.data.dataset, seed=t.seed, system=cfg.data.system,
                                   columns=cfg.data.columns)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.model)
+    if cfg.data.max_length and cfg.data.truncation_strategy == "delete":
+        from .data import drop_long_prompts
+
+        dataset, dropped = drop_long_prompts(dataset, lambda m: len(tokenizer(
+            render_prompt(tokenizer, m), add_special_tokens=False)["input_ids"]),
+            cfg.data.max_length)
+        if rank == 0 and dropped:
+            print(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} prompts longer "
+                  f"than --max_length {cfg.data.max_length}; {len(dataset)} left", flush=True)
     sampler = PromptSampler(len(dataset), g.generation_batch_size // g.num_generations,
                             seed=t.seed, shuffle=cfg.data.dataset_shuffle)
     steps = total_steps(cfg, len(dataset))
@@ -149,7 +159,6 @@ def train(cfg) -> None:
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
     reward_names = list(cfg.reward.reward_funcs)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.model)
     out_dir = cfg.logging.output_dir
     from . import checkpoint as ckpt
 

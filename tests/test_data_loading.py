@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from megatron_grpo.data import (builtin_dataset, load_prompt_dataset, parse_dataset_spec, read_rows,
-                                render_prompt, sample_indices)
+from megatron_grpo.data import (builtin_dataset, drop_long_prompts, load_prompt_dataset,
+                                parse_dataset_spec, read_rows, render_prompt, sample_indices)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -151,6 +151,20 @@ def test_render_prompt_fallback_and_template():
             assert tokenize is False and add_generation_prompt is True
             return "|".join(m["content"] for m in msgs) + "|>"
     assert render_prompt(Templated(), messages) == "S|U|>"
+
+
+def test_drop_long_prompts_keeps_order_and_columns(tmp_path):
+    rows = [{"query": "q" * n, "solution": str(n)} for n in (3, 9, 5, 12, 1)]
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    ds = load_prompt_dataset([str(tmp_path / "d.jsonl")])
+    length = lambda m: len(m[-1]["content"])    # noqa: E731 (a prompt's "tokens")
+    kept, dropped = drop_long_prompts(ds, length, 5)
+    assert dropped == 2 and len(kept) == 3
+    assert [m[-1]["content"] for m in kept.messages] == ["qqq", "qqqqq", "q"]
+    assert kept.columns["solution"] == ["3", "5", "1"]
+    assert kept.reward_columns([1], 2) == {"solution": ["5", "5"]}
+    with pytest.raises(ValueError, match=r"--max_length 0 .*delete.*shortest has 1 tokens"):
+        drop_long_prompts(ds, length, 0)
 
 
 def test_builtin_datasets_load():

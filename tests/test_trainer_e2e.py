@@ -95,14 +95,25 @@ def _check_metrics(rows, steps, extra=(), steps_per_generation=1):
 def test_tp2_colocate(tiny, tmp_path):
     # RLOO with beta > 0 puts the KL into the reward by default (ms-swift's kl_in_reward):
     # the trainer needs old and reference log-probs before the advantages.
+    # Prompts longer than --max_length are dropped with --truncation_strategy delete.
     out = str(tmp_path / "run")
-    r = _run(_argv(tiny, out, tensor_model_parallel_size=2, log_completions="true",
-                   check_weight_sync="true", advantage_estimator="rloo", beta=0.04))
+    data = tmp_path / "data.jsonl"
+    with open(os.path.join(ROOT, "megatron_grpo/data/builtin/arithmetic.jsonl")) as f:
+        short = [json.loads(line) for line in f][:12]
+    long = [{"query": f"LONG {i} " + "and so on " * 20, "solution": "0"} for i in range(12)]
+    data.write_text("".join(json.dumps(row) + "\n" for pair in zip(short, long) for row in pair))
+    r = _run(_argv(tiny, out, dataset=str(data), tensor_model_parallel_size=2,
+                   log_completions="true", check_weight_sync="true", advantage_estimator="rloo",
+                   beta=0.04, max_length=40, truncation_strategy="delete"))
     assert r.returncode == 0, r.stderr[-4000:]
+    assert "dropped 12 prompts longer than --max_length 40" in r.stdout
     rows = _metrics(out)
     _check_metrics(rows, 2, extra=("kl",))
     assert rows[0]["kl"] == 0.0          # step 1 samples from the reference weights
     assert rows[1]["kl"] != 0.0          # step 2 from the updated policy
+    with open(os.path.join(out, "completions.jsonl")) as f:
+        prompts = [json.loads(line)["prompt"] for line in f]
+    assert prompts and not any("LONG" in p for p in prompts)
     assert os.path.isfile(os.path.join(out, "reward_curve.png"))
     assert os.path.isfile(os.path.join(out, "final_hf", "config.json"))
     assert os.path.isfile(os.path.join(out, "completions.jsonl"))

@@ -9,8 +9,8 @@
 """
 import os
 
-from .loading import (PROMPT_COLUMNS, PromptDataset, load_prompt_dataset, parse_dataset_spec,
-                      read_rows, sample_indices)
+from .loading import (PROMPT_COLUMNS, PromptDataset, drop_long_prompts, load_prompt_dataset,
+                      parse_dataset_spec, read_rows, sample_indices)
 from .sampler import PromptSampler, shard
 from .template import render_prompt
 
@@ -26,6 +26,6 @@ def builtin_dataset(name: str) -> str:
     return path
 
 
-__all__ = ["PROMPT_COLUMNS", "PromptDataset", "PromptSampler", "builtin_dataset",
+__all__ = ["PROMPT_COLUMNS", "PromptDataset", "PromptSampler", "builtin_dataset", "drop_long_prompts",
            "load_prompt_dataset", "parse_dataset_spec", "read_rows", "render_prompt",
            "sample_indices", "shard", "BUILTIN_DIR"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -148,6 +148,12 @@ class PromptDataset:
     def __getitem__(self, i: int) -> Dict[str, Any]:
         return {"messages": self.messages[i], **{k: v[i] for k, v in self.columns.items()}}
 
+    def subset(self, indices: Sequence[int]) -> "PromptDataset":
+        """The rows `indices`, in that order."""
+        return PromptDataset(messages=[self.messages[i] for i in indices],
+                             columns={k: [v[i] for i in indices] for k, v in self.columns.items()},
+                             sources=[self.sources[i] for i in indices] if self.sources else [])
+
     def reward_columns(self, indices: Sequence[int], num_generations: int = 1) -> Dict[str, List[Any]]:
         """Columns for `score`: each prompt's values repeated for its num_generations completions."""
         return {k: [v[i] for i in indices for _ in range(num_generations)]
@@ -182,3 +188,17 @@ def load_prompt_dataset(specs: Sequence[str], seed: int = 42, system: Optional[s
     # Files with different columns: a column missing from a row is None there.
     cols = {name: [e.get(name) for e in extra] for name in names}
     return PromptDataset(messages=messages, columns=cols, sources=sources)
+
+
+def drop_long_prompts(dataset: PromptDataset, prompt_length: Callable[[List[Dict[str, str]]], int],
+                      max_length: int) -> Tuple[PromptDataset, int]:
+    """`--truncation_strategy delete`: the dataset without the prompts longer than
+    `max_length` tokens (`prompt_length(messages)` counts a rendered prompt's tokens),
+    and how many were dropped. Every prompt too long is an error naming the options."""
+    lengths = [prompt_length(m) for m in dataset.messages]
+    keep = [i for i, n in enumerate(lengths) if n <= max_length]
+    if not keep:
+        raise ValueError(f"--max_length {max_length} with --truncation_strategy delete drops every "
+                         f"prompt of --dataset (the shortest has {min(lengths)} tokens). Fix: raise "
+                         f"--max_length to at least {min(lengths)}, or --truncation_strategy left")
+    return dataset.subset(keep), len(lengths) - len(keep)
