@@ -1,0 +1,105 @@
+"""--report_to tensorboard wandb swanlab: every sink receives the rows of metrics.jsonl.
+
+The real libraries run in offline mode (WANDB_MODE / SWANLAB_MODE = offline); each
+sink's files are read back with its own record format and compared with metrics.jsonl.
+"""
+import glob
+import json
+import os
+
+import pytest
+
+from megatron_grpo.train.logger import RunLogger
+
+STEPS = [{"reward": 0.25, "loss": 1.5, "kl": 0.0, "timing/train": 0.5},
+         {"reward": 0.5, "loss": 0.75, "kl": 0.125, "timing/train": 0.25},
+         {"reward": 0.875, "loss": 0.5, "kl": float("nan"), "timing/train": 0.125}]
+
+
+def _log(out, report_to):
+    logger = RunLogger(str(out), len(STEPS), report_to=report_to)
+    for i, m in enumerate(STEPS, 1):
+        logger.log(i, m)
+    png = logger.close()
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert os.path.isfile(png)
+    # What a sink must have received: every finite value, by step (NaN -> left out).
+    return {r["step"]: {k: v for k, v in r.items() if k != "step" and v is not None} for r in rows}
+
+
+def test_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    want = _log(tmp_path, ["tensorboard"])
+    acc = EventAccumulator(str(tmp_path / "runs"))
+    acc.Reload()
+    got = {}
+    for tag in acc.Tags()["scalars"]:
+        for ev in acc.Scalars(tag):
+            got.setdefault(ev.step, {})[tag] = ev.value
+    assert got.keys() == want.keys()
+    for step, values in want.items():
+        assert got[step] == pytest.approx(values, rel=1e-6)
+
+
+def _wandb_history(path):
+    """History rows of an offline .wandb file (LevelDB log blocks of Record protos)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw, pos, block, chunk, rows = open(path, "rb").read(), 7, 32768, b"", []
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:                        # block trailer
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if length == 0 and kind == 0:       # zero padding up to the block's end
+            pos += left
+            continue
+        chunk += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):                  # FULL or LAST: a whole record
+            rec = pb.Record()
+            rec.ParseFromString(chunk)
+            chunk = b""
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                             for i in rec.history.item})
+    return rows
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    want = _log(tmp_path, ["wandb"])
+    (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
+    got = {r["_step"]: {k: v for k, v in r.items() if not k.startswith("_")}
+           for r in _wandb_history(path)}
+    assert got.keys() == want.keys()
+    for step, values in want.items():
+        assert got[step] == pytest.approx(values, rel=1e-12)
+
+
+def test_swanlab_offline(tmp_path, monkeypatch):
+    pytest.importorskip("swanlab")
+    from swanlab.proto.swanlab.record.v1 import record_pb2
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    want = _log(tmp_path, ["swanlab"])
+    (path,) = glob.glob(str(tmp_path / "**" / "run-*.swanlab"), recursive=True)
+    reader = DataStoreReader()
+    reader.open(path)
+    got = {}
+    for data in reader:
+        rec = record_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.HasField("scalar"):
+            got.setdefault(rec.scalar.step, {})[rec.scalar.key] = rec.scalar.value.number
+    assert got.keys() == want.keys()
+    for step, values in want.items():
+        assert got[step] == pytest.approx(values, rel=1e-12)
