@@ -108,8 +108,14 @@ def sync_weights(policy, engine, cfg, is_server: bool) -> dict:
     total = torch.tensor(float(total))
     dist.all_reduce(total)   # an upper bound of the HF model's bytes (TP/PP shards summed)
     bucket = int(total.item() // r.move_model_batches) + 1 if r.move_model_batches else 512 << 20
+    if policy.staging is None:   # one bucket buffer for every sync (allocating it is slow)
+        from bridge import BucketBuffer
+
+        device = next(p.device for c in policy.chunks for p in c.parameters())
+        policy.staging = BucketBuffer("cpu" if r.offload_bridge else device)
     stream = export_hf_weights(policy.chunks, policy.config, policy.args,
-                               bucket_size_bytes=bucket, offload_bridge=r.offload_bridge)
+                               bucket_size_bytes=bucket, offload_bridge=r.offload_bridge,
+                               staging=policy.staging)
     expected = StreamFingerprints() if r.check_weight_sync else None
     if expected is not None:
         stream = expected.watch(stream)
@@ -278,6 +284,8 @@ def _before_generation(cfg, policy, engine) -> None:
     from .rollout.offload import offload_model, offload_optimizer
 
     r = cfg.rollout
+    if policy.staging is not None and policy.staging.device.type != "cpu":
+        policy.staging = None       # the sync's bucket buffer: accelerator memory for vLLM
     if r.vllm_mode != "colocate":
         return                      # a server has its own memory
     if r.offload_model:

@@ -56,6 +56,10 @@ def _args(argv=None):
     p.add_argument("--bucket_mb", type=int, default=512,
                    help="bridge bucket size (512 MiB: the trainer's default without "
                         "--move_model_batches)")
+    p.add_argument("--staging", choices=("fresh", "reuse"), default="reuse",
+                   help="reuse: one bridge.BucketBuffer kept across exports (staging=; what "
+                        "the trainer's sync_weights does); fresh: the export allocates its "
+                        "bucket buffer at every call. The same for all three paths")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--tp", type=int, default=1,
                    help="Megatron TP = vLLM TP = number of ranks (torchrun)")
@@ -126,7 +130,7 @@ def _worker(a, path: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from bridge import export_hf_weights, load_hf_weights
+    from bridge import BucketBuffer, export_hf_weights, load_hf_weights
     from megatron_grpo.model import build_model, build_transformer_config
     from megatron_grpo.platform import ParallelDims, init_parallel, init_process_group
     from megatron_grpo.rollout.colocate import ColocateEngine
@@ -141,9 +145,12 @@ def _worker(a, path: str) -> None:
     load_hf_weights(chunks, config, args, path)
     _perturb(chunks)
     bucket = a.bucket_mb << 20
+    device = next(p.device for c in chunks for p in c.parameters())
+    staging = BucketBuffer(device) if a.staging == "reuse" else None
 
     def stream():
-        return export_hf_weights(chunks, config, args, bucket_size_bytes=bucket)
+        return export_hf_weights(chunks, config, args, bucket_size_bytes=bucket,
+                                 staging=staging)
 
     expected = StreamFingerprints()
     total = sum(t.numel() * t.element_size() for b in expected.watch(stream()) for _, t in b)
@@ -206,7 +213,8 @@ def _worker(a, path: str) -> None:
     ours = best["sync (ours)"][0]
     print(f"model: qwen2 hidden={a.hidden} layers={a.layers} ffn={a.ffn} heads={a.heads}/"
           f"{a.kv_heads} vocab={a.vocab} {a.dtype}: {total / 1e6:.0f} MB of HF tensors "
-          f"({len(expected.result)} tensors); bucket {a.bucket_mb} MiB; {a.tp} rank(s), "
+          f"({len(expected.result)} tensors); bucket {a.bucket_mb} MiB ({a.staging}); "
+          f"{a.tp} rank(s), "
           f"Megatron TP={a.tp}, vLLM TP={a.tp}; "
           f"best of {a.iters}; load_avg_1min={os.getloadavg()[0]:.1f}; "
           f"threads={torch.get_num_threads()}")

@@ -3,10 +3,10 @@
 server's worker processes (by name: no pickled callables cross process boundaries).
 
 Weights are replaced with vLLM's layer-wise reload (`initialize_layerwise_reload` ...
-`finalize_layerwise_reload`, the mechanism of vLLM's own weight-transfer engines):
-each layer's incoming tensors are buffered until the layer is complete, then loaded
-through the model's own `load_weights` (HF names, fusion, TP slicing) and
-post-processed again. The re-processing matters on CPU, where vLLM packs linear
+`finalize_layerwise_reload`, the mechanism of vLLM's own weight-transfer engines),
+loading eagerly (reload.py): the incoming tensors go through the model's own
+`load_weights` (HF names, fusion, TP slicing) straight into a fresh copy of their
+layer, which is post-processed again and copied into the live tensors once complete. The re-processing matters on CPU, where vLLM packs linear
 weights for oneDNN after loading and empties the `weight` parameters: a plain
 `load_weights` into the live model fails there ("Attempted to load weight ... into
 parameter (torch.Size([0]))"), after leaving the packed copies of the tensors it did
@@ -15,7 +15,8 @@ never a second model.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import os
+from typing import Collection, List, Sequence, Tuple
 
 import torch
 
@@ -27,14 +28,28 @@ class RolloutWorkerExtension:
         return self.model_runner.get_model()
 
     def mg_begin_weight_update(self) -> None:
-        """Put every layer into buffered-reload mode."""
+        """Put every layer into reload mode (eager where reload.py supports it)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self._mg_model())
+        from . import reload
+
+        self._mg_eager = reload.supported() and os.environ.get("MG_EAGER_RELOAD", "1") != "0"
+        if self._mg_eager:
+            self._mg_layers = reload.begin(self._mg_model())
+        else:
+            initialize_layerwise_reload(self._mg_model())
 
     def mg_load_weights(self, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> int:
         """Load one bucket of (HF name, full tensor); returns how many tensors it held."""
         model = self._mg_model()
+        if getattr(self, "_mg_eager", False):
+            from . import reload
+
+            with torch.no_grad():
+                # Each tensor is copied into its layer as it arrives; what a layer
+                # still references of the bucket afterwards is cloned (reload.py).
+                reload.load(model, named_tensors)
+            return len(named_tensors)
         with torch.no_grad():
             # Layer-wise reload keeps the tensors of a layer it has not finished (a layer
             # split over buckets; the padded embedding, processed last). The producer
@@ -55,8 +70,14 @@ class RolloutWorkerExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         model = self._mg_model()
-        finalize_layerwise_reload(model, self.model_config)
-        _reprocess_tied(model)
+        if getattr(self, "_mg_eager", False):
+            from . import reload
+
+            layers, self._mg_layers, self._mg_eager = self._mg_layers, ([], []), False
+            _reprocess_tied(model, done=reload.finish(model, self.model_config, layers))
+        else:
+            finalize_layerwise_reload(model, self.model_config)
+            _reprocess_tied(model)
         for reset in ("reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(self.model_runner, reset, None)
             if fn is not None:
@@ -80,7 +101,7 @@ WORKER_EXTENSION = f"{RolloutWorkerExtension.__module__}.{RolloutWorkerExtension
 
 
 
-def _reprocess_tied(model: torch.nn.Module) -> None:
+def _reprocess_tied(model: torch.nn.Module, done: Collection[int] = ()) -> None:
     """Re-run weight post-processing of every module that shares a parameter with
     another (tied embeddings: lm_head.weight is embed_tokens.weight).
 
@@ -89,7 +110,8 @@ def _reprocess_tied(model: torch.nn.Module) -> None:
     GEMM, which then stays stale: the model would sample from the old LM head with
     the new embeddings (verify.py's packed-copy check catches exactly this). Only
     unquantized methods are re-run: for them processing is idempotent (on GPU a
-    no-op, on CPU a fresh packing of the current weight).
+    no-op, on CPU a fresh packing of the current weight). `done`: ids of modules
+    already processed after this update (reload.py's direct layers).
     """
     owners = {}
     for _, module in model.named_modules():
@@ -99,6 +121,8 @@ def _reprocess_tied(model: torch.nn.Module) -> None:
         if len(modules) < 2:
             continue
         for module in modules:
+            if id(module) in done:
+                continue
             method = getattr(module, "quant_method", None)
             if method is not None and type(method).__name__.startswith("Unquantized"):
                 method.process_weights_after_loading(module)

@@ -21,6 +21,9 @@ class Policy:
     chunks: list         # DDP-wrapped GPTModel chunks of this rank
     optimizer: Any
     scheduler: Any
+    # The bridge's bucket buffer, reused by every weight sync (trainer.sync_weights);
+    # dropped before generation when it lives in accelerator memory.
+    staging: Any = None
 
 
 def build_parallel(cfg):
