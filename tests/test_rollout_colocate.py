@@ -152,13 +152,17 @@ def models(tmp_path_factory):
 
 @pytest.mark.vllm
 @needs_vllm
-def test_colocated_engine_samples_syncs_and_verifies(models):
+@pytest.mark.parametrize("eager", ["1", "0"], ids=["eager_reload", "vllm_buffered_reload"])
+def test_colocated_engine_samples_syncs_and_verifies(models, eager):
+    # MG_EAGER_RELOAD=0: the fallback path (vLLM's own buffering layer-wise reload plus a
+    # clone of every tensor) taken when reload.py's vLLM internals are missing.
     base, copies = models
     left_out = "model.layers.1.mlp.down_proj.weight"
     changed = "model.layers.0.self_attn.k_proj.weight"
     [seen] = run_distributed(_single_rank, world_size=1,
                              args=(str(base), {k: str(v) for k, v in copies.items()},
-                                   left_out, changed), timeout=240)
+                                   left_out, changed), timeout=240,
+                             env={"MG_EAGER_RELOAD": eager})
 
     # generate: n samples per prompt, in prompt order, with every field filled in.
     gen = seen["generate"]
