@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .algorithms import count_partials, finalize_metrics, loss_normalizer, merge_partials
-from .train import LossOptions, forward_logprobs, micro_batches, reduce_partials
+from .train import (LossOptions, forward_logprobs, micro_batches, reduce_partials,
+                    step_entropy_threshold)
 from .train.batch import collate, split_completion_values
 from .train.engine import is_last_stage, train_micro_batches
 from .model.kv_replication import sync_replicated_kv_grads
@@ -241,9 +242,13 @@ def train(cfg) -> None:
                 for c in policy.chunks:
                     c.zero_grad_buffer()
                 policy.optimizer.zero_grad()
-                parts = train_micro_batches(policy.chunks, micro_batches(mine[k], mbs,
-                                                                         pad_to_length=pad),
-                                            opts, normalizer=norm, vocab_size=vocab)
+                batches = micro_batches(mine[k], mbs, pad_to_length=pad)
+                # top_entropy_quantile: one threshold for the whole step (a forward pass).
+                threshold = step_entropy_threshold(policy.chunks, batches, opts,
+                                                   vocab_size=vocab) \
+                    if opts.top_entropy_quantile < 1.0 else None
+                parts = train_micro_batches(policy.chunks, batches, opts, normalizer=norm,
+                                            vocab_size=vocab, entropy_threshold_value=threshold)
                 # Replicated kv heads (kv heads < TP) must get the sum of their replicas'
                 # gradients before clipping and the update (model/kv_replication.py).
                 sync_replicated_kv_grads(policy.chunks, policy.config, policy.args)

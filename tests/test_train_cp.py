@@ -56,7 +56,8 @@ def _phase(world, tp, pp, cp, sequence_parallel, cases):
     from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
     from megatron_grpo.platform import ParallelDims, init_parallel
     from megatron_grpo.train import (LossOptions, forward_logprobs, micro_batches,
-                                     reduce_partials, train_micro_batches)
+                                     reduce_partials, step_entropy_threshold,
+                                     train_micro_batches)
     from megatron_grpo.train.batch import collate
     from megatron_grpo.train.engine import is_last_stage
 
@@ -72,7 +73,7 @@ def _phase(world, tp, pp, cp, sequence_parallel, cases):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     # The CP=1 references run DP=2 (rank d: samples d::2), the CP runs DP=1: both
     # take contiguous shares of this order, so every run sees the same micro-batches
-    # (the top_entropy_quantile threshold is per micro-batch; the rest is split-invariant).
+    # (not needed for the step's result, which is split-invariant).
     order = samples[0::2] + samples[1::2]
     share = len(order) // dp
     mine = order[dp_rank * share:(dp_rank + 1) * share]
@@ -88,7 +89,12 @@ def _phase(world, tp, pp, cp, sequence_parallel, cases):
                                max_completion_length=8)
         for c in chunks:
             c.zero_grad_buffer()
-        parts = train_micro_batches(chunks, batches, opts, normalizer=norm, vocab_size=VOCAB)
+        # As the trainer: top_entropy_quantile's threshold over the whole step (entropies
+        # gathered over CP, and over DP in the references).
+        threshold = step_entropy_threshold(chunks, batches, opts, vocab_size=VOCAB) \
+            if opts.top_entropy_quantile < 1.0 else None
+        parts = train_micro_batches(chunks, batches, opts, normalizer=norm, vocab_size=VOCAB,
+                                    entropy_threshold_value=threshold)
         metrics = loss = None
         if is_last_stage():
             reduced = reduce_partials(parts)

@@ -43,7 +43,8 @@ def _grads(rank, world, cases, tp=1):
     every case of a test."""
     from megatron_grpo.algorithms import count_partials, loss_normalizer
     from megatron_grpo.model import wrap_ddp
-    from megatron_grpo.train import LossOptions, micro_batches, train_micro_batches
+    from megatron_grpo.train import (LossOptions, micro_batches, step_entropy_threshold,
+                                     train_micro_batches)
     from megatron_grpo.train.batch import collate
     from megatron.core import parallel_state as ps
 
@@ -54,11 +55,16 @@ def _grads(rank, world, cases, tp=1):
     gen_counts = count_partials(gen["completion_mask"], gen["completion_mask"])
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     results = []
-    for loss_type, num_mb_per_rank, parts, beta in cases:
+    for case in cases:
+        loss_type, num_mb_per_rank, parts, beta = case[:4]
+        # Optional: top_entropy_quantile, and whether its threshold is the step's
+        # (step_entropy_threshold, as the trainer does) or each micro-batch's own.
+        q = case[4] if len(case) > 4 else 1.0
+        step_threshold = case[5] if len(case) > 5 else True
         step = [samples[i] for i in parts]
         mine = step[dp_rank::dp]
         opts = LossOptions(loss_type=loss_type, beta=beta, epsilon_high=0.28,
-                           overlong_filter=True,
+                           overlong_filter=True, top_entropy_quantile=q,
                            rollout_importance_sampling_mode="token_truncate")
         # Global counts: of the step, and (dapo/cispo) of the whole generation batch.
         full = collate(step)
@@ -69,8 +75,10 @@ def _grads(rank, world, cases, tp=1):
         for c in chunks:
             c.zero_grad_buffer()
         batches = micro_batches(mine, len(mine) // num_mb_per_rank, pad_to_length=16)
+        threshold = step_entropy_threshold(chunks, batches, opts, vocab_size=VOCAB) \
+            if q < 1.0 and step_threshold else None
         parts_out = train_micro_batches(chunks, batches, opts, normalizer=norm,
-                                        vocab_size=VOCAB)
+                                        vocab_size=VOCAB, entropy_threshold_value=threshold)
         grads = {}
         for name, p in chunks[0].module.named_parameters():
             g = p.main_grad.detach().clone()
@@ -111,6 +119,22 @@ def test_step_gradient_independent_of_split():
         _compare(one_rank[0][len(LOSS_TYPES) + i][0], ref)
         _compare(dp2[0][i][0], ref)
         _compare(dp2[1][i][0], ref)
+
+
+def test_top_entropy_quantile_threshold_is_the_steps():
+    """top_entropy_quantile=0.5: the step's threshold makes 1 micro-batch == 4 micro-batches
+    == DP=2 x 2; per-micro-batch thresholds (what the loss does alone) would not."""
+    one_rank = run_distributed(_grads, 1, args=([
+        ("dapo", 1, ALL, 0.0, 0.5), ("dapo", 4, ALL, 0.0, 0.5),
+        ("dapo", 4, ALL, 0.0, 0.5, False), ("dapo", 1, ALL, 0.0, 1.0)],))[0]
+    dp2 = run_distributed(_grads, 2, args=([("dapo", 2, ALL, 0.0, 0.5)],), timeout=300)
+    ref = one_rank[0][0]
+    _compare(one_rank[1][0], ref)
+    _compare(dp2[0][0][0], ref)
+    _compare(dp2[1][0][0], ref)
+    for other in (one_rank[2][0], one_rank[3][0]):   # per micro-batch; no entropy mask
+        with pytest.raises(AssertionError):
+            _compare(other, ref)
 
 
 def test_steps_per_generation():

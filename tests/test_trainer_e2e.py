@@ -123,9 +123,11 @@ def test_pp2_with_reference_and_two_steps_per_generation(tiny, tmp_path):
     out = str(tmp_path / "run")
     r = _run(_argv(tiny, out, pipeline_model_parallel_size=2, beta=0.04,
                    generation_batch_size=16,
-                   global_batch_size=8, train_iters=2, log_entropy="true"))
+                   global_batch_size=8, train_iters=2, log_entropy="true",
+                   top_entropy_quantile=0.5))
     assert r.returncode == 0, r.stderr[-4000:]
-    _check_metrics(_metrics(out), 2, extra=("kl", "entropy/mean"), steps_per_generation=2)
+    _check_metrics(_metrics(out), 2, extra=("kl", "entropy/mean", "entropy/threshold"),
+                   steps_per_generation=2)
 
 
 def test_sigkill_then_resume(tiny, tmp_path):

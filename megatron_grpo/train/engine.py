@@ -242,8 +242,46 @@ def forward_logprobs(chunks, micro_batches: list[dict], *, temperature: float, v
     return out if is_last_stage() else None
 
 
+def step_entropy_threshold(chunks, micro_batches: list[dict], opts: LossOptions, *,
+                           vocab_size: int) -> Optional[torch.Tensor]:
+    """top_entropy_quantile's threshold for one optimizer step: the (1 - q) quantile of the
+    entropies of every loss token of the step (all micro-batches of all DP ranks), from a
+    forward-only pass with the weights the step's training pass will use.
+
+    A per-micro-batch quantile would make the step's loss depend on how it is split into
+    micro-batches and DP ranks; this one does not (DESIGN.md, loss normalisation). Costs a
+    forward pass per step. Returns the 0-d float64 threshold on the last pipeline stage,
+    None elsewhere (only the last stage computes the loss).
+    """
+    from megatron.core import parallel_state as ps
+
+    outs = forward_logprobs(chunks, micro_batches, temperature=opts.temperature,
+                            vocab_size=vocab_size, compute_entropy=True)
+    if outs is None:
+        return None
+    values = []
+    for batch, out in zip(micro_batches, outs):
+        mask = loss_mask_after_overlong_filter(batch["completion_mask"], batch["truncated"],
+                                               opts.overlong_filter)
+        values.append(out["entropy"][mask.bool()].to(torch.float64))
+    local = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+    group = ps.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:     # every DP rank's tokens (variable counts: pad)
+        n = torch.tensor([local.numel()], device=local.device)
+        sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(sizes, n, group=group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.float64, device=local.device)
+        padded[:local.numel()] = local
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(pieces, padded, group=group)
+        local = torch.cat([x[:int(s.item())] for x, s in zip(pieces, sizes)])
+    return entropy_threshold(local, opts.top_entropy_quantile)
+
+
 def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
-                        normalizer: torch.Tensor, vocab_size: int) -> dict:
+                        normalizer: torch.Tensor, vocab_size: int,
+                        entropy_threshold_value: Optional[torch.Tensor] = None) -> dict:
     """Forward + backward of one optimizer step's micro-batches on this rank.
 
     `normalizer` is the global denominator from `algorithms.loss_normalizer` (counts
@@ -252,6 +290,8 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
     `micro_batches` are still whole [B, S] micro-batches (every CP rank passes the same
     ones); each CP rank takes its chunks here, and the partials (loss included) are
     those of whole completions, equal on every CP rank: reduce them over DP only.
+    `entropy_threshold_value`: top_entropy_quantile's threshold for the whole step
+    (`step_entropy_threshold`); None computes it per micro-batch.
     """
     from megatron.core import parallel_state as ps
 
@@ -271,9 +311,11 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
                                               temperature=opts.temperature,
                                               vocab_size=vocab_size, compute_entropy=need_entropy)
             cp_kwargs, coef_kwargs = {}, {}
+            if opts.top_entropy_quantile < 1.0 and entropy_threshold_value is not None:
+                cp_kwargs["entropy_threshold_value"] = entropy_threshold_value
             if seq_sums is not None:
                 cp_kwargs["sequence_sums"] = seq_sums
-                if opts.top_entropy_quantile < 1.0:
+                if opts.top_entropy_quantile < 1.0 and entropy_threshold_value is None:
                     cp_kwargs["entropy_threshold_value"] = _cp_entropy_threshold(ent, batch, opts)
             out = compute_policy_loss(
                 logp, batch["advantages"], batch["completion_mask"],
