@@ -91,10 +91,8 @@ def check_args(argv: list[str], world_size: int) -> ConvertArgs:
     src_flag, src = ("--model", a.model) if a.to_mcore else ("--mcore_model", a.mcore_model)
     if not src or not os.path.isdir(src):
         raise ValueError(f"{src_flag} {src!r}: not a folder; it must name the checkpoint to convert")
-    if a.to_hf and not os.path.isfile(os.path.join(src, HF_CONFIG_DIR, "config.json")):
-        raise ValueError(f"--mcore_model {src!r} has no {HF_CONFIG_DIR}/config.json: it was not "
-                         "written by `megatron export --to_mcore`")
     if a.to_hf:
+        mcore_source(a.mcore_model)          # raises naming what is missing
         _check_query_groups(a)
     if a.context_parallel_size < 1:
         raise ValueError(f"--context_parallel_size {a.context_parallel_size} must be >= 1")
@@ -115,15 +113,59 @@ def check_args(argv: list[str], world_size: int) -> ConvertArgs:
     return a
 
 
+@dataclass
+class McoreSource:
+    """Where --to_hf reads from: a `--to_mcore` folder or a training checkpoint."""
+    dist_dir: str                  # the Megatron distributed checkpoint
+    hf_dir: str                    # config.json and tokenizer files
+    saved_tp: int | None           # tensor parallel size it was saved at, when recorded
+    params_dtype: str | None       # dtype of the saved weights, when recorded
+    path: str                      # the folder, after resolving a run folder
+
+
+TRAIN_META = "checkpoint.json"     # megatron_grpo.checkpoint's metadata file
+
+
+def mcore_source(path: str) -> McoreSource:
+    """Resolve --mcore_model: a folder written by `--to_mcore`, a training checkpoint
+    (`output_dir/checkpoint-N`, model weights in its `dist/`), or a training run's
+    output_dir (its newest checkpoint)."""
+    if not os.path.isfile(os.path.join(path, TRAIN_META)) and \
+            not os.path.isfile(os.path.join(path, HF_CONFIG_DIR, "config.json")):
+        from megatron_grpo.checkpoint import find_latest_checkpoint
+
+        latest = find_latest_checkpoint(path)
+        if latest is None:
+            raise ValueError(f"--mcore_model {path!r} is neither a folder written by `megatron "
+                             f"export --to_mcore` ({HF_CONFIG_DIR}/config.json), nor a training "
+                             f"checkpoint (checkpoint-N/ with {TRAIN_META}), nor a run folder "
+                             "holding one")
+        path = latest
+    hf_dir = os.path.join(path, HF_CONFIG_DIR)
+    if os.path.isfile(os.path.join(path, TRAIN_META)):          # a training checkpoint
+        with open(os.path.join(path, TRAIN_META)) as f:
+            meta = json.load(f)
+        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+            raise ValueError(f"--mcore_model {path!r}: this training checkpoint holds no "
+                             f"{HF_CONFIG_DIR}/config.json (saved by an older version); copy the "
+                             f"base model's config.json and tokenizer files into {hf_dir}")
+        return McoreSource(os.path.join(path, "dist"), hf_dir, meta["layout"]["tp"],
+                           meta.get("params_dtype"), path)
+    saved_tp = None
+    if os.path.isfile(os.path.join(path, META_FILE)):
+        with open(os.path.join(path, META_FILE)) as f:
+            saved_tp = json.load(f)["tensor_model_parallel_size"]
+    return McoreSource(path, hf_dir, saved_tp, None, path)
+
+
 def _check_query_groups(a: ConvertArgs) -> None:
     """With fewer kv heads than TP, Megatron runs with `tp` query groups holding kv replicas
     (model/config.py): the saved layout then depends on the TP it was saved at."""
-    meta_path = os.path.join(a.mcore_model, META_FILE)
-    if not os.path.isfile(meta_path):
+    src = mcore_source(a.mcore_model)
+    saved_tp = src.saved_tp
+    if saved_tp is None:
         return
-    with open(meta_path) as f:
-        saved_tp = json.load(f)["tensor_model_parallel_size"]
-    with open(os.path.join(a.mcore_model, HF_CONFIG_DIR, "config.json")) as f:
+    with open(os.path.join(src.hf_dir, "config.json")) as f:
         hf = json.load(f)
     kv = hf.get("num_key_value_heads") or hf["num_attention_heads"]
     groups = lambda tp: max(kv, tp)  # noqa: E731 - Megatron's num_query_groups at that TP
@@ -135,7 +177,7 @@ def _check_query_groups(a: ConvertArgs) -> None:
             f"size giving the same number of groups; use --tensor_model_parallel_size {saved_tp}")
 
 
-def _copy_hf_side_files(src: str, dst: str) -> None:
+def copy_hf_side_files(src: str, dst: str) -> None:
     """config.json, tokenizer and generation files: everything but the weights."""
     os.makedirs(dst, exist_ok=True)
     for name in sorted(os.listdir(src)):
@@ -283,6 +325,7 @@ def _precision(chunks, config, args, hf_dir: str, dtype: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    import torch
     import torch.distributed as dist
 
     from megatron_grpo.model import build_model, build_transformer_config, load_hf_config
@@ -298,9 +341,14 @@ def main(argv: list[str]) -> int:
     init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp, cp=cp))
     from megatron.core import dist_checkpointing
 
-    hf_src = a.model if a.to_mcore else os.path.join(a.mcore_model, HF_CONFIG_DIR)
+    src = None if a.to_mcore else mcore_source(a.mcore_model)
+    hf_src = a.model if a.to_mcore else src.hf_dir
     dtype = a.torch_dtype or _default_dtype(load_hf_config(hf_src))
-    config, args = build_transformer_config(hf_src, tp=tp, pp=pp, vpp=vpp, cp=cp, dtype=dtype)
+    # Build in the dtype the weights were saved in (a training checkpoint may differ from
+    # the HF config's); the export casts to `dtype`.
+    build_dtype = (src.params_dtype if src is not None and src.params_dtype else dtype)
+    config, args = build_transformer_config(hf_src, tp=tp, pp=pp, vpp=vpp, cp=cp,
+                                            dtype=build_dtype)
     chunks = build_model(config, args)
     tmp = _begin(a.output_dir, rank)
     if a.to_mcore:
@@ -309,7 +357,7 @@ def main(argv: list[str]) -> int:
         load_hf_weights(chunks, config, args, a.model)
         dist_checkpointing.save(_sharded_state_dict(chunks), tmp)
         if rank == 0:
-            _copy_hf_side_files(a.model, os.path.join(tmp, HF_CONFIG_DIR))
+            copy_hf_side_files(a.model, os.path.join(tmp, HF_CONFIG_DIR))
             with open(os.path.join(tmp, META_FILE), "w") as f:
                 json.dump({"source": os.path.abspath(a.model), "family": args.family.name,
                            "dtype": dtype, "tensor_model_parallel_size": tp,
@@ -319,15 +367,18 @@ def main(argv: list[str]) -> int:
     else:
         from .export import export_hf_weights
 
-        state = dist_checkpointing.load(_sharded_state_dict(chunks), a.mcore_model)
+        if rank == 0:
+            print(f"megatron export: reading {src.path}", flush=True)
+        state = dist_checkpointing.load(_sharded_state_dict(chunks), src.dist_dir)
         from .params import unwrap
 
         for i, chunk in enumerate(chunks):
             unwrap(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"])
-        stream = export_hf_weights(chunks, config, args, bucket_size_bytes=512 << 20)
+        stream = export_hf_weights(chunks, config, args, bucket_size_bytes=512 << 20,
+                                   dtype=getattr(torch, dtype))
         write_hf_checkpoint(stream, tmp, a.max_shard_size, write=rank == 0)
         if rank == 0:
-            _copy_hf_side_files(hf_src, tmp)
+            copy_hf_side_files(hf_src, tmp)
         reference = tmp
     dist.barrier()
     if a.test_convert_precision:

@@ -342,14 +342,18 @@ def _sharded_state_dict(chunks, optimizer, scheduler, is_loading: bool,
 def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, scheduler=None,
                     extra_state: Optional[dict] = None, *,
                     save_total_limit: Optional[int] = None,
-                    optim_sharding_type: str = "fully_reshardable") -> str:
+                    optim_sharding_type: str = "fully_reshardable",
+                    hf_config_dir: Optional[str] = None) -> str:
     """Write output_dir/checkpoint-{step} atomically on every rank; returns its path.
 
     chunks: this rank's model chunks (DDP-wrapped or not); optimizer: Megatron's
     (plain, distributed or chained); scheduler: an OptimizerParamScheduler;
     extra_state: this rank's trainer state (step, sampler position, config), anything
     torch.save takes. save_total_limit: keep at most this many checkpoints, deleting
-    the oldest (never the one just written). Collective: call on all ranks.
+    the oldest (never the one just written). hf_config_dir: the HF model the run
+    started from; its config and tokenizer files (not its weights) are copied into
+    `hf_config/`, so that `megatron export --to_hf --mcore_model checkpoint-N` can
+    convert the checkpoint on its own. Collective: call on all ranks.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -388,7 +392,13 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
         try:
             import megatron.core
 
+            if hf_config_dir:
+                from bridge.convert import HF_CONFIG_DIR, copy_hf_side_files
+
+                copy_hf_side_files(hf_config_dir, os.path.join(tmp, HF_CONFIG_DIR))
+            params = [p for c in chunks for p in c.parameters()]
             meta = {"format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+                    "params_dtype": str(params[0].dtype).replace("torch.", "") if params else None,
                     "versions": {"torch": torch.__version__,
                                  "megatron_core": getattr(megatron.core, "__version__", "?")},
                     "save_seconds": round(time.time() - started, 3),

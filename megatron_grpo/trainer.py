@@ -274,7 +274,8 @@ def train(cfg) -> None:
                                          policy.scheduler,
                                          {"step": step, "sampler": sampler.state_dict(),
                                           "config": cfg.to_flat()},
-                                         save_total_limit=cfg.logging.save_total_limit)
+                                         save_total_limit=cfg.logging.save_total_limit,
+                                         hf_config_dir=cfg.model.model)
     png = logger.close()
     _save_final_hf(policy, cfg, out_dir)
     if rank == 0:

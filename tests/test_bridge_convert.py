@@ -107,6 +107,8 @@ def test_check_args_errors(tmp_path):
     with pytest.raises(ValueError, match="does not divide the 3 processes"):
         check_args(["--to_mcore", "true", "--model", str(hf), "--tensor_model_parallel_size", "2"]
                    + base, 3)
+    with pytest.raises(ValueError, match="neither a folder written by `megatron export --to_mcore`"):
+        check_args(["--to_hf", "true", "--mcore_model", str(hf)] + base, 1)
     # A dist checkpoint saved with 1 kv head at TP=2 (2 replicated query groups) cannot load
     # at TP=1 (1 group): refused before any process starts.
     mcore = tmp_path / "mcore"

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -114,6 +115,23 @@ def test_tp2_colocate(tiny, tmp_path):
     with open(os.path.join(out, "completions.jsonl")) as f:
         prompts = [json.loads(line)["prompt"] for line in f]
     assert prompts and not any("LONG" in p for p in prompts)
+
+    # `megatron export --to_hf` takes a training run's folder (its newest checkpoint,
+    # saved at TP=2) and converts it at TP=1: the same tensors as the run's final_hf.
+    from tests.test_bridge_roundtrip import _hf_tensors
+
+    hf_out = str(tmp_path / "exported")
+    r = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "export", "--to_hf", "true",
+                        "--mcore_model", out, "--output_dir", hf_out], cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port())),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "checkpoint-2" in r.stdout
+    want, got = _hf_tensors(os.path.join(out, "final_hf")), _hf_tensors(hf_out)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert os.path.isfile(os.path.join(hf_out, "tokenizer.json"))
     assert os.path.isfile(os.path.join(out, "reward_curve.png"))
     assert os.path.isfile(os.path.join(out, "final_hf", "config.json"))
     assert os.path.isfile(os.path.join(out, "completions.jsonl"))
