@@ -266,9 +266,12 @@ def train(cfg) -> None:
                 metrics["timing/step"], t_last = now - t_last, now
                 logger.log(step, metrics)
                 if k == 0:
+                    index = [s.meta["prompt_index"] for s in samples]
+                    extra = {"prompt_index": index}
+                    if "solution" in dataset.columns:    # as ms-swift's completions table
+                        extra["solution"] = [dataset.columns["solution"][i] for i in index]
                     logger.completions(step, gen.prompts, gen.texts, gen.rewards_per_func.tolist(),
-                                       reward_names, extra={"prompt_index": [
-                                           s.meta["prompt_index"] for s in samples]})
+                                       reward_names, extra=extra)
                 if step % cfg.logging.save_steps == 0 or step >= steps:
                     ckpt.save_checkpoint(out_dir, step, policy.chunks, policy.optimizer,
                                          policy.scheduler,

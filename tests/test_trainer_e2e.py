@@ -113,8 +113,11 @@ def test_tp2_colocate(tiny, tmp_path):
     assert rows[0]["kl"] == 0.0          # step 1 samples from the reference weights
     assert rows[1]["kl"] != 0.0          # step 2 from the updated policy
     with open(os.path.join(out, "completions.jsonl")) as f:
-        prompts = [json.loads(line)["prompt"] for line in f]
-    assert prompts and not any("LONG" in p for p in prompts)
+        rows = [json.loads(line) for line in f]
+    assert rows and not any("LONG" in r["prompt"] for r in rows)
+    solutions = {row["query"]: row["solution"] for row in short}
+    for r in rows:      # the dataset's solution column, as ms-swift's completions table
+        assert any(q in r["prompt"] and solutions[q] == r["solution"] for q in solutions)
 
     # `megatron export --to_hf` takes a training run's folder (its newest checkpoint,
     # saved at TP=2) and converts it at TP=1: the same tensors as the run's final_hf.
