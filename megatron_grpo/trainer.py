@@ -106,7 +106,9 @@ def sync_weights(policy, engine, cfg, is_server: bool) -> dict:
 
         wake_up(engine, level=r.sleep_level)
     total = sum(p.numel() * p.element_size() for c in policy.chunks for p in c.parameters())
-    total = torch.tensor(float(total))
+    from .platform import device
+
+    total = torch.tensor(float(total), device=device())   # NCCL reduces device tensors only
     dist.all_reduce(total)   # an upper bound of the HF model's bytes (TP/PP shards summed)
     bucket = int(total.item() // r.move_model_batches) + 1 if r.move_model_batches else 512 << 20
     if policy.staging is None:   # one bucket buffer for every sync (allocating it is slow)

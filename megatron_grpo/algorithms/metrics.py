@@ -240,7 +240,10 @@ def stack_partials(p: Partials) -> Dict[str, torch.Tensor]:
     stacked = {}
     for op in _OPS:
         keys = sorted(p[op])
-        stacked[op] = (torch.stack([p[op][k] for k in keys]) if keys
+        # Partials may sit on different devices (counts from host masks, sums from the
+        # model's outputs): stack them on the first one's.
+        dev = p[op][keys[0]].device if keys else None
+        stacked[op] = (torch.stack([p[op][k].to(dev) for k in keys]) if keys
                        else torch.zeros(0, dtype=torch.float64))
     return stacked
 

@@ -93,8 +93,10 @@ def cp_shard(batch: dict, cp_size: int, cp_rank: int, sp_size: int = 1) -> dict:
 
 
 def split_completion_values(values: torch.Tensor, batch: dict) -> list[torch.Tensor]:
-    """[B, S] per-token values -> one [len(completion)] tensor per sample (inverse of collate)."""
-    return [values[i][batch["completion_mask"][i]] for i in range(values.shape[0])]
+    """[B, S] per-token values -> one [len(completion)] CPU tensor per sample (inverse of
+    collate; `values` may live on the model's device)."""
+    values = values.detach().cpu()
+    return [values[i][batch["completion_mask"][i].cpu()] for i in range(values.shape[0])]
 
 
 def micro_batches(samples: Sequence[Sample], micro_batch_size: int,

@@ -188,6 +188,10 @@ def _run_schedule(chunks, micro_batches: list[dict], forward_step, forward_only:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    # Collated on the host; the model may live on an accelerator.
+    dev = next(p.device for c in chunks for p in c.parameters())
+    micro_batches = [{k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                      for k, v in mb.items()} for mb in micro_batches]
     seq = max(mb["input_ids"].shape[1] for mb in micro_batches)
     mbs = micro_batches[0]["input_ids"].shape[0]
     if any(mb["input_ids"].shape[1] != seq for mb in micro_batches):
@@ -263,8 +267,9 @@ def step_entropy_threshold(chunks, micro_batches: list[dict], opts: LossOptions,
     for batch, out in zip(micro_batches, outs):
         mask = loss_mask_after_overlong_filter(batch["completion_mask"], batch["truncated"],
                                                opts.overlong_filter)
-        values.append(out["entropy"][mask.bool()].to(torch.float64))
-    local = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+        ent = out["entropy"]
+        values.append(ent[mask.bool().to(ent.device)].to(torch.float64))
+    local = torch.cat(values)
     group = ps.get_data_parallel_group()
     if dist.get_world_size(group) > 1:     # every DP rank's tokens (variable counts: pad)
         n = torch.tensor([local.numel()], device=local.device)
@@ -372,8 +377,10 @@ def reduce_partials(partials: dict, group=None) -> dict:
 
     from ..algorithms import stack_partials, unstack_partials
 
+    from ..platform import device
+
     group = group or ps.get_data_parallel_group()
-    stacked = stack_partials(partials)
+    stacked = {op: t.to(device()) for op, t in stack_partials(partials).items()}
     ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
     for op, t in stacked.items():
         if t.numel():
