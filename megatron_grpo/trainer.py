@@ -375,11 +375,9 @@ def _save_final_hf(policy, cfg, out_dir: str) -> None:
     if rank0:
         with open(os.path.join(final + ".tmp", "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": index}, f, indent=1)
-        src = cfg.model.model
-        for fname in os.listdir(src):
-            if not fname.endswith((".safetensors", ".index.json")) and \
-                    os.path.isfile(os.path.join(src, fname)):
-                shutil.copy2(os.path.join(src, fname), os.path.join(final + ".tmp", fname))
+        from bridge.convert import copy_hf_side_files
+
+        copy_hf_side_files(cfg.model.model, final + ".tmp")   # config, tokenizer; no weights
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.replace(final + ".tmp", final)
