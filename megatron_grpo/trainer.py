@@ -229,7 +229,7 @@ def train(cfg) -> None:
         gen_mask = collate(samples)["completion_mask"]
         gen_counts = count_partials(gen_mask, gen_mask)
         # 6: optimizer steps.
-        for _ in range(g.num_iterations):
+        for it in range(g.num_iterations):
             for k in range(g.steps_per_generation):
                 if step >= steps:
                     break
@@ -260,7 +260,10 @@ def train(cfg) -> None:
                 metrics = _step_metrics(parts, gen, grad_norm, policy, k)
                 metrics["timing/train"] = time.perf_counter() - t0
                 metrics["timing/logprobs"] = t_logprobs
-                if step % g.steps_per_generation == 0 or step >= steps:
+                # vLLM needs the weights before the next generation only: after the last
+                # step of the last iteration over this batch.
+                if (it == g.num_iterations - 1 and k == g.steps_per_generation - 1) \
+                        or step >= steps:
                     t0 = time.perf_counter()
                     sync_weights(policy, engine, cfg, is_server)   # 7: vLLM gets the update
                     metrics["timing/sync"] = time.perf_counter() - t0

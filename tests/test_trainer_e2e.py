@@ -81,13 +81,15 @@ PER_ROLLOUT = ("timing/generate", "timing/score")
 PER_SYNC = ("timing/sync",)
 
 
-def _check_metrics(rows, steps, extra=(), steps_per_generation=1):
+def _check_metrics(rows, steps, extra=(), steps_per_generation=1, num_iterations=1):
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    per_batch = steps_per_generation * num_iterations     # optimizer steps per generation
     for r in rows:
         k_in_gen = (r["step"] - 1) % steps_per_generation
         for k in METRIC_KEYS + list(extra):
             if (k in PER_ROLLOUT and k_in_gen != 0) or \
-                    (k in PER_SYNC and k_in_gen != steps_per_generation - 1):
+                    (k in PER_SYNC and (r["step"] - 1) % per_batch != per_batch - 1
+                     and r["step"] != steps):
                 continue
             assert k in r, f"metrics.jsonl lacks {k} at step {r['step']}"
             assert r[k] is not None and math.isfinite(r[k]), f"{k}={r[k]}"
@@ -234,3 +236,19 @@ def test_two_nodes_over_loopback(tiny, tmp_path):
     for p, o in zip(procs, outs):
         assert p.returncode == 0, o[-4000:]
     _check_metrics(_metrics(out), 1)
+
+
+def test_dp2_offload_sleep_dynamic_sample_two_iterations(tiny, tmp_path):
+    """DP=2 (one vLLM engine per rank) with the distributed optimizer; vLLM sleeps (level 1)
+    while Megatron's weights and optimizer state come back from the host around each
+    generation; DAPO's dynamic sampling; each generation trained twice (num_iterations 2,
+    so old log-probs are computed)."""
+    out = str(tmp_path / "run")
+    r = _run(_argv(tiny, out, use_distributed_optimizer="true", sleep_level=1,
+                   offload_model="true", offload_optimizer="true", dynamic_sample="true",
+                   max_resample_times=1, num_iterations=2, train_iters=2))
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _metrics(out)
+    _check_metrics(rows, 2, extra=("dynamic_sample/resample_rounds",), num_iterations=2)
+    assert rows[0]["grad_norm"] > 0 and rows[1]["grad_norm"] > 0
+    assert "timing/sync" not in rows[0]      # vLLM is synced once per generation batch
