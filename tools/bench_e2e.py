@@ -18,7 +18,8 @@ a table (median and mean seconds per phase, share of the step time) and as its l
 
     e2e step_s=<median step seconds> sync_share=<total sync time / total step time>
 
-Usage: python tools/bench_e2e.py [--steps 14] [--warmup 2] [--keep DIR]
+Usage: python tools/bench_e2e.py [--steps 14] [--warmup 2] [--keep DIR] [-- RLHF FLAGS...]
+(flags after `--` go to `megatron rlhf`, e.g. `-- --sleep_level 1 --offload_model true`)
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ sys.path.insert(0, ROOT)
 PHASES = ("generate", "score", "logprobs", "train", "sync")
 
 
-def run_quickstart(work: str, steps: int) -> tuple[str, float]:
+def run_quickstart(work: str, steps: int, extra: list[str]) -> tuple[str, float]:
     from tools.quickstart import build_tiny
 
     model_dir = build_tiny(work)
@@ -47,7 +48,7 @@ def run_quickstart(work: str, steps: int) -> tuple[str, float]:
            "--config", os.path.join(ROOT, "configs", "quickstart_cpu.yaml"),
            "--model", model_dir, "--output_dir", out, "--train_iters", str(steps),
            # steady-state loop: no intermediate checkpoint inside the measured steps
-           "--save_steps", str(steps), "--log_completions", "false"]
+           "--save_steps", str(steps), "--log_completions", "false", *extra]
     env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
     print(f"[bench_e2e] {' '.join(cmd[2:])} (NPROC_PER_NODE=2)", flush=True)
     t0 = time.perf_counter()
@@ -74,12 +75,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
     ap.add_argument("--keep", default=None, help="run in this folder and keep it (default: a temp dir)")
-    a = ap.parse_args()
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if a.steps <= a.warmup:
         raise SystemExit(f"--steps {a.steps} must be larger than --warmup {a.warmup}")
     work = a.keep or tempfile.mkdtemp(prefix="bench_e2e_")
     try:
-        out, wall = run_quickstart(work, a.steps)
+        out, wall = run_quickstart(work, a.steps, extra)
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     finally:
         if a.keep is None:
