@@ -92,8 +92,7 @@ def check_args(argv: list[str], world_size: int) -> ConvertArgs:
     if not src or not os.path.isdir(src):
         raise ValueError(f"{src_flag} {src!r}: not a folder; it must name the checkpoint to convert")
     if a.to_hf:
-        mcore_source(a.mcore_model)          # raises naming what is missing
-        _check_query_groups(a)
+        _check_query_groups(a)               # resolves the source: raises naming what is missing
     if a.context_parallel_size < 1:
         raise ValueError(f"--context_parallel_size {a.context_parallel_size} must be >= 1")
     if a.context_parallel_size > 1 and a.test_convert_precision:

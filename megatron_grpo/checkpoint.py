@@ -396,9 +396,10 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
                 from bridge.convert import HF_CONFIG_DIR, copy_hf_side_files
 
                 copy_hf_side_files(hf_config_dir, os.path.join(tmp, HF_CONFIG_DIR))
-            params = [p for c in chunks for p in c.parameters()]
+            first = next((p for c in chunks for p in c.parameters()), None)
             meta = {"format_version": FORMAT_VERSION, "step": step, "time": time.time(),
-                    "params_dtype": str(params[0].dtype).replace("torch.", "") if params else None,
+                    "params_dtype": str(first.dtype).replace("torch.", "") if first is not None
+                    else None,
                     "versions": {"torch": torch.__version__,
                                  "megatron_core": getattr(megatron.core, "__version__", "?")},
                     "save_seconds": round(time.time() - started, 3),

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .algorithms import count_partials, finalize_metrics, loss_normalizer, merge_partials
+from .algorithms import count_partials, finalize_metrics, loss_normalizer
 from .train import (LossOptions, forward_logprobs, micro_batches, reduce_partials,
                     step_entropy_threshold)
 from .train.batch import collate, split_completion_values
@@ -105,17 +105,17 @@ def sync_weights(policy, engine, cfg, is_server: bool) -> dict:
         from .rollout.weights import wake_up
 
         wake_up(engine, level=r.sleep_level)
-    total = sum(p.numel() * p.element_size() for c in policy.chunks for p in c.parameters())
     from .platform import device
 
+    params = [p for c in policy.chunks for p in c.parameters()]
+    total = sum(p.numel() * p.element_size() for p in params)
     total = torch.tensor(float(total), device=device())   # NCCL reduces device tensors only
     dist.all_reduce(total)   # an upper bound of the HF model's bytes (TP/PP shards summed)
     bucket = int(total.item() // r.move_model_batches) + 1 if r.move_model_batches else 512 << 20
     if policy.staging is None:   # one bucket buffer for every sync (allocating it is slow)
         from bridge import BucketBuffer
 
-        device = next(p.device for c in policy.chunks for p in c.parameters())
-        policy.staging = BucketBuffer("cpu" if r.offload_bridge else device)
+        policy.staging = BucketBuffer("cpu" if r.offload_bridge else params[0].device)
     stream = export_hf_weights(policy.chunks, policy.config, policy.args,
                                bucket_size_bytes=bucket, offload_bridge=r.offload_bridge,
                                staging=policy.staging)

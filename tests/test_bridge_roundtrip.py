@@ -35,37 +35,6 @@ def _hf_tensors(path) -> dict[str, torch.Tensor]:
     return out
 
 
-def megatron_logits(chunks, config, args, ids: torch.Tensor):
-    """Logits [B, S, vocab] (fp32, HF vocab) on the last stage's TP rank 0, else None."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    batch, seq = ids.shape
-    positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
-
-    def step(data_iterator, model):
-        next(data_iterator)
-        output = model(ids, positions, None)  # [B, S, V/tp] on the last stage
-
-        def collect(out):
-            logits = gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size]
-            return torch.zeros(()), {"logits": logits.detach().clone()}
-
-        return output, collect
-
-    for chunk in chunks:
-        chunk.eval()
-    data = [iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None])
-    with torch.no_grad():
-        result = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=data, model=chunks, num_microbatches=1,
-            seq_length=seq, micro_batch_size=batch, forward_only=True)
-    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
-        return result[0]["logits"]
-    return None
-
-
 def _world(rank, world_size, all_paths, ids):
     from bridge.hf_checkpoint import HFCheckpoint
 
@@ -84,6 +53,7 @@ def _world(rank, world_size, all_paths, ids):
 
 def _family(rank, world_size, paths, ids, bytes_read):
     from bridge import export_hf_weights, load_hf_weights
+    from bridge.convert import megatron_logits
     from bridge.params import global_params
     from megatron.core import parallel_state as ps
     from megatron_grpo.model import build_model, build_transformer_config
@@ -122,9 +92,7 @@ def _family(rank, world_size, paths, ids, bytes_read):
                                    read=sum(bytes_read), local=local_bytes,
                                    total=sum(t.numel() * t.element_size() for t in ref.values())))
             if (tp, pp, vpp) in LOGIT_LAYOUTS:
-                out = megatron_logits(chunks, config, args, ids)
-                if out is not None:
-                    logits[kind, (tp, pp)] = out
+                logits[kind, (tp, pp)] = megatron_logits(chunks, config, args, ids).cpu()
     return roundtrips, logits
 
 

@@ -62,6 +62,21 @@ def max_diff(a, b) -> float:
     return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
 
+
+def sync_leaving_out(engine, model_dir, left_out: str, **bucket_kwargs) -> str:
+    """Sync a perturbed copy of the checkpoint without `left_out`; the fingerprint check
+    must fail. Returns its message."""
+    from megatron_grpo.rollout.verify import StreamFingerprints, WeightSyncError, check_weight_sync
+    from megatron_grpo.rollout.weights import load_weight_stream
+
+    expected = StreamFingerprints()
+    stream = perturb_buckets(iter_safetensors_buckets(model_dir, **bucket_kwargs), seed=2)
+    stream = ([(n, t) for n, t in b if n != left_out] for b in stream)
+    load_weight_stream(engine, expected.watch(stream))
+    with pytest.raises(WeightSyncError) as err:
+        check_weight_sync(engine, expected.result)
+    return str(err.value)
+
 def engine_kwargs(**overrides):
     kwargs = dict(vllm_gpu_memory_utilization=0.05, vllm_max_model_len=256,
                   vllm_enforce_eager=True, dtype="float32", temperature=TEMPERATURE,
@@ -93,13 +108,7 @@ def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
     seen["generate_1"] = [c.__dict__ for c in engine.generate(PROMPTS[:2])]
 
     # 2. A stream that leaves one tensor out (one tensor per bucket).
-    expected = StreamFingerprints()
-    stream = perturb_buckets(iter_safetensors_buckets(model_dir, bucket_bytes=1), seed=2)
-    stream = ([(n, t) for n, t in b if n != left_out] for b in stream)
-    load_weight_stream(engine, expected.watch(stream))
-    with pytest.raises(WeightSyncError) as err:
-        check_weight_sync(engine, expected.result)
-    seen["left_out_error"] = str(err.value)
+    seen["left_out_error"] = sync_leaving_out(engine, model_dir, left_out, bucket_bytes=1)
 
     # 3. vLLM receives other values for one tensor than the trainer fingerprinted.
     expected = StreamFingerprints()

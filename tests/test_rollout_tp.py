@@ -12,7 +12,7 @@ import pytest
 from megatron_grpo.rollout.buckets import iter_safetensors_buckets, perturb_buckets, save_hf_copy
 from tests.harness import run_distributed
 from tests.test_rollout_colocate import (ATOL, TEMPERATURE, engine_kwargs, hf_logprobs, max_diff,
-                                         needs_vllm, tiny_vllm_model)
+                                         needs_vllm, sync_leaving_out, tiny_vllm_model)
 
 # Each rank brings its own prompts (different counts on purpose).
 RANK_PROMPTS = {0: [[5, 17, 230, 41], [400, 12]], 1: [[7, 8, 9, 10, 11, 12]]}
@@ -23,7 +23,7 @@ def _tp2_body(rank, world_size, model_dir, left_out):
     import torch.distributed as dist
 
     from megatron_grpo.rollout.colocate import ColocateEngine
-    from megatron_grpo.rollout.verify import StreamFingerprints, WeightSyncError, check_weight_sync
+    from megatron_grpo.rollout.verify import StreamFingerprints, check_weight_sync
     from megatron_grpo.rollout.weights import load_weight_stream
 
     seen = {}
@@ -37,13 +37,7 @@ def _tp2_body(rank, world_size, model_dir, left_out):
     seen["checked"] = check_weight_sync(engine, expected.result)
     seen["score"] = engine.score(RANK_PROMPTS[rank], RANK_COMPLETIONS[rank])
 
-    expected = StreamFingerprints()
-    stream = perturb_buckets(iter_safetensors_buckets(model_dir, num_buckets=4), seed=2)
-    stream = ([(n, t) for n, t in b if n != left_out] for b in stream)
-    load_weight_stream(engine, expected.watch(stream))
-    with pytest.raises(WeightSyncError) as err:
-        check_weight_sync(engine, expected.result)
-    seen["left_out_error"] = str(err.value)
+    seen["left_out_error"] = sync_leaving_out(engine, model_dir, left_out, num_buckets=4)
     dist.barrier()
     engine.close()
     return seen

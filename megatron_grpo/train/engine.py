@@ -376,7 +376,6 @@ def reduce_partials(partials: dict, group=None) -> dict:
     from megatron.core import parallel_state as ps
 
     from ..algorithms import stack_partials, unstack_partials
-
     from ..platform import device
 
     group = group or ps.get_data_parallel_group()
