@@ -270,7 +270,7 @@ def train(cfg) -> None:
                 now = time.perf_counter()
                 metrics["timing/step"], t_last = now - t_last, now
                 logger.log(step, metrics)
-                if k == 0:
+                if k == 0 and it == 0:     # once per generation batch
                     index = [s.meta["prompt_index"] for s in samples]
                     extra = {"prompt_index": index}
                     if "solution" in dataset.columns:    # as ms-swift's completions table
