@@ -4,11 +4,13 @@
     megatron rollout --model DIR --port 8000                               # vLLM server
     megatron export --to_mcore true --model DIR --output_dir OUT ...       # convert
 
-Configuration errors are reported as one line naming the option, before torch,
-Megatron or vLLM are imported and before any process is launched.
+Configuration errors are reported before torch, Megatron or vLLM are imported and
+before any process is launched: every problem of the command line in one message
+(unknown flags with a suggestion each, then invalid values), one line per problem.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from . import launch
@@ -27,19 +29,30 @@ Run `megatron <command> --help` for the options of a command.
 
 
 def _rlhf(argv: list[str]) -> int:
-    from .config import parse_rlhf_args, validate_world
+    from .config import build_config, rlhf_help
 
+    if "-h" in argv or "--help" in argv:
+        print(rlhf_help())
+        return 0
     argv, nproc = launch.pop_nproc_flag(argv)
-    cfg = parse_rlhf_args(argv)          # option-only checks (fast, no torch import)
-    spec = launch.launch_spec(nproc)
-    validate_world(cfg, launch.current_world_size(spec))
-    if not launch.in_torchrun():
+    world_size, env_problem = None, None
+    try:
+        spec = launch.launch_spec(nproc)
+        world_size = launch.current_world_size(spec)
+    except ValueError as e:
+        env_problem = str(e)
+    cfg, problems = build_config(argv, world_size)   # parser + option + world checks, no torch
+    if env_problem:
+        problems.add(env_problem)
+    if not launch.in_torchrun() and not problems.names_any(("dataset", "columns", "system")):
         # Read the dataset once here, so that a file without a prompt column fails now,
         # not after every rank has built its model.
         from .data import load_prompt_dataset
 
-        load_prompt_dataset(cfg.data.dataset, seed=cfg.training.seed, system=cfg.data.system,
-                            columns=cfg.data.columns)
+        with problems.section():
+            load_prompt_dataset(cfg.data.dataset, seed=cfg.training.seed, system=cfg.data.system,
+                                columns=cfg.data.columns)
+    problems.raise_if_any()
     if spec.world_size > 1 and not launch.in_torchrun():
         return launch.relaunch("rlhf", argv, spec)
     try:
@@ -65,6 +78,9 @@ def _export(argv: list[str]) -> int:
 
 
 def _rollout(argv: list[str]) -> int:
+    from .config import parse_rollout_args
+
+    parse_rollout_args(argv)      # --help and option errors before torch and vLLM are imported
     try:
         from .rollout import server
     except ImportError as e:
@@ -75,8 +91,7 @@ def _rollout(argv: list[str]) -> int:
 COMMANDS = {"rlhf": _rlhf, "rollout": _rollout, "export": _export}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
@@ -88,9 +103,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[command](rest)
     except ValueError as e:
-        # User errors: one clear line, no traceback.
+        # User errors: one line per problem, no traceback.
         print(f"megatron {command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            return _dispatch(argv)
+        finally:
+            sys.stdout.flush()       # a reader that left shows up here at the latest
+    except BrokenPipeError:
+        # `megatron rlhf --help | head`: the reader has all it wanted. Point stdout at
+        # /dev/null so that the interpreter's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -55,3 +55,70 @@ def test_bad_config_fails_fast(case, setup_files):
     assert option in r.stderr and valid in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     assert elapsed < 5, f"{case}: {elapsed:.1f} s (must fail before heavy start-up)"
+
+
+HEAVY = ("torch", "vllm", "megatron", "transformers")
+
+
+def _imported(importtime_stderr):
+    """Top-level package names in `python -X importtime` output."""
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+def test_every_problem_in_one_message_from_the_parser_stage(setup_files):
+    model, good, _, d = setup_files
+    argv = ["--rlhf_type", "grpo", "--model", model, "--dataset", good, f"{d}/missing.jsonl",
+            "--reward_funcs", "acuracy", "--num_generations", "4", "--global_batch_size", "8",
+            "--tensor_model_paralel_size", "2", "--lerning_rate", "1e-6", "--save_safetensors",
+            "true", "--loss_type", "ppo", "--epsilon", "x", "--tensor_model_parallel_size", "3"]
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_grpo.cli", "rlhf",
+                        *argv], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, NPROC_PER_NODE="2"))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    message = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
+    assert message[0] == "megatron rlhf: error: 8 problems in the configuration:", message
+    body = message[1:]
+    assert len(body) == 8 and "Traceback" not in r.stderr
+    # Unknown flags first, each with a close match; then the invalid values.
+    assert "--tensor_model_paralel_size. Did you mean: --tensor_model_parallel_size" in body[0]
+    assert "--lerning_rate" in body[1] and "--learning_rate" in body[1]
+    assert "--save_safetensors" in body[2]
+    rest = "\n".join(body[3:])
+    for part in ["--loss_type 'ppo'", "--epsilon 'x'", "missing.jsonl", "--reward_funcs 'acuracy'",
+                 "world size 2", "tensor_model_parallel_size 3"]:
+        assert part in rest, (part, body)
+    # The message comes before anything heavy is imported.
+    assert not _imported(r.stderr) & set(HEAVY), _imported(r.stderr) & set(HEAVY)
+
+
+def test_rollout_option_errors_before_vllm(setup_files):
+    model, _, _, _ = setup_files
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_grpo.cli", "rollout",
+                        "--model", model, "--prot", "8000", "--port", "70000",
+                        "--vllm_tensor_parallel_size", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "3 problems" in r.stderr and "--prot" in r.stderr and "--port?" in r.stderr
+    assert "--port 70000" in r.stderr and "--vllm_tensor_parallel_size 0" in r.stderr
+    assert not _imported(r.stderr) & set(HEAVY)
+
+
+@pytest.mark.parametrize("command", [[], ["rlhf"], ["rollout"], ["export"]])
+def test_help_into_a_closed_pipe_exits_quietly(command):
+    # `megatron rlhf --help | head`: the reader leaves early. Here it has left before the
+    # first write, which makes every write fail (a pipe without readers), deterministically.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", *command, "--help"],
+                           cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                           timeout=120)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+    assert "Exception ignored" not in r.stderr, r.stderr
+    assert r.returncode in (0, 1), r.stderr

@@ -38,7 +38,8 @@ def test_defaults_follow_ms_swift(model_dir):
     assert cfg.grpo.scale_rewards == "group" and cfg.grpo.kl_in_reward is False
     assert cfg.grpo.steps_per_generation == 1 and cfg.grpo.generation_batch_size == 16
     assert cfg.rollout.vllm_server_timeout == 240.0
-    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k) == (0.9, 0.9, 50)
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k) == (0.9, 1.0, -1)
+    assert cfg.training.tuner_type == "full"
     assert cfg.rollout.vllm_mode == "colocate" and cfg.rollout.vllm_enable_prefix_caching is True
     assert cfg.reward.cosine_max_len == 512 and cfg.reward.repetition_n_grams == 3
     assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (1, 16)
@@ -199,3 +200,14 @@ def test_rollout_server_args(model_dir):
         parse_rollout_args(["--model", model_dir, "--reward_funcs", "format"])
     with pytest.raises(ValueError, match="no config.json"):
         parse_rollout_args(["--model", model_dir + "-missing"])
+
+
+def test_none_is_a_value_where_it_is_a_choice(model_dir, tmp_path):
+    # --scale_rewards none means "do not scale", not "unset" (which would be group for grpo).
+    cfg = parse_rlhf_args(base(model_dir) + ["--scale_rewards", "none"])
+    assert cfg.grpo.scale_rewards == "none"
+    path = tmp_path / "run.yaml"
+    path.write_text("scale_rewards: none\nreport_to: none\ntrain_iters: none\n")
+    cfg = parse_rlhf_args(base(model_dir) + ["--config", str(path)])
+    assert cfg.grpo.scale_rewards == "none" and cfg.logging.report_to == []
+    assert cfg.training.train_iters is None

@@ -43,15 +43,18 @@ CASES = [
     (["--vllm_mode", "remote"], ["--vllm_mode 'remote'", "colocate, server"]),
     (["--sleep_level", "3"], ["--sleep_level 3", "0, 1, 2"]),
     (["--lr_decay_style", "step"], ["--lr_decay_style", "cosine, linear, constant"]),
-    (["--report_to", "mlflow"], ["--report_to 'mlflow'", "tensorboard, wandb, swanlab"]),
+    (["--report_to", "mlflow"], ["--report_to 'mlflow'", "tensorboard, wandb, swanlab, none"]),
+    (["--report_to", "none", "tensorboard"], ["--report_to none tensorboard", "cannot be combined"]),
+    (["--tuner_type", "lora"], ["--tuner_type lora", "not supported yet", "issue 15", "full"]),
+    (["--train_type", "qlora"], ["--tuner_type 'qlora'", "full, lora"]),
     (["--kl_estimator", "k4"], ["--kl_estimator", "k1, k2, k3"]),
     # batch sizes
     (["--num_generations", "5"], ["--num_generations 5", "Valid num_generations values: [2, 4, 8, 16]"]),
     (["--num_generations", "1"], ["--num_generations 1", "at least 2"]),
     (["--num_generations", "5", "--global_batch_size", "4", "--steps_per_generation", "3"],
      ["--num_generations 5", "[2, 3, 4, 6, 12]"]),     # generation batch 12 = 4 x 3
-    (["--generation_batch_size", "32", "--steps_per_generation", "2"],
-     ["--generation_batch_size 32", "--steps_per_generation 2", "exclusive"]),
+    (["--generation_batch_size", "32", "--steps_per_generation", "3"],
+     ["--generation_batch_size 32", "--steps_per_generation 3", "disagree", "16 x steps_per_generation 3 = 48"]),
     (["--generation_batch_size", "24"], ["--generation_batch_size 24", "multiple of --global_batch_size 16"]),
     (["--global_batch_size", "10", "--micro_batch_size", "4"], ["--micro_batch_size 4", "[1, 2, 5, 10]"]),
     # rollout
@@ -62,6 +65,7 @@ CASES = [
     (["--vllm_max_model_len", "100", "--max_completion_length", "128"], ["--vllm_max_model_len 100"]),
     (["--temperature", "0"], ["--temperature 0"]),
     (["--top_p", "0"], ["--top_p 0", "(0, 1]"]),
+    (["--top_k", "-2"], ["--top_k -2", "-1 or 0 disable it"]),
     (["--vllm_mode", "server", "--vllm_server_host", "a", "b", "c", "--vllm_server_port", "1", "2"],
      ["--vllm_server_port [1, 2]", "one per host"]),
     (["--vllm_mode", "server", "--vllm_server_base_url", "localhost:8000"],
@@ -215,3 +219,122 @@ def test_world_checks(model_dir):
     cfg = parse_rlhf_args(args(model_dir, "--vllm_tensor_parallel_size", "3", "--vllm_mode", "server",
                                "--num_generations", "4"))
     assert validate_world(cfg, 4).num_vllm_engines == 0
+
+
+def test_generation_batch_size_with_a_consistent_steps_per_generation(model_dir):
+    # ms-swift accepts both when they agree.
+    cfg = parse_rlhf_args(args(model_dir, "--generation_batch_size", "32", "--steps_per_generation", "2"))
+    assert (cfg.grpo.generation_batch_size, cfg.grpo.steps_per_generation) == (32, 2)
+
+
+def test_tuner_type_and_train_type_alias(model_dir):
+    assert parse_rlhf_args(args(model_dir, "--tuner_type", "full")).training.tuner_type == "full"
+    assert parse_rlhf_args(args(model_dir, "--train_type", "full")).training.tuner_type == "full"
+
+
+def test_top_k_zero_means_disabled(model_dir):
+    # vLLM reads 0 and -1 alike; the engines accept only -1.
+    assert parse_rlhf_args(args(model_dir, "--top_k", "0")).rollout.top_k == -1
+    assert parse_rlhf_args(args(model_dir, "--top_k", "20")).rollout.top_k == 20
+
+
+def test_report_to_default_none_and_missing_packages(model_dir, monkeypatch, caplog):
+    import importlib.util
+
+    from megatron_grpo.config import validate
+
+    assert parse_rlhf_args(args(model_dir, "--report_to", "none")).logging.report_to == []
+    # As a YAML/flag string too: `none` is a choice here, not the "unset" of an Optional.
+    assert parse_rlhf_args(args(model_dir, "--report_to=none")).logging.report_to == []
+
+    real = importlib.util.find_spec
+    installed = {"tensorboard": real("tensorboard") is not None}
+
+    def find_spec(name, *a, **k):
+        if name in ("tensorboard", "wandb", "swanlab") and not installed.get(name, False):
+            return None
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(validate.importlib.util, "find_spec", find_spec)
+    if installed["tensorboard"]:
+        assert parse_rlhf_args(args(model_dir)).logging.report_to == ["tensorboard"]
+    # Default sink missing: a one-line warning, metrics.jsonl only.
+    installed["tensorboard"] = False
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.config"):
+        cfg = parse_rlhf_args(args(model_dir))
+    assert cfg.logging.report_to == []
+    warnings = [r.message for r in caplog.records if "tensorboard" in r.message]
+    assert len(warnings) == 1 and "\n" not in warnings[0] and "metrics.jsonl" in warnings[0]
+    # Asked for by name and missing: an error naming the package to install.
+    msg = error_of(args(model_dir, "--report_to", "tensorboard", "swanlab"))
+    assert "--report_to tensorboard needs the tensorboard package" in msg
+    assert "pip install tensorboard" in msg and "pip install swanlab" in msg
+
+
+@pytest.mark.parametrize("spec", ["AI-MO/NuminaMath-TIR", "modelscope/xxx#1000",
+                                  "AI-ModelScope/alpaca-gpt4-data-zh:default#500"])
+def test_hub_dataset_id_says_datasets_are_not_downloaded(model_dir, spec):
+    msg = error_of(["--model", model_dir, "--dataset", spec, "--reward_funcs", "format"])
+    assert f"--dataset {spec!r}" in msg and "does not download datasets" in msg
+    assert ".jsonl/.json/.parquet" in msg and "#N" in msg
+
+
+def test_dataset_folder(model_dir, tmp_path):
+    msg = error_of(["--model", model_dir, "--dataset", str(tmp_path), "--reward_funcs", "format"])
+    assert "is a folder" in msg and "data files" in msg
+
+
+def test_every_problem_in_one_message(model_dir):
+    msg = error_of(args(model_dir, "--tensor_model_paralel_size", "2", "--lerning_rate", "1e-6",
+                        "--loss_type", "ppo", "--num_generations", "four", "--beta", "-1",
+                        "--top_p", "0", "--save_steps", "0"))
+    lines = msg.splitlines()
+    assert lines[0] == "7 problems in the configuration:", msg
+    # Unknown flags first, each with its suggestion, then the invalid values.
+    assert "unknown option --tensor_model_paralel_size" in lines[1]
+    assert "--tensor_model_parallel_size" in lines[1]
+    assert "unknown option --lerning_rate" in lines[2] and "--learning_rate" in lines[2]
+    rest = "\n".join(lines[3:])
+    for part in ["--loss_type 'ppo'", "--num_generations 'four' is not valid", "--beta -1",
+                 "--top_p 0", "--save_steps 0"]:
+        assert part in rest, (part, msg)
+
+
+def test_no_consequences_of_a_value_already_reported(model_dir):
+    # num_generations could not be read: the default 8 that stands in for it does not
+    # divide 12, but that is not the user's mistake and must not be reported.
+    msg = error_of(args(model_dir, "--num_generations", "four", "--generation_batch_size", "12",
+                        "--global_batch_size", "4"))
+    assert "problems" not in msg and "--num_generations 'four'" in msg
+    # A misspelt flag: errors about the default of the option it probably meant are left out.
+    msg = error_of(args(model_dir, "--num_generatons", "4", "--generation_batch_size", "12",
+                        "--global_batch_size", "4"))
+    assert "problems" not in msg and "--num_generatons" in msg
+    # Sizes reported as invalid do not crash the checks that divide by them.
+    msg = error_of(args(model_dir, "--micro_batch_size", "0", "--global_batch_size", "0",
+                        "--num_generations", "0"))
+    assert "--micro_batch_size 0" in msg and "--global_batch_size 0" in msg
+    assert "--num_generations 0" in msg
+
+
+def test_world_size_problems_join_the_option_problems(model_dir):
+    with pytest.raises(ValueError) as e:
+        parse_rlhf_args(args(model_dir, "--tensor_model_parallel_size", "3", "--beta", "-1"),
+                        world_size=2)
+    msg = str(e.value)
+    assert "2 problems" in msg and "--beta -1" in msg and "world size 2" in msg
+    # A parallel size already reported as invalid: no world check on it (and no crash).
+    with pytest.raises(ValueError) as e:
+        parse_rlhf_args(args(model_dir, "--tensor_model_parallel_size", "0"), world_size=2)
+    assert "world size" not in str(e.value)
+    cfg = parse_rlhf_args(args(model_dir, "--num_generations", "4"), world_size=2)
+    assert validate_world(cfg, 2).dp == 2
+
+
+def test_yaml_and_flag_problems_together(model_dir, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("num_generatons: 4\nepsilon: 2\nloss_type: ppo\n")
+    msg = error_of(args(model_dir, "--config", str(path), "--lr", "x", "--loss_type", "dapo"))
+    assert "3 problems" in msg, msg
+    assert "unknown option --num_generatons" in msg and "--lr 'x'" in msg and "--epsilon 2" in msg
+    assert "ppo" not in msg           # the flag overrides the file's value

@@ -7,22 +7,26 @@
 Constructing a GRPOConfig resolves dependent defaults and checks everything the
 options alone decide (model folder, dataset files, choices, batch divisibility,
 reward names); `validate_world` adds the checks that need the world size. Both
-raise ValueError naming the option, the value, what is valid and the fix.
+raise a ConfigError (a ValueError) naming, for every problem at once, the option,
+the value, what is valid and the fix; `parse_rlhf_args(argv, world_size=N)` reports
+the parser's, the options' and the world size's problems in that one message.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, Optional, Sequence
+from dataclasses import InitVar, asdict, dataclass, field, fields
+from typing import Any, Dict, Optional, Sequence, Tuple
 
+from .errors import ConfigError, Problems
 from .groups import (ALIASES, GROUPS, DataOptions, GRPOOptions, LoggingOptions, ModelOptions,
                      ParallelOptions, RewardOptions, RolloutOptions, TrainingOptions)
 from .parse import collect_values, convert, field_table, format_help
 from .rollout_server import RolloutServerConfig, parse_rollout_args
-from .validate import WorldPlan, finalize, valid_num_generations, validate_world
+from .validate import WORLD_OPTIONS, WorldPlan, finalize, valid_num_generations, validate_world
 
-__all__ = ["GRPOConfig", "parse_rlhf_args", "validate_world", "WorldPlan", "rlhf_help",
-           "RolloutServerConfig", "parse_rollout_args", "valid_num_generations", "GROUPS", "ALIASES"]
+__all__ = ["GRPOConfig", "parse_rlhf_args", "build_config", "validate_world", "WorldPlan",
+           "rlhf_help", "ConfigError", "Problems", "RolloutServerConfig", "parse_rollout_args",
+           "valid_num_generations", "GROUPS", "ALIASES"]
 
 
 @dataclass
@@ -36,9 +40,11 @@ class GRPOConfig:
     reward: RewardOptions = field(default_factory=RewardOptions)
     rollout: RolloutOptions = field(default_factory=RolloutOptions)
     logging: LoggingOptions = field(default_factory=LoggingOptions)
+    # Where finalize records its problems; None: raise them (one ConfigError) at once.
+    problems: InitVar[Optional[Problems]] = None
 
-    def __post_init__(self) -> None:
-        finalize(self)
+    def __post_init__(self, problems: Optional[Problems]) -> None:
+        finalize(self, problems)
 
     @classmethod
     def from_flat(cls, values: Dict[str, Any]) -> "GRPOConfig":
@@ -57,7 +63,7 @@ class GRPOConfig:
         """{option name: value}, e.g. to save next to a checkpoint; from_flat reads it back.
 
         Resolved defaults are kept, except steps_per_generation: it follows from
-        generation_batch_size / global_batch_size, and the two are exclusive as inputs.
+        generation_batch_size / global_batch_size.
         """
         flat: Dict[str, Any] = {}
         for f in fields(self):
@@ -70,11 +76,32 @@ def rlhf_help() -> str:
     return format_help(GROUPS)
 
 
-def parse_rlhf_args(argv: Optional[Sequence[str]] = None) -> GRPOConfig:
-    """A validated GRPOConfig from ms-swift style flags (`--config file.yaml` read first)."""
+def build_config(argv: Sequence[str], world_size: Optional[int] = None
+                 ) -> Tuple[GRPOConfig, Problems]:
+    """A GRPOConfig from ms-swift style flags and every problem found on the way: unknown
+    flags, malformed values, then the option checks and, given `world_size`, the world-size
+    checks. An option whose value could not be used keeps its default here, so the config
+    is only to be used when there is no problem."""
+    p = Problems()
+    table = field_table(GROUPS)
+    values = collect_values(argv, table, GROUPS, p)
+    per_group: Dict[str, Dict[str, Any]] = {g: {} for g in GROUPS}
+    for name, value in values.items():
+        per_group[table[name].group][name] = value
+    cfg = GRPOConfig(**{g: GROUPS[g](**kw) for g, kw in per_group.items()}, problems=p)
+    if world_size is not None and not p.names_any(WORLD_OPTIONS):
+        validate_world(cfg, world_size, p)
+    return cfg, p
+
+
+def parse_rlhf_args(argv: Optional[Sequence[str]] = None,
+                    world_size: Optional[int] = None) -> GRPOConfig:
+    """A validated GRPOConfig from ms-swift style flags (`--config file.yaml` read first);
+    a ConfigError listing every problem otherwise (see build_config)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(rlhf_help())
         raise SystemExit(0)
-    values = collect_values(argv, field_table(GROUPS), GROUPS)
-    return GRPOConfig.from_flat(values)
+    cfg, problems = build_config(argv, world_size)
+    problems.raise_if_any()
+    return cfg

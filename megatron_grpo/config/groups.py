@@ -36,20 +36,26 @@ def literal_choices(annotation: Any) -> Optional[tuple]:
     return None
 
 
+def bad_choice(name: str, value: Any, annotation: Any) -> Optional[str]:
+    """The message for a value of a Literal-typed option that is not one of its choices."""
+    choices = literal_choices(annotation)
+    if choices is None or value is None:
+        return None
+    for v in value if isinstance(value, list) else [value]:
+        if v not in choices:
+            shown = ", ".join(str(c) for c in choices)
+            return (f"--{name} {v!r} is not a valid choice; allowed values: {shown}. "
+                    f"Fix: pass one of them, e.g. --{name} {choices[0]}")
+    return None
+
+
 def check_choices(obj: Any) -> None:
     """Raise ValueError for any Literal-typed field of `obj` holding another value."""
     hints = typing.get_type_hints(type(obj))
     for f in fields(obj):
-        choices = literal_choices(hints[f.name])
-        value = getattr(obj, f.name)
-        if choices is None or value is None:
-            continue
-        values = value if isinstance(value, list) else [value]
-        for v in values:
-            if v not in choices:
-                shown = ", ".join(str(c) for c in choices)
-                raise ValueError(f"--{f.name} {v!r} is not a valid choice; allowed values: {shown}. "
-                                 f"Fix: pass one of them, e.g. --{f.name} {choices[0]}")
+        message = bad_choice(f.name, getattr(obj, f.name), hints[f.name])
+        if message:
+            raise ValueError(message)
 
 
 class _Group:
@@ -106,6 +112,9 @@ class TrainingOptions(_Group):
     bf16: Optional[bool] = opt(None, "Train in bfloat16. None: from the model's config.json "
                                      "torch_dtype (float32 on CPU is decided by the trainer).")
     seed: int = opt(42, "Seed of python, numpy, torch, the data order and vLLM sampling.")
+    tuner_type: Literal["full", "lora"] = opt(
+        "full", "full: train every parameter (the only one implemented); lora is not supported yet "
+                "(issue 15). ms-swift's old name --train_type is accepted too.")
 
 
 @dataclass
@@ -215,8 +224,8 @@ class RolloutOptions(_Group):
                                                           "http://127.0.0.1:8000; overrides host/port.")
     vllm_server_timeout: float = opt(240.0, "Seconds to wait for the server to come up.")
     temperature: float = opt(0.9, "Sampling temperature (also divides the training logits).")
-    top_p: float = opt(0.9, "Nucleus sampling.")
-    top_k: int = opt(50, "Top-k sampling; -1 disables it.")
+    top_p: float = opt(1.0, "Nucleus sampling; 1.0 keeps every token (ms-swift's default).")
+    top_k: int = opt(-1, "Top-k sampling; -1 (or 0) keeps every token (ms-swift's default).")
     repetition_penalty: float = opt(1.0, "vLLM repetition penalty.")
     move_model_batches: Optional[int] = opt(None, "Split each weight sync into this many buckets.")
     check_weight_sync: bool = opt(False, "After each sync, compare per-tensor fingerprints in vLLM "
@@ -238,9 +247,10 @@ class LoggingOptions(_Group):
     save_total_limit: Optional[int] = opt(None, "Keep at most N checkpoints; None: all.")
     logging_steps: int = opt(5, "Print/report metrics every N steps (metrics.jsonl gets every step).")
     log_completions: bool = opt(False, "Write prompts, completions and rewards to completions.jsonl.")
-    report_to: List[Literal["tensorboard", "wandb", "swanlab"]] = opt(
-        help="Extra metric sinks (the package must be installed). Default none: metrics.jsonl only.",
-        factory=list)
+    report_to: Optional[List[Literal["tensorboard", "wandb", "swanlab", "none"]]] = opt(
+        None, "Metric sinks besides metrics.jsonl (always written); none: no other. Default: "
+              "tensorboard as in ms-swift (in output_dir/runs), or metrics.jsonl only with a "
+              "warning when the tensorboard package is missing. A sink named here must be installed.")
     resume: Optional[str] = opt(None, "A checkpoint folder to continue from, or true/auto: the "
                                       "newest checkpoint in output_dir if there is one.")
 
@@ -267,4 +277,5 @@ ALIASES = {
     "log_interval": "logging_steps",
     "max_epochs": "num_train_epochs",
     "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
+    "train_type": "tuner_type",
 }

@@ -17,7 +17,8 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Tuple
 
-from .groups import ALIASES, literal_choices
+from .errors import Problems
+from .groups import ALIASES, bad_choice, literal_choices
 
 _TRUE = {"true", "1", "yes", "y", "on", "t"}
 _FALSE = {"false", "0", "no", "n", "off", "f"}
@@ -129,12 +130,16 @@ def _scalar(name: str, value: Any, kind: Any) -> Any:
 def convert(name: str, value: Any, annotation: Any) -> Any:
     """Convert a CLI token list / string or a YAML value to the field's type."""
     inner, optional = _strip_optional(annotation)
+    # `none` is a value of its own where it is one of the choices (--scale_rewards none,
+    # --report_to none), not the "unset" of an Optional option.
+    none_is_choice = "none" in (literal_choices(annotation) or ())
     if isinstance(value, list) and not is_list(annotation):
         if len(value) != 1:
             raise ValueError(f"--{name} takes one value, got {len(value)}: {value!r}. "
                              f"Fix: pass a single value, e.g. --{name} {value[0] if value else 'X'}")
         value = value[0]
-    if value is None or (optional and isinstance(value, str) and value.strip().lower() in _NONE):
+    if value is None or (optional and not none_is_choice and isinstance(value, str)
+                         and value.strip().lower() in _NONE):
         if optional or is_list(annotation):
             return None if optional else []
         raise _bad(name, value, "a value (this option cannot be none)")
@@ -145,19 +150,30 @@ def convert(name: str, value: Any, annotation: Any) -> Any:
     return _scalar(name, value, inner)
 
 
+class UnknownOption(ValueError):
+    """An option name that is neither a field nor an alias; `suggestion`: the closest name."""
+
+    def __init__(self, name: str, close: List[str]):
+        self.suggestion = ALIASES.get(close[0], close[0]) if close else None
+        hint = f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
+        super().__init__(f"unknown option --{name}.{hint} Run with --help for the full list.")
+
+
 def canonical_name(name: str, table: Dict[str, FieldInfo]) -> str:
-    """The option `name` (or an alias) refers to; ValueError with suggestions if none."""
+    """The option `name` (or an alias) refers to; UnknownOption with suggestions if none."""
     name = name.replace("-", "_")
     name = ALIASES.get(name, name)
     if name not in table:
-        close = difflib.get_close_matches(name, list(table) + list(ALIASES), n=3, cutoff=0.6)
-        hint = f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
-        raise ValueError(f"unknown option --{name}.{hint} Run with --help for the full list.")
+        raise UnknownOption(name, difflib.get_close_matches(name, list(table) + list(ALIASES),
+                                                            n=3, cutoff=0.6))
     return name
 
 
-def split_argv(argv: Sequence[str]) -> Tuple[Optional[str], List[Tuple[str, List[str]]]]:
-    """(config file or None, [(flag name, raw values)]) from a command line."""
+def split_argv(argv: Sequence[str], problems: Optional[Problems] = None
+               ) -> Tuple[Optional[str], List[Tuple[str, List[str]]]]:
+    """(config file or None, [(flag name, raw values)]) from a command line; a stray token
+    is recorded in `problems` (raised at once without it) and skipped."""
+    p = Problems() if problems is None else problems
     items: List[Tuple[str, List[str]]] = []
     config_path = None
     i = 0
@@ -165,8 +181,10 @@ def split_argv(argv: Sequence[str]) -> Tuple[Optional[str], List[Tuple[str, List
     while i < len(argv):
         tok = argv[i]
         if not tok.startswith("--") or tok == "--":
-            raise ValueError(f"unexpected argument {tok!r} at position {i}: options are written "
-                             "--name value (e.g. --model /path/to/model)")
+            p.add(f"unexpected argument {tok!r} at position {i}: options are written "
+                  "--name value (e.g. --model /path/to/model)")
+            i += 1
+            continue
         key, eq, inline = tok[2:].partition("=")
         values: List[str] = [inline] if eq else []
         i += 1
@@ -176,10 +194,13 @@ def split_argv(argv: Sequence[str]) -> Tuple[Optional[str], List[Tuple[str, List
                 i += 1
         if key == "config":
             if len(values) != 1:
-                raise ValueError("--config takes one YAML file path, e.g. --config run.yaml")
-            config_path = values[0]
+                p.add("--config takes one YAML file path, e.g. --config run.yaml")
+            else:
+                config_path = values[0]
         else:
             items.append((key, values))
+    if problems is None:
+        p.raise_if_any()
     return config_path, items
 
 
@@ -210,29 +231,89 @@ def load_yaml(path: str, group_names: Iterable[str]) -> Dict[str, Any]:
     return flat
 
 
+def _checked(name: str, raw: Any, info: FieldInfo, p: Problems) -> Tuple[bool, Any]:
+    """(usable, value): `raw` converted to the option's type and within its choices."""
+    try:
+        value = convert(name, raw, info.annotation)
+    except ValueError as e:
+        p.add(str(e), drop=name)
+        return False, None
+    message = bad_choice(name, value, info.annotation)
+    if message:
+        p.add(message, drop=name)
+        return False, None
+    return True, value
+
+
+def _lookup(key: str, table: Dict[str, FieldInfo], p: Problems, suggested: List[str]
+            ) -> Optional[str]:
+    try:
+        return canonical_name(key, table)
+    except UnknownOption as e:
+        p.add_unknown(str(e))
+        if e.suggestion:
+            suggested.append(e.suggestion)
+        return None
+
+
 def collect_values(argv: Sequence[str], table: Dict[str, FieldInfo],
-                   group_names: Iterable[str]) -> Dict[str, Any]:
-    """{option: converted value} from YAML (if --config) overridden by the flags."""
-    config_path, items = split_argv(argv)
+                   group_names: Iterable[str], problems: Optional[Problems] = None
+                   ) -> Dict[str, Any]:
+    """{option: converted value} from YAML (if --config) overridden by the flags.
+
+    Every unknown flag, malformed value and choice not allowed goes into `problems`
+    (that option is then left out); without `problems` they are raised together.
+    """
+    p = Problems() if problems is None else problems
+    config_path, items = split_argv(argv, p)
     values: Dict[str, Any] = {}
+    suggested: List[str] = []       # what the unknown flags probably meant
     if config_path is not None:
+        overridden = set()           # options the flags set: the file's value does not count
+        for key, _ in items:
+            try:
+                overridden.add(canonical_name(key, table))
+            except UnknownOption:
+                pass
+        try:
+            from_yaml = load_yaml(config_path, group_names)
+        except ValueError as e:
+            p.add(str(e))
+            from_yaml = {}
         spelled: Dict[str, str] = {}
-        for key, raw in load_yaml(config_path, group_names).items():
-            name = canonical_name(str(key), table)
+        for key, raw in from_yaml.items():
+            name = _lookup(str(key), table, p, suggested)
+            if name is None:
+                continue
             if name in spelled:
-                raise ValueError(f"--config {config_path!r} sets {name} twice (as {spelled[name]!r} "
-                                 f"and {key!r}). Fix: keep one of them")
+                p.add(f"--config {config_path!r} sets {name} twice (as {spelled[name]!r} "
+                      f"and {key!r}). Fix: keep one of them")
+                continue
             spelled[name] = str(key)
-            values[name] = convert(name, raw, table[name].annotation)
+            if name in overridden:
+                continue
+            ok, value = _checked(name, raw, table[name], p)
+            if ok:
+                values[name] = value
     for key, raw in items:
-        name = canonical_name(key, table)
+        name = _lookup(key, table, p, suggested)
+        if name is None:
+            continue
         info = table[name]
         if not raw:
             if is_bool(info.annotation):
                 raw = ["true"]  # a bare boolean flag
             elif not is_list(info.annotation):
-                raise ValueError(f"--{name} needs a value. Fix: e.g. --{name} <value>")
-        values[name] = convert(name, raw, info.annotation)  # a bare list flag: []
+                p.add(f"--{name} needs a value. Fix: e.g. --{name} <value>", drop=name)
+                continue
+        ok, value = _checked(name, raw, info, p)    # a bare list flag: []
+        if ok:
+            values[name] = value
+    # A misspelt flag stands for the option it resembles, whose default now stands in for
+    # the user's value: later checks of that option would report the default, not the user.
+    p.dropped.update(name for name in suggested if name not in values)
+    if problems is None:
+        p.raise_if_any()
     return values
 
 

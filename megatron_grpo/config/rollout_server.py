@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
+from .errors import Problems
 from .groups import check_choices, opt
 from .parse import collect_values, field_table, format_help
 
@@ -37,27 +38,32 @@ class RolloutServerConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if not self.model:
-            raise ValueError("--model is required: pass a local Hugging Face model folder")
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"--model {self.model!r}: no config.json there (or no such folder). "
-                             "Fix: pass a Hugging Face model folder")
+        p = Problems()
+        if p.require(bool(self.model), "--model is required: pass a local Hugging Face model folder"):
+            p.require(os.path.isfile(os.path.join(self.model, "config.json")),
+                      f"--model {self.model!r}: no config.json there (or no such folder). "
+                      "Fix: pass a Hugging Face model folder (megatron-grpo does not download models)")
         for name in ("vllm_tensor_parallel_size", "vllm_data_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)} must be >= 1")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization} "
-                             "must be in (0, 1]")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port {self.port} is not a valid port (1-65535)")
+            p.require(getattr(self, name) >= 1, f"--{name} {getattr(self, name)} must be >= 1")
+        p.require(0 < self.vllm_gpu_memory_utilization <= 1,
+                  f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization} must be in (0, 1]")
+        p.require(0 < self.port < 65536, f"--port {self.port} is not a valid port (1-65535)")
+        p.raise_if_any()
 
 
 def parse_rollout_args(argv: Optional[Sequence[str]] = None) -> RolloutServerConfig:
-    """A validated RolloutServerConfig from flags (`--config file.yaml` read first)."""
+    """A validated RolloutServerConfig from flags (`--config file.yaml` read first); one
+    ConfigError listing every problem otherwise."""
     argv = list(sys.argv[1:] if argv is None else argv)
     groups = {"server": RolloutServerConfig}
     if "-h" in argv or "--help" in argv:
         print(format_help(groups, prog="megatron rollout"))
         raise SystemExit(0)
-    values = collect_values(argv, field_table(groups), groups)
-    return RolloutServerConfig(**values)
+    p = Problems()
+    values = collect_values(argv, field_table(groups), groups, p)
+    try:
+        cfg = RolloutServerConfig(**values)
+    except ValueError as e:
+        p.add(e)
+    p.raise_if_any()
+    return cfg

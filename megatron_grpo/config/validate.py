@@ -1,18 +1,25 @@
 """Checks of a GRPOConfig, all before any model is built.
 
 `finalize(config)` runs at construction: it resolves the defaults that depend on
-other options (as ms-swift's `__post_init__` does) and raises a ValueError for
-every inconsistency visible from the options alone: it names the option, the
-value, what is valid, and the fix. `validate_world(config, world_size)` holds the
-checks that need the number of ranks.
+other options (as ms-swift's `__post_init__` does) and reports every inconsistency
+visible from the options alone, each naming the option, the value, what is valid
+and the fix, all together in one ConfigError (errors.py).
+`validate_world(config, world_size)` holds the checks that need the number of ranks.
+
+Checks record into a `Problems` and go on, so one run reports every mistake; a
+check whose inputs were already reported as wrong is skipped (`if p.require(...)`)
+rather than adding a consequence of the first mistake.
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
 import os
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
+
+from .errors import Problems
 
 if TYPE_CHECKING:
     from . import GRPOConfig
@@ -21,6 +28,12 @@ logger = logging.getLogger("megatron_grpo.config")
 
 DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
 _REPORT_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
+# Options the world-size checks read: a problem with one of them already reported
+# makes those checks moot.
+WORLD_OPTIONS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size", "micro_batch_size", "global_batch_size",
+                 "generation_batch_size", "steps_per_generation", "num_generations",
+                 "vllm_tensor_parallel_size", "vllm_mode", "use_vllm")
 
 
 def _divisors(n: int) -> List[int]:
@@ -28,13 +41,15 @@ def _divisors(n: int) -> List[int]:
 
 
 def _require(ok: bool, message: str) -> None:
+    """Raise at once (for checks outside a Problems collection)."""
     if not ok:
         raise ValueError(message)
 
 
-def _positive(name: str, value, minimum=1) -> None:
-    _require(value is not None and value >= minimum,
-             f"--{name} {value!r} is not valid: it must be >= {minimum}. Fix: e.g. --{name} {minimum}")
+def _positive(p: Problems, name: str, value, minimum=1) -> bool:
+    return p.require(value is not None and value >= minimum,
+                     f"--{name} {value!r} is not valid: it must be >= {minimum}. "
+                     f"Fix: e.g. --{name} {minimum}")
 
 
 def valid_num_generations(generation_batch_size: int, dp: int = 1) -> List[int]:
@@ -43,141 +58,185 @@ def valid_num_generations(generation_batch_size: int, dp: int = 1) -> List[int]:
             if generation_batch_size % g == 0 and (generation_batch_size // g) % dp == 0]
 
 
-def finalize(cfg: "GRPOConfig") -> None:
-    """Resolve dependent defaults in place and check the options; ValueError on the first problem."""
-    _check_model(cfg)
-    _check_data(cfg)
-    _check_training(cfg)
-    _check_parallel(cfg)
-    _check_batches(cfg)
-    _check_loss(cfg)
-    _check_rewards(cfg)
-    _check_rollout(cfg)
-    _check_logging(cfg)
+def finalize(cfg: "GRPOConfig", problems: Optional[Problems] = None) -> None:
+    """Resolve dependent defaults in place and check the options. Every problem goes into
+    `problems`; without it they are raised together as one ConfigError."""
+    p = Problems() if problems is None else problems
+    for check in (_check_model, _check_data, _check_training, _check_parallel, _check_batches,
+                  _check_loss, _check_rewards, _check_rollout, _check_logging):
+        with p.section():
+            check(cfg, p)
+    if problems is None:
+        p.raise_if_any()
 
 
-def _check_model(cfg: "GRPOConfig") -> None:
+def _check_model(cfg: "GRPOConfig", p: Problems) -> None:
     model = cfg.model.model
-    _require(bool(model), "--model is required: pass a local Hugging Face model folder "
-                          "(config.json, tokenizer, *.safetensors), e.g. --model ./tiny-qwen2")
-    _require(os.path.isdir(model), f"--model {model!r}: folder not found. Fix: pass an existing local "
-                                   "model folder (megatron-grpo does not download models)")
-    _require(os.path.isfile(os.path.join(model, "config.json")),
-             f"--model {model!r} has no config.json. Fix: pass a Hugging Face model folder "
-             "(config.json + tokenizer + *.safetensors), e.g. one written by tools/make_tiny_model.py")
+    if not p.require(bool(model), "--model is required: pass a local Hugging Face model folder "
+                                  "(config.json, tokenizer, *.safetensors), e.g. --model ./tiny-qwen2"):
+        return
+    if not p.require(os.path.isdir(model),
+                     f"--model {model!r}: folder not found. Fix: pass an existing local model "
+                     "folder (megatron-grpo does not download models)"):
+        return
+    p.require(os.path.isfile(os.path.join(model, "config.json")),
+              f"--model {model!r} has no config.json. Fix: pass a Hugging Face model folder "
+              "(config.json + tokenizer + *.safetensors), e.g. one written by tools/make_tiny_model.py")
 
 
-def _check_data(cfg: "GRPOConfig") -> None:
+# A hub dataset id as ms-swift takes it: `org/name`, optionally `:subset`, never a file name.
+_HUB_ID = re.compile(r"^(?:hf::|ms::)?[\w.-]+/[\w.-]+(?::[\w.-]+)?$")
+
+
+def _dataset_problem(spec: str, path: str) -> Optional[str]:
+    """Why `path` (of `--dataset spec`) cannot be read, or None."""
+    if os.path.isfile(path):
+        if not path.lower().endswith(DATASET_SUFFIXES):
+            return (f"--dataset {spec!r}: unsupported file type; allowed: "
+                    f"{', '.join(DATASET_SUFFIXES)}. Fix: convert the file to jsonl")
+        return None
+    if os.path.isdir(path):
+        return (f"--dataset {spec!r} is a folder; pass its data files (.jsonl/.json/.parquet), "
+                f"e.g. --dataset {os.path.join(path, 'train.jsonl')}")
+    if not path.lower().endswith(DATASET_SUFFIXES) and _HUB_ID.match(path):
+        return (f"--dataset {spec!r}: no such local file, and megatron-grpo does not download "
+                f"datasets (hub ids are not fetched). Fix: download it yourself (e.g. "
+                f"`huggingface-cli download --repo-type dataset {path} --local-dir data/`) and "
+                "pass a local .jsonl/.json/.parquet file; a `#N` suffix samples N rows "
+                "(data/train.jsonl#1000)")
+    if not path.lower().endswith(DATASET_SUFFIXES):
+        return (f"--dataset {spec!r}: unsupported file type; allowed: "
+                f"{', '.join(DATASET_SUFFIXES)}. Fix: pass a local file of one of these types")
+    return f"--dataset {spec!r}: file {path!r} not found. Fix: pass an existing local file"
+
+
+def _check_data(cfg: "GRPOConfig", p: Problems) -> None:
     from megatron_grpo.data.loading import parse_dataset_spec
 
     data = cfg.data
-    _require(bool(data.dataset), "--dataset is required: one or more .jsonl/.json/.parquet files, "
-                                 "e.g. --dataset megatron_grpo/data/builtin/countdown.jsonl")
+    p.require(bool(data.dataset), "--dataset is required: one or more .jsonl/.json/.parquet files, "
+                                   "e.g. --dataset megatron_grpo/data/builtin/countdown.jsonl")
     for spec in data.dataset:
-        path, _ = parse_dataset_spec(spec)  # raises on a bad #N suffix
-        _require(path.lower().endswith(DATASET_SUFFIXES),
-                 f"--dataset {spec!r}: unsupported file type; allowed: "
-                 f"{', '.join(DATASET_SUFFIXES)}. Fix: convert the file to jsonl")
-        _require(os.path.isfile(path), f"--dataset {spec!r}: file {path!r} not found. "
-                                       "Fix: pass an existing local file")
+        try:
+            path, _ = parse_dataset_spec(spec)  # raises on a bad #N suffix
+        except ValueError as e:
+            p.add(str(e))
+            continue
+        problem = _dataset_problem(spec, path)
+        if problem:
+            p.add(problem)
     if data.system is not None and data.system.lower().endswith(".txt"):
         # ms-swift: --system may name a .txt file that holds the prompt.
-        _require(os.path.isfile(data.system), f"--system {data.system!r}: .txt file not found. "
-                                              "Fix: pass an existing file or the prompt text itself")
-        with open(data.system, encoding="utf-8") as f:
-            data.system = f.read().strip()
+        if p.require(os.path.isfile(data.system), f"--system {data.system!r}: .txt file not found. "
+                                                  "Fix: pass an existing file or the prompt text itself"):
+            with open(data.system, encoding="utf-8") as f:
+                data.system = f.read().strip()
     if data.max_length is not None:
-        _positive("max_length", data.max_length)
+        _positive(p, "max_length", data.max_length)
 
 
-def _check_training(cfg: "GRPOConfig") -> None:
+def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
     t = cfg.training
-    _positive("micro_batch_size", t.micro_batch_size)
-    _positive("global_batch_size", t.global_batch_size)
-    _require(t.global_batch_size % t.micro_batch_size == 0,
-             f"--global_batch_size {t.global_batch_size} is not a multiple of --micro_batch_size "
-             f"{t.micro_batch_size}. Valid micro_batch_size values: {_divisors(t.global_batch_size)}")
+    micro_ok = _positive(p, "micro_batch_size", t.micro_batch_size)
+    if _positive(p, "global_batch_size", t.global_batch_size) and micro_ok:
+        p.require(t.global_batch_size % t.micro_batch_size == 0,
+                  f"--global_batch_size {t.global_batch_size} is not a multiple of --micro_batch_size "
+                  f"{t.micro_batch_size}. Valid micro_batch_size values: "
+                  f"{_divisors(t.global_batch_size)}")
     if t.train_iters is not None:
-        _positive("train_iters", t.train_iters)
-    _require(t.num_train_epochs > 0, f"--num_train_epochs {t.num_train_epochs} must be > 0")
-    _require(t.lr > 0, f"--lr {t.lr} must be > 0. Fix: e.g. --lr 1e-6")
-    _require(0 <= t.min_lr <= t.lr, f"--min_lr {t.min_lr} must be in [0, lr={t.lr}]")
-    _require(t.lr_warmup_iters >= 0, f"--lr_warmup_iters {t.lr_warmup_iters} must be >= 0")
-    _require(not (t.lr_warmup_iters > 0 and t.warmup_ratio is not None),
-             f"--lr_warmup_iters {t.lr_warmup_iters} and --warmup_ratio {t.warmup_ratio} are "
-             "exclusive. Fix: set only one of them")
+        _positive(p, "train_iters", t.train_iters)
+    p.require(t.num_train_epochs > 0, f"--num_train_epochs {t.num_train_epochs} must be > 0")
+    p.require(t.lr > 0, f"--lr {t.lr} must be > 0. Fix: e.g. --lr 1e-6")
+    p.require(0 <= t.min_lr <= t.lr, f"--min_lr {t.min_lr} must be in [0, lr={t.lr}]")
+    p.require(t.lr_warmup_iters >= 0, f"--lr_warmup_iters {t.lr_warmup_iters} must be >= 0")
+    p.require(not (t.lr_warmup_iters > 0 and t.warmup_ratio is not None),
+              f"--lr_warmup_iters {t.lr_warmup_iters} and --warmup_ratio {t.warmup_ratio} are "
+              "exclusive. Fix: set only one of them")
     if t.warmup_ratio is not None:
-        _require(0 <= t.warmup_ratio < 1, f"--warmup_ratio {t.warmup_ratio} must be in [0, 1)")
+        p.require(0 <= t.warmup_ratio < 1, f"--warmup_ratio {t.warmup_ratio} must be in [0, 1)")
     if t.lr_decay_iters is not None:
-        _positive("lr_decay_iters", t.lr_decay_iters)
-    _require(t.clip_grad >= 0, f"--clip_grad {t.clip_grad} must be >= 0 (0 disables clipping)")
-    _require(t.weight_decay >= 0, f"--weight_decay {t.weight_decay} must be >= 0")
+        _positive(p, "lr_decay_iters", t.lr_decay_iters)
+    p.require(t.clip_grad >= 0, f"--clip_grad {t.clip_grad} must be >= 0 (0 disables clipping)")
+    p.require(t.weight_decay >= 0, f"--weight_decay {t.weight_decay} must be >= 0")
+    p.require(t.tuner_type != "lora",
+              "--tuner_type lora is not supported yet (LoRA is issue 15); allowed: full. "
+              "Fix: --tuner_type full (full-parameter training)")
 
 
-def _check_parallel(cfg: "GRPOConfig") -> None:
-    p = cfg.parallel
+def _check_parallel(cfg: "GRPOConfig", p: Problems) -> None:
+    par = cfg.parallel
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-        _positive(name, getattr(p, name))
-    if p.virtual_pipeline_model_parallel_size is not None:
-        _positive("virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size)
-        _require(p.pipeline_model_parallel_size > 1,
-                 f"--virtual_pipeline_model_parallel_size {p.virtual_pipeline_model_parallel_size} "
-                 "needs --pipeline_model_parallel_size > 1. Fix: raise PP or drop the option")
-    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        _positive(p, name, getattr(par, name))
+    if par.virtual_pipeline_model_parallel_size is not None:
+        _positive(p, "virtual_pipeline_model_parallel_size", par.virtual_pipeline_model_parallel_size)
+        p.require(par.pipeline_model_parallel_size > 1,
+                  f"--virtual_pipeline_model_parallel_size {par.virtual_pipeline_model_parallel_size} "
+                  "needs --pipeline_model_parallel_size > 1. Fix: raise PP or drop the option")
+    if par.sequence_parallel and par.tensor_model_parallel_size == 1:
         logger.warning("--sequence_parallel true has no effect with tensor_model_parallel_size 1; "
                        "setting it to false")
-        p.sequence_parallel = False
+        par.sequence_parallel = False
 
 
-def _check_batches(cfg: "GRPOConfig") -> None:
+def _check_batches(cfg: "GRPOConfig", p: Problems) -> None:
     """generation_batch_size / steps_per_generation / num_generations, as ms-swift's Megatron GRPO."""
     g, t = cfg.grpo, cfg.training
-    _require(g.num_generations >= 2,
-             f"--num_generations {g.num_generations} is not valid: GRPO needs at least 2 completions "
-             "per prompt to compare. Fix: e.g. --num_generations 8")
-    _require(g.generation_batch_size is None or g.steps_per_generation is None,
-             f"--generation_batch_size {g.generation_batch_size} and --steps_per_generation "
-             f"{g.steps_per_generation} are exclusive. Fix: set only one of them")
-    if g.generation_batch_size is not None:
-        _positive("generation_batch_size", g.generation_batch_size)
-        _require(g.generation_batch_size % t.global_batch_size == 0,
-                 f"--generation_batch_size {g.generation_batch_size} must be a multiple of "
-                 f"--global_batch_size {t.global_batch_size}; valid values: "
-                 f"{[t.global_batch_size * k for k in range(1, 5)]}...")
-        g.steps_per_generation = g.generation_batch_size // t.global_batch_size
+    _positive(p, "max_completion_length", g.max_completion_length)
+    _positive(p, "num_iterations", g.num_iterations)
+    groups_ok = p.require(g.num_generations >= 2,
+                          f"--num_generations {g.num_generations} is not valid: GRPO needs at least 2 "
+                          "completions per prompt to compare. Fix: e.g. --num_generations 8")
+    if not (t.global_batch_size >= 1 and t.micro_batch_size >= 1):
+        return                                   # reported by _check_training
+    gbs, gen, spg = t.global_batch_size, g.generation_batch_size, g.steps_per_generation
+    if gen is not None:
+        if not (_positive(p, "generation_batch_size", gen) and p.require(
+                gen % gbs == 0,
+                f"--generation_batch_size {gen} must be a multiple of --global_batch_size {gbs}; "
+                f"valid values: {[gbs * k for k in range(1, 5)]}...")):
+            return
+        if spg is not None:
+            # ms-swift accepts both when they agree: one rollout feeds spg optimizer steps.
+            if not (_positive(p, "steps_per_generation", spg) and p.require(
+                    gen == gbs * spg,
+                    f"--generation_batch_size {gen} and --steps_per_generation {spg} disagree: "
+                    f"generation_batch_size must be global_batch_size {gbs} x steps_per_generation "
+                    f"{spg} = {gbs * spg}. Fix: set only one of them, or make them agree")):
+                return
+        g.steps_per_generation = gen // gbs
     else:
-        if g.steps_per_generation is None:
+        if spg is None:
             g.steps_per_generation = 1
-        _positive("steps_per_generation", g.steps_per_generation)
-        g.generation_batch_size = t.global_batch_size * g.steps_per_generation
+        if not _positive(p, "steps_per_generation", g.steps_per_generation):
+            return
+        g.generation_batch_size = gbs * g.steps_per_generation
     gen = g.generation_batch_size
-    _require(gen % g.num_generations == 0,
-             f"--num_generations {g.num_generations} does not divide the generation batch of {gen} "
-             f"completions (generation_batch_size, or global_batch_size {t.global_batch_size} x "
-             f"steps_per_generation {g.steps_per_generation}). Valid num_generations values: "
-             f"{valid_num_generations(gen)}. Fix: pick one, or change the batch sizes")
-    _positive("max_completion_length", g.max_completion_length)
-    _positive("num_iterations", g.num_iterations)
+    if groups_ok:
+        p.require(gen % g.num_generations == 0,
+                  f"--num_generations {g.num_generations} does not divide the generation batch of "
+                  f"{gen} completions (generation_batch_size, or global_batch_size {gbs} x "
+                  f"steps_per_generation {g.steps_per_generation}). Valid num_generations values: "
+                  f"{valid_num_generations(gen)}. Fix: pick one, or change the batch sizes")
 
 
-def _check_loss(cfg: "GRPOConfig") -> None:
+def _check_loss(cfg: "GRPOConfig", p: Problems) -> None:
     g = cfg.grpo
-    _require(g.beta >= 0, f"--beta {g.beta} must be >= 0 (0 disables the KL term)")
-    _require(0 < g.epsilon < 1, f"--epsilon {g.epsilon} must be in (0, 1). Fix: e.g. --epsilon 0.2")
+    p.require(g.beta >= 0, f"--beta {g.beta} must be >= 0 (0 disables the KL term)")
+    p.require(0 < g.epsilon < 1, f"--epsilon {g.epsilon} must be in (0, 1). Fix: e.g. --epsilon 0.2")
     if g.epsilon_high is None:
         g.epsilon_high = g.epsilon
-    _require(g.epsilon_high >= g.epsilon,
-             f"--epsilon_high {g.epsilon_high} is smaller than --epsilon {g.epsilon}; valid values are "
-             f">= {g.epsilon} (clip-higher widens the upper range). Fix: e.g. --epsilon_high 0.28")
+    p.require(g.epsilon_high >= g.epsilon,
+              f"--epsilon_high {g.epsilon_high} is smaller than --epsilon {g.epsilon}; valid values are "
+              f">= {g.epsilon} (clip-higher widens the upper range). Fix: e.g. --epsilon_high 0.28")
     if g.delta is not None:
-        _require(g.delta > 1, f"--delta {g.delta} must be > 1 (it caps the ratio of negative-advantage "
-                              f"tokens); recommended > 1 + epsilon_high = {1 + g.epsilon_high}")
-    _require(0 < g.top_entropy_quantile <= 1,
-             f"--top_entropy_quantile {g.top_entropy_quantile} must be in (0, 1]; 1.0 keeps all tokens")
-    _require(g.max_resample_times >= 0, f"--max_resample_times {g.max_resample_times} must be >= 0")
-    _require(g.rollout_importance_sampling_threshold > 0,
-             f"--rollout_importance_sampling_threshold {g.rollout_importance_sampling_threshold} "
-             "must be > 0")
+        p.require(g.delta > 1, f"--delta {g.delta} must be > 1 (it caps the ratio of negative-advantage "
+                               f"tokens); recommended > 1 + epsilon_high = {1 + g.epsilon_high}")
+    p.require(0 < g.top_entropy_quantile <= 1,
+              f"--top_entropy_quantile {g.top_entropy_quantile} must be in (0, 1]; 1.0 keeps all tokens")
+    p.require(g.max_resample_times >= 0, f"--max_resample_times {g.max_resample_times} must be >= 0")
+    p.require(g.rollout_importance_sampling_threshold > 0,
+              f"--rollout_importance_sampling_threshold {g.rollout_importance_sampling_threshold} "
+              "must be > 0")
     # ms-swift's estimator-dependent defaults.
     if g.kl_in_reward is None:
         g.kl_in_reward = g.advantage_estimator in ("rloo", "reinforce_plus_plus")
@@ -192,110 +251,134 @@ def _check_loss(cfg: "GRPOConfig") -> None:
         g.kl_in_reward = False
 
 
-def _check_rewards(cfg: "GRPOConfig") -> None:
+def _check_rewards(cfg: "GRPOConfig", p: Problems) -> None:
     from megatron_grpo.rewards import registry
 
     r, g = cfg.reward, cfg.grpo
     for path in r.external_plugins:
-        _require(os.path.isfile(path), f"--external_plugins {path!r}: file not found. "
-                                       "Fix: pass an existing .py file")
+        p.require(os.path.isfile(path), f"--external_plugins {path!r}: file not found. "
+                                        "Fix: pass an existing .py file")
     registry.load_plugins(r.external_plugins)
     names = registry.registered_names()
-    _require(bool(r.reward_funcs), f"--reward_funcs is required: one or more of {names}. "
-                                   "Fix: e.g. --reward_funcs accuracy format")
+    p.require(bool(r.reward_funcs), f"--reward_funcs is required: one or more of {names}. "
+                                    "Fix: e.g. --reward_funcs accuracy format")
     for name in r.reward_funcs:
-        _require(name in names, f"--reward_funcs {name!r} is not a registered reward function; "
-                                f"registered: {names}. Fix: pick one, or register it in a plugin "
-                                "file passed with --external_plugins")
+        p.require(name in names, f"--reward_funcs {name!r} is not a registered reward function; "
+                                 f"registered: {names}. Fix: pick one, or register it in a plugin "
+                                 "file passed with --external_plugins")
     if r.reward_weights is not None:
-        _require(len(r.reward_weights) == len(r.reward_funcs),
-                 f"--reward_weights {r.reward_weights} has {len(r.reward_weights)} values but "
-                 f"--reward_funcs {r.reward_funcs} has {len(r.reward_funcs)}. Fix: give one weight "
-                 "per reward function, or drop --reward_weights (1 each)")
+        p.require(len(r.reward_weights) == len(r.reward_funcs),
+                  f"--reward_weights {r.reward_weights} has {len(r.reward_weights)} values but "
+                  f"--reward_funcs {r.reward_funcs} has {len(r.reward_funcs)}. Fix: give one weight "
+                  "per reward function, or drop --reward_weights (1 each)")
     if r.cosine_max_len is None:
         r.cosine_max_len = g.max_completion_length
-    _positive("cosine_max_len", r.cosine_max_len)
-    _positive("repetition_n_grams", r.repetition_n_grams)
-    _require(r.repetition_max_penalty <= 0,
-             f"--repetition_max_penalty {r.repetition_max_penalty} must be <= 0 (it is a penalty)")
+    _positive(p, "cosine_max_len", r.cosine_max_len)
+    _positive(p, "repetition_n_grams", r.repetition_n_grams)
+    p.require(r.repetition_max_penalty <= 0,
+              f"--repetition_max_penalty {r.repetition_max_penalty} must be <= 0 (it is a penalty)")
     if r.soft_max_length is None:
         r.soft_max_length = g.max_completion_length
     if "soft_overlong" in r.reward_funcs:
-        _require(r.soft_cache_length is not None,
-                 "--reward_funcs soft_overlong needs --soft_cache_length (the punished band below "
-                 f"soft_max_length={r.soft_max_length}). Fix: e.g. --soft_cache_length "
-                 f"{max(1, r.soft_max_length // 4)}")
+        p.require(r.soft_cache_length is not None,
+                  "--reward_funcs soft_overlong needs --soft_cache_length (the punished band below "
+                  f"soft_max_length={r.soft_max_length}). Fix: e.g. --soft_cache_length "
+                  f"{max(1, r.soft_max_length // 4)}")
     if r.soft_cache_length is not None:
-        _require(0 < r.soft_cache_length < r.soft_max_length,
-                 f"--soft_cache_length {r.soft_cache_length} must be in (0, soft_max_length="
-                 f"{r.soft_max_length}). Fix: e.g. --soft_cache_length {max(1, r.soft_max_length // 4)}")
+        p.require(0 < r.soft_cache_length < r.soft_max_length,
+                  f"--soft_cache_length {r.soft_cache_length} must be in (0, soft_max_length="
+                  f"{r.soft_max_length}). Fix: e.g. --soft_cache_length {max(1, r.soft_max_length // 4)}")
 
 
-def _check_rollout(cfg: "GRPOConfig") -> None:
+def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
     v = cfg.rollout
     if not v.use_vllm:
-        _require(v.vllm_mode is None,
-                 f"--vllm_mode {v.vllm_mode} is set but --use_vllm is false; valid vllm_mode values "
-                 "need use_vllm true. Fix: add --use_vllm true, or drop --vllm_mode")
-        raise ValueError("--use_vllm false is not supported: megatron-grpo samples rollouts with "
-                         "vLLM only. Fix: --use_vllm true --vllm_mode colocate (or server)")
+        p.require(v.vllm_mode is None,
+                  f"--vllm_mode {v.vllm_mode} is set but --use_vllm is false; valid vllm_mode values "
+                  "need use_vllm true. Fix: add --use_vllm true, or drop --vllm_mode")
+        p.add("--use_vllm false is not supported: megatron-grpo samples rollouts with "
+              "vLLM only. Fix: --use_vllm true --vllm_mode colocate (or server)")
     if v.vllm_mode is None:
         v.vllm_mode = "colocate"
-    _positive("vllm_tensor_parallel_size", v.vllm_tensor_parallel_size)
-    _positive("vllm_data_parallel_size", v.vllm_data_parallel_size)
-    _require(0 < v.vllm_gpu_memory_utilization <= 1,
-             f"--vllm_gpu_memory_utilization {v.vllm_gpu_memory_utilization} must be in (0, 1]")
+    _positive(p, "vllm_tensor_parallel_size", v.vllm_tensor_parallel_size)
+    _positive(p, "vllm_data_parallel_size", v.vllm_data_parallel_size)
+    p.require(0 < v.vllm_gpu_memory_utilization <= 1,
+              f"--vllm_gpu_memory_utilization {v.vllm_gpu_memory_utilization} must be in (0, 1]")
     if v.vllm_max_model_len is not None:
-        _require(v.vllm_max_model_len > cfg.grpo.max_completion_length,
-                 f"--vllm_max_model_len {v.vllm_max_model_len} leaves no room for a prompt with "
-                 f"--max_completion_length {cfg.grpo.max_completion_length}. Fix: raise "
-                 "vllm_max_model_len or lower max_completion_length")
+        p.require(v.vllm_max_model_len > cfg.grpo.max_completion_length,
+                  f"--vllm_max_model_len {v.vllm_max_model_len} leaves no room for a prompt with "
+                  f"--max_completion_length {cfg.grpo.max_completion_length}. Fix: raise "
+                  "vllm_max_model_len or lower max_completion_length")
     if v.vllm_max_num_seqs is not None:
-        _positive("vllm_max_num_seqs", v.vllm_max_num_seqs)
-    _require(v.temperature > 0, f"--temperature {v.temperature} must be > 0")
-    _require(0 < v.top_p <= 1, f"--top_p {v.top_p} must be in (0, 1]")
-    _require(v.top_k >= -1, f"--top_k {v.top_k} is not valid: -1 or 0 disable it, or a positive k")
-    _require(v.repetition_penalty > 0, f"--repetition_penalty {v.repetition_penalty} must be > 0")
+        _positive(p, "vllm_max_num_seqs", v.vllm_max_num_seqs)
+    p.require(v.temperature > 0, f"--temperature {v.temperature} must be > 0")
+    p.require(0 < v.top_p <= 1, f"--top_p {v.top_p} must be in (0, 1]")
+    if p.require(v.top_k >= -1, f"--top_k {v.top_k} is not valid: -1 or 0 disable it, or a positive k"):
+        if v.top_k == 0:
+            v.top_k = -1      # both mean "no top-k" (vLLM's convention); the engines take -1
+    p.require(v.repetition_penalty > 0, f"--repetition_penalty {v.repetition_penalty} must be > 0")
     if v.move_model_batches is not None:
-        _positive("move_model_batches", v.move_model_batches)
+        _positive(p, "move_model_batches", v.move_model_batches)
     if v.vllm_mode == "server":
         if v.sleep_level != 0:
             # ms-swift: the server owns its memory; the trainer has no engine to put to sleep.
             logger.warning("--sleep_level %s has no effect with --vllm_mode server; setting it to 0",
                            v.sleep_level)
             v.sleep_level = 0
-        _require(v.vllm_server_timeout > 0, f"--vllm_server_timeout {v.vllm_server_timeout} must be > 0")
+        p.require(v.vllm_server_timeout > 0, f"--vllm_server_timeout {v.vllm_server_timeout} must be > 0")
         if v.vllm_server_base_url is None:
             if v.vllm_server_host is None:
                 v.vllm_server_host = ["127.0.0.1"]
             hosts, ports = v.vllm_server_host, v.vllm_server_port
-            _require(len(ports) in (1, len(hosts)),
-                     f"--vllm_server_port {ports} must give one port, or one per host "
-                     f"({len(hosts)} hosts: {hosts})")
+            p.require(len(ports) in (1, len(hosts)),
+                      f"--vllm_server_port {ports} must give one port, or one per host "
+                      f"({len(hosts)} hosts: {hosts})")
             for port in ports:
-                _require(0 < port < 65536, f"--vllm_server_port {port} is not a valid port (1-65535)")
+                p.require(0 < port < 65536, f"--vllm_server_port {port} is not a valid port (1-65535)")
         else:
             for url in v.vllm_server_base_url:
-                _require(url.startswith(("http://", "https://")),
-                         f"--vllm_server_base_url {url!r} must start with http:// or https://")
+                p.require(url.startswith(("http://", "https://")),
+                          f"--vllm_server_base_url {url!r} must start with http:// or https://")
 
 
-def _check_logging(cfg: "GRPOConfig") -> None:
+def _check_report_to(log, p: Problems) -> None:
+    """None (not given): tensorboard, as ms-swift, or metrics.jsonl alone with a warning when
+    the package is missing (it is in the dev extra only). `none`: no extra sink. A sink asked
+    for by name must be installed."""
+    if log.report_to is None:
+        if importlib.util.find_spec("tensorboard") is not None:
+            log.report_to = ["tensorboard"]
+        else:
+            logger.warning("--report_to defaults to tensorboard, but the tensorboard package is "
+                           "not installed: writing metrics.jsonl only (pip install tensorboard, "
+                           "or pass --report_to none to silence this)")
+            log.report_to = []
+        return
+    if "none" in log.report_to:
+        p.require(log.report_to == ["none"],
+                  f"--report_to {' '.join(log.report_to)}: none cannot be combined with other "
+                  "sinks. Fix: --report_to none, or list the sinks without none")
+        log.report_to = []
+        return
+    for sink in log.report_to:
+        package = _REPORT_PACKAGES[sink]
+        p.require(importlib.util.find_spec(package) is not None,
+                  f"--report_to {sink} needs the {package} package, which is not installed. Fix: "
+                  f"pip install {package}, or drop {sink} from --report_to (metrics.jsonl is always "
+                  "written)")
+
+
+def _check_logging(cfg: "GRPOConfig", p: Problems) -> None:
     log = cfg.logging
-    if log.output_dir is None:
+    if log.output_dir is None and cfg.model.model:
         # Megatron-SWIFT's default save folder.
         name = os.path.basename(os.path.normpath(cfg.model.model))
         log.output_dir = os.path.join("megatron_output", name)
-    _positive("save_steps", log.save_steps)
-    _positive("logging_steps", log.logging_steps)
+    _positive(p, "save_steps", log.save_steps)
+    _positive(p, "logging_steps", log.logging_steps)
     if log.save_total_limit is not None:
-        _positive("save_total_limit", log.save_total_limit)
-    for sink in log.report_to:
-        package = _REPORT_PACKAGES[sink]
-        _require(importlib.util.find_spec(package) is not None,
-                 f"--report_to {sink} needs the {package} package, which is not installed. Fix: "
-                 f"pip install {package}, or drop {sink} from --report_to (metrics.jsonl is always "
-                 "written)")
+        _positive(p, "save_total_limit", log.save_total_limit)
+    _check_report_to(log, p)
     if log.resume is not None:
         word = log.resume.strip().lower()
         if word in ("true", "auto", "1", "yes"):
@@ -303,9 +386,9 @@ def _check_logging(cfg: "GRPOConfig") -> None:
         elif word in ("false", "none", "0", "no", ""):
             log.resume = None
         else:
-            _require(os.path.isdir(log.resume),
-                     f"--resume {log.resume!r}: checkpoint folder not found. Valid values: a "
-                     "checkpoint folder, true/auto (newest checkpoint in output_dir), or false")
+            p.require(os.path.isdir(log.resume),
+                      f"--resume {log.resume!r}: checkpoint folder not found. Valid values: a "
+                      "checkpoint folder, true/auto (newest checkpoint in output_dir), or false")
 
 
 @dataclass
@@ -319,44 +402,61 @@ class WorldPlan:
     num_vllm_engines: int          # colocate: world / vllm TP; server: 0
 
 
-def validate_world(cfg: "GRPOConfig", world_size: int) -> WorldPlan:
-    """Checks that need the world size; returns the derived sizes."""
-    p, t, g, v = cfg.parallel, cfg.training, cfg.grpo, cfg.rollout
-    _require(world_size >= 1, f"world size {world_size} must be >= 1")
-    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    _require(world_size % mp == 0,
-             f"world size {world_size} is not divisible by tensor_model_parallel_size "
-             f"{p.tensor_model_parallel_size} x pipeline_model_parallel_size "
-             f"{p.pipeline_model_parallel_size} x context_parallel_size {p.context_parallel_size} = "
-             f"{mp}. Valid world sizes: multiples of {mp} ({[mp * k for k in range(1, 5)]}...); "
-             f"valid TP x PP x CP products for {world_size} ranks: {_divisors(world_size)}. "
-             "Fix: change NPROC_PER_NODE/NNODES or the parallel sizes")
+def validate_world(cfg: "GRPOConfig", world_size: int,
+                   problems: Optional[Problems] = None) -> Optional[WorldPlan]:
+    """Checks that need the world size; returns the derived sizes. Every problem goes into
+    `problems` (then the result is None when there is one); without it they are raised
+    together as one ConfigError."""
+    p = Problems() if problems is None else problems
+    before = len(p.messages)
+    plan = None
+    with p.section():
+        plan = _world_plan(cfg, world_size, p)
+    if problems is None:
+        p.raise_if_any()
+    return plan if len(p.messages) == before else None
+
+
+def _world_plan(cfg: "GRPOConfig", world_size: int, p: Problems) -> WorldPlan:
+    par, t, g, v = cfg.parallel, cfg.training, cfg.grpo, cfg.rollout
+    if not p.require(world_size >= 1, f"world size {world_size} must be >= 1"):
+        return None
+    mp = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
+    if not p.require(
+            world_size % mp == 0,
+            f"world size {world_size} is not divisible by tensor_model_parallel_size "
+            f"{par.tensor_model_parallel_size} x pipeline_model_parallel_size "
+            f"{par.pipeline_model_parallel_size} x context_parallel_size {par.context_parallel_size} "
+            f"= {mp}. Valid world sizes: multiples of {mp} ({[mp * k for k in range(1, 5)]}...); "
+            f"valid TP x PP x CP products for {world_size} ranks: {_divisors(world_size)}. "
+            "Fix: change NPROC_PER_NODE/NNODES or the parallel sizes"):
+        return None
     dp = world_size // mp
     per_step = t.micro_batch_size * dp
-    _require(t.global_batch_size % per_step == 0,
-             f"--global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
-             f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}. Valid global_batch_size "
-             f"values: multiples of {per_step} ({[per_step * k for k in range(1, 5)]}...). Fix: "
-             "change global_batch_size, micro_batch_size or the parallel sizes")
+    p.require(t.global_batch_size % per_step == 0,
+              f"--global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
+              f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}. Valid global_batch_size "
+              f"values: multiples of {per_step} ({[per_step * k for k in range(1, 5)]}...). Fix: "
+              "change global_batch_size, micro_batch_size or the parallel sizes")
     num_prompts = g.generation_batch_size // g.num_generations
-    _require(num_prompts % dp == 0,
-             f"--num_generations {g.num_generations}: the {num_prompts} prompts of a rollout "
-             f"(generation_batch_size {g.generation_batch_size} / num_generations) do not split "
-             f"evenly over {dp} data-parallel ranks. Valid num_generations values: "
-             f"{valid_num_generations(g.generation_batch_size, dp)}. Fix: pick one, or change "
-             "generation_batch_size/steps_per_generation")
+    p.require(num_prompts % dp == 0,
+              f"--num_generations {g.num_generations}: the {num_prompts} prompts of a rollout "
+              f"(generation_batch_size {g.generation_batch_size} / num_generations) do not split "
+              f"evenly over {dp} data-parallel ranks. Valid num_generations values: "
+              f"{valid_num_generations(g.generation_batch_size, dp)}. Fix: pick one, or change "
+              "generation_batch_size/steps_per_generation")
     engines = 0
     if v.vllm_mode == "colocate":
         vtp = v.vllm_tensor_parallel_size
-        _require(world_size % vtp == 0,
-                 f"--vllm_tensor_parallel_size {vtp} does not divide the world size {world_size}; "
-                 f"valid values: {_divisors(world_size)}")
-        engines = world_size // vtp
-        _require(num_prompts % engines == 0,
-                 f"the {num_prompts} prompts of a rollout do not split evenly over {engines} colocated "
-                 f"vLLM engines (world size {world_size} / vllm_tensor_parallel_size {vtp}). Fix: "
-                 f"make generation_batch_size / num_generations a multiple of {engines}, or raise "
-                 "vllm_tensor_parallel_size")
+        if p.require(world_size % vtp == 0,
+                     f"--vllm_tensor_parallel_size {vtp} does not divide the world size "
+                     f"{world_size}; valid values: {_divisors(world_size)}"):
+            engines = world_size // vtp
+            p.require(num_prompts % engines == 0,
+                      f"the {num_prompts} prompts of a rollout do not split evenly over {engines} "
+                      f"colocated vLLM engines (world size {world_size} / vllm_tensor_parallel_size "
+                      f"{vtp}). Fix: make generation_batch_size / num_generations a multiple of "
+                      f"{engines}, or raise vllm_tensor_parallel_size")
     return WorldPlan(world_size=world_size, dp=dp, num_microbatches=t.global_batch_size // per_step,
                      num_rollout_prompts=num_prompts, prompts_per_dp_rank=num_prompts // dp,
                      num_vllm_engines=engines)

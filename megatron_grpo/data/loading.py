@@ -42,7 +42,9 @@ def parse_dataset_spec(spec: str) -> Tuple[str, Optional[int]]:
 def read_rows(path: str) -> List[Dict[str, Any]]:
     """All rows of a .jsonl, .json (list of objects, or object of columns) or .parquet file."""
     if not os.path.isfile(path):
-        raise ValueError(f"--dataset {path!r}: file not found")
+        raise ValueError(f"--dataset {path!r}: file not found (datasets are not downloaded: a hub "
+                         "id is not fetched). Fix: pass a local .jsonl/.json/.parquet file, "
+                         "optionally with a #N suffix to sample N rows")
     lower = path.lower()
     if lower.endswith(".jsonl"):
         rows = []
