@@ -44,14 +44,18 @@ def _rlhf(argv: list[str]) -> int:
     cfg, problems = build_config(argv, world_size)   # parser + option + world checks, no torch
     if env_problem:
         problems.add(env_problem)
-    if not launch.in_torchrun() and not problems.names_any(("dataset", "columns", "system")):
+    dataset = None
+    if (not launch.in_torchrun() or cfg.training.dry_run) and \
+            not problems.names_any(("dataset", "columns", "system")):
         # Read the dataset once here, so that a file without a prompt column fails now,
         # not after every rank has built its model.
         from .data import load_prompt_dataset
 
         with problems.section():
-            load_prompt_dataset(cfg.data.dataset, seed=cfg.training.seed, system=cfg.data.system,
-                                columns=cfg.data.columns)
+            dataset = load_prompt_dataset(cfg.data.dataset, seed=cfg.training.seed,
+                                          system=cfg.data.system, columns=cfg.data.columns)
+    if cfg.training.dry_run and not problems:
+        return _dry_run(cfg, spec, dataset, problems)
     problems.raise_if_any()
     if spec.world_size > 1 and not launch.in_torchrun():
         return launch.relaunch("rlhf", argv, spec)
@@ -60,6 +64,26 @@ def _rlhf(argv: list[str]) -> int:
     except ImportError as e:  # the trainer lands with issue 6
         raise SystemExit(f"megatron rlhf: the GRPO trainer is not available yet ({e})")
     train(cfg)
+    return 0
+
+
+def _dry_run(cfg, spec, dataset, problems) -> int:
+    """The checks that need the model's config (torch, Megatron's config class; no model is
+    built, no process started), then the plan."""
+    from .config import validate_world
+    from .config.dry_run import check_model, format_plan
+
+    import warnings
+
+    model = None
+    with problems.section(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # Megatron's import-time notes (no TE/Apex ...)
+        model = check_model(cfg)
+    problems.raise_if_any()
+    plan = validate_world(cfg, spec.world_size)
+    print(format_plan(cfg, plan, model, nproc_per_node=spec.nproc_per_node, nnodes=spec.nnodes,
+                      num_prompts=len(dataset), num_files=len(cfg.data.dataset),
+                      reward_columns=sorted(dataset.columns)))
     return 0
 
 

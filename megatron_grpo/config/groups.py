@@ -115,6 +115,12 @@ class TrainingOptions(_Group):
     tuner_type: Literal["full", "lora"] = opt(
         "full", "full: train every parameter (the only one implemented); lora is not supported yet "
                 "(issue 15). ms-swift's old name --train_type is accepted too.")
+    dry_run: bool = opt(False, "Check everything that can be checked without starting a process "
+                               "(options, the model's config.json against the parallel sizes, the "
+                               "dataset, batch sizes, the world size from NPROC_PER_NODE x NNODES), "
+                               "print the plan (parallel sizes, vLLM engines, prompts and "
+                               "completions per rollout and per step) and exit (this project's "
+                               "option).")
 
 
 @dataclass

@@ -1,0 +1,67 @@
+"""`megatron rlhf --dry_run true`: every check without starting a process, then the plan."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COUNTDOWN = os.path.join(ROOT, "megatron_grpo", "data", "builtin", "countdown.jsonl")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    # 2 layers, 4 attention heads, 2 kv heads
+    return str(make_tiny_model(tmp_path_factory.mktemp("dry") / "m", family="qwen2"))
+
+
+def _dry_run(model, out, *extra, nproc=4, nnodes=1):
+    argv = ["--rlhf_type", "grpo", "--dry_run", "true", "--model", model,
+            "--dataset", f"{COUNTDOWN}#100", "--reward_funcs", "countdown", "--output_dir", out,
+            *extra]
+    env = dict(os.environ, NPROC_PER_NODE=str(nproc), NNODES=str(nnodes), NODE_RANK="0")
+    return subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def _line(stdout, key):
+    return next(line for line in stdout.splitlines() if line.strip().startswith(key + " "))
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(model, tmp_path):
+    out = str(tmp_path / "run")
+    r = _dry_run(model, out, "--tensor_model_parallel_size", "2", "--num_generations", "4",
+                 "--global_batch_size", "8", "--micro_batch_size", "2",
+                 "--steps_per_generation", "2", "--num_iterations", "2", "--train_iters", "20",
+                 "--report_to", "none", nproc=2, nnodes=2)
+    assert r.returncode == 0, r.stderr
+    assert not os.path.exists(out)               # nothing ran: no output folder
+    # world 2 x 2 = 4; DP = 4 / TP 2 = 2; rollout = 8 x 2 = 16 completions = 4 prompts of 4;
+    # per step 8 = mbs 2 x DP 2 x 2 micro-batches; 2 x 2 = 4 steps per rollout; 20 / 4 = 5.
+    assert "4 processes = NPROC_PER_NODE 2 x NNODES 2" in _line(r.stdout, "world")
+    assert "DP 2 x TP 2 x PP 1 x CP 1" in _line(r.stdout, "parallel")
+    assert "colocate: 4 engines x vLLM TP 1, 1 prompt each" in _line(r.stdout, "vLLM")
+    rollout = _line(r.stdout, "rollout")
+    assert "4 prompts x 4 completions = 16 completions" in rollout
+    assert "2 prompts per DP rank" in rollout
+    assert "8 completions (2 prompts) per optimizer step = micro_batch_size 2 x DP 2 x " \
+           "2 micro-batches per rank" in _line(r.stdout, "step")
+    schedule = _line(r.stdout, "schedule")
+    assert "4 optimizer steps per rollout" in schedule and "20 optimizer steps" in schedule
+    assert "5 rollouts" in schedule
+    model_line = _line(r.stdout, "model")
+    assert "qwen2 (Qwen2ForCausalLM), 2 layers" in model_line and "2 kv heads" in model_line
+    assert re.search(r"100 prompts from 1 file; reward columns: nums, solution, target",
+                     _line(r.stdout, "dataset"))
+
+
+def test_dry_run_checks_the_model_against_the_parallel_sizes(model, tmp_path):
+    # 2 layers cannot be split into 4 pipeline stages; the error names the option.
+    r = _dry_run(model, str(tmp_path / "run"), "--pipeline_model_parallel_size", "4",
+                 "--num_generations", "4")
+    assert r.returncode == 2, r.stdout
+    assert "--pipeline_model_parallel_size 4" in r.stderr and "2 layers" in r.stderr
+    assert "Traceback" not in r.stderr and "dry_run: every check passed" not in r.stdout
