@@ -62,13 +62,23 @@ def pop_nproc_flag(argv: list[str]) -> tuple[list[str], int | None]:
     return out, nproc
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch_spec(nproc_flag: int | None = None, env=None) -> LaunchSpec:
     """What the environment (and --nproc_per_node) ask for; checked, nothing started."""
     env = os.environ if env is None else env
     nproc = nproc_flag if nproc_flag is not None else _env_int("NPROC_PER_NODE", 1, env)
     nnodes = _env_int("NNODES", 1, env)
     node_rank = _env_int("NODE_RANK", 0, env)
-    port = _env_int("MASTER_PORT", 29500, env)
+    # One node and no MASTER_PORT: a free port, so two runs on one machine never clash.
+    # Several nodes must agree on it: torchrun's 29500 unless MASTER_PORT says otherwise.
+    port = _env_int("MASTER_PORT", 29500 if nnodes > 1 else 0, env) or _free_port()
     if nproc < 1:
         raise ValueError(f"NPROC_PER_NODE / --nproc_per_node {nproc} must be >= 1")
     if nnodes < 1:

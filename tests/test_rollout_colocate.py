@@ -78,7 +78,7 @@ def sync_leaving_out(engine, model_dir, left_out: str, **bucket_kwargs) -> str:
     return str(err.value)
 
 def engine_kwargs(**overrides):
-    kwargs = dict(vllm_gpu_memory_utilization=0.05, vllm_max_model_len=256,
+    kwargs = dict(vllm_max_model_len=256,
                   vllm_enforce_eager=True, dtype="float32", temperature=TEMPERATURE,
                   num_generations=2, max_completion_length=6, seed=3)
     kwargs.update(overrides)

@@ -47,7 +47,7 @@ def server(tmp_path_factory):
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     cmd = [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(base),
            "--port", str(port), "--vllm_data_parallel_size", str(SERVER_DP),
-           "--vllm_gpu_memory_utilization", "0.05", "--vllm_max_model_len", "256",
+           "--vllm_max_model_len", "256",
            "--vllm_enforce_eager", "true", "--vllm_engine_kwargs", '{"dtype": "float32"}',
            "--api_key", TOKEN, "--seed", "0"]
     # Own session: the server and its engine processes can be killed as one group.

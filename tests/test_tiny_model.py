@@ -291,11 +291,14 @@ def test_bad_arguments(kwargs, message, tmp_path):
 _VLLM_SCRIPT = textwrap.dedent("""
     import json, os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
+    from megatron_grpo.rollout.kv_cache import kv_cache_engine_kwargs
 
     model_dir, prompt_ids = sys.argv[1], json.loads(sys.argv[2])
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    kv = kv_cache_engine_kwargs(model_dir, on_cpu=True, sequences=1, max_model_len=256,
+                                dtype="float32")  # bytes, not a fraction of the NUMA node
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+              **kv)
     params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=0)
     out = llm.generate([{"prompt_token_ids": prompt_ids}], params)[0]
     # prompt_logprobs[i] maps the prompt token at i to its log-prob given tokens < i.

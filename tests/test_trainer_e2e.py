@@ -47,7 +47,7 @@ def _argv(model, out, **over):
         "num_generations": 4, "generation_batch_size": 8, "max_completion_length": 8,
         "micro_batch_size": 2, "global_batch_size": 8, "train_iters": 2, "lr": 1e-3,
         "beta": 0.0, "use_vllm": "true", "vllm_mode": "colocate",
-        "vllm_gpu_memory_utilization": 0.03, "vllm_max_model_len": 128,
+        "vllm_max_model_len": 128,
         "vllm_enforce_eager": "true", "temperature": 1.0, "top_p": 1.0, "top_k": -1,
         "output_dir": out, "save_steps": 1000, "logging_steps": 1, "seed": 7,
     }
@@ -201,8 +201,7 @@ def test_server_mode(tiny, tmp_path):
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "megatron_grpo.cli", "rollout", "--model", tiny,
-         "--port", str(port), "--vllm_gpu_memory_utilization", "0.03",
-         "--vllm_max_model_len", "128", "--vllm_enforce_eager", "true",
+         "--port", str(port), "--vllm_max_model_len", "128", "--vllm_enforce_eager", "true",
          "--vllm_engine_kwargs", '{"dtype": "float32"}', "--seed", "0"],
         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True)

@@ -157,7 +157,7 @@ def _worker(a, path: str) -> None:
 
     t0 = time.perf_counter()
     engine = ColocateEngine(path, vllm_tensor_parallel_size=a.tp,
-                            vllm_gpu_memory_utilization=0.05, vllm_max_model_len=256,
+                            vllm_max_model_len=256,
                             vllm_enforce_eager=True, dtype=a.dtype, max_completion_length=4)
     engine_start = time.perf_counter() - t0
 

@@ -60,9 +60,15 @@ def megatron_forward(model_dir: str) -> None:
 def vllm_generate(model_dir: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
-              gpu_memory_utilization=0.05, seed=0)
+    from megatron_grpo.rollout.kv_cache import kv_cache_engine_kwargs
+
+    # The KV cache in bytes for this one sequence (on CPU; GPU: vLLM's default fraction).
+    kv = kv_cache_engine_kwargs(model_dir, on_cpu=current_platform.is_cpu(), sequences=1,
+                                max_model_len=256, dtype="float32")
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+              **kv)
     out = llm.generate(["<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"],
                        SamplingParams(max_tokens=16, temperature=1.0, seed=0))
     text = out[0].outputs[0].text

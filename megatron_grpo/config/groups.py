@@ -215,8 +215,14 @@ class RolloutOptions(_Group):
     vllm_tensor_parallel_size: int = opt(1, "vLLM tensor parallel size (colocate: must divide the "
                                             "world size).")
     vllm_data_parallel_size: int = opt(1, "vLLM data parallel size (`megatron rollout`).")
-    vllm_gpu_memory_utilization: float = opt(0.9, "Fraction of device memory vLLM may take (on CPU, "
-                                                  "of RAM, for the KV cache; ~0.1 for tiny models).")
+    vllm_gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory vLLM may take. Not used "
+                                                  "to size the KV cache on CPU (see "
+                                                  "vllm_kv_cache_memory).")
+    vllm_kv_cache_memory: Optional[str] = opt(
+        None, "KV cache size per vLLM worker: bytes or a size such as 512MiB, 2GiB. None: on CPU "
+              "computed from the run (completions in flight x max model length x the model's KV "
+              "bytes per token, x1.25, >= 64MiB); on GPU from vllm_gpu_memory_utilization. "
+              "kv_cache_memory_bytes in vllm_engine_kwargs or VLLM_CPU_KVCACHE_SPACE win.")
     vllm_max_model_len: Optional[int] = opt(None, "vLLM context length; None: the model's.")
     vllm_enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM.")
     vllm_enable_prefix_caching: bool = opt(True, "vLLM automatic prefix caching.")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from .errors import Problems
+from .sizes import parse_size
 from .groups import check_choices, opt
 from .parse import collect_values, field_table, format_help
 
@@ -25,7 +26,13 @@ class RolloutServerConfig:
     model: Optional[str] = opt(None, "Local Hugging Face model folder. Required.")
     vllm_tensor_parallel_size: int = opt(1, "vLLM tensor parallel size of each engine.")
     vllm_data_parallel_size: int = opt(1, "Number of vLLM engines (data parallel).")
-    vllm_gpu_memory_utilization: float = opt(0.9, "Fraction of device memory (CPU: RAM) for vLLM.")
+    vllm_gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory vLLM may take. Not used "
+                                                  "to size the KV cache on CPU.")
+    vllm_kv_cache_memory: Optional[str] = opt(
+        None, "KV cache size per vLLM worker: bytes or a size such as 512MiB, 2GiB. None: on CPU "
+              "computed for vllm_max_num_seqs (else 32) sequences of the max model length; on "
+              "GPU from vllm_gpu_memory_utilization. kv_cache_memory_bytes in vllm_engine_kwargs "
+              "or VLLM_CPU_KVCACHE_SPACE win.")
     vllm_max_model_len: Optional[int] = opt(None, "vLLM context length; None: the model's.")
     vllm_enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM.")
     vllm_enable_prefix_caching: bool = opt(True, "vLLM automatic prefix caching.")
@@ -47,6 +54,14 @@ class RolloutServerConfig:
             p.require(getattr(self, name) >= 1, f"--{name} {getattr(self, name)} must be >= 1")
         p.require(0 < self.vllm_gpu_memory_utilization <= 1,
                   f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization} must be in (0, 1]")
+        try:
+            parse_size(self.vllm_kv_cache_memory)
+        except ValueError as e:
+            p.add(str(e))
+        p.require(self.vllm_kv_cache_memory is None
+                  or (self.vllm_engine_kwargs or {}).get("kv_cache_memory_bytes") is None,
+                  f"--vllm_kv_cache_memory {self.vllm_kv_cache_memory} and kv_cache_memory_bytes "
+                  "in --vllm_engine_kwargs both size the KV cache. Fix: set only one of them")
         p.require(0 < self.port < 65536, f"--port {self.port} is not a valid port (1-65535)")
         p.raise_if_any()
 

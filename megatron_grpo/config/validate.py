@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
 from .errors import Problems
+from .sizes import parse_size
 
 if TYPE_CHECKING:
     from . import GRPOConfig
@@ -304,6 +305,14 @@ def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
     _positive(p, "vllm_data_parallel_size", v.vllm_data_parallel_size)
     p.require(0 < v.vllm_gpu_memory_utilization <= 1,
               f"--vllm_gpu_memory_utilization {v.vllm_gpu_memory_utilization} must be in (0, 1]")
+    try:
+        parse_size(v.vllm_kv_cache_memory)
+    except ValueError as e:
+        p.add(str(e))
+    p.require(v.vllm_kv_cache_memory is None
+              or (v.vllm_engine_kwargs or {}).get("kv_cache_memory_bytes") is None,
+              f"--vllm_kv_cache_memory {v.vllm_kv_cache_memory} and kv_cache_memory_bytes in "
+              "--vllm_engine_kwargs both size the KV cache. Fix: set only one of them")
     if v.vllm_max_model_len is not None:
         p.require(v.vllm_max_model_len > cfg.grpo.max_completion_length,
                   f"--vllm_max_model_len {v.vllm_max_model_len} leaves no room for a prompt with "

@@ -25,13 +25,18 @@ behaviour policy's true probability, which importance-sampling corrections need.
 `raw_logprobs` (vLLM's default) would return log_softmax(logits) at temperature 1,
 matching neither. Greedy sampling (temperature 0) returns log_softmax(logits).
 `score` (prompt log-probs) is always temperature 1: prompt tokens skip sampling.
+
+KV cache. On CPU it is sized in bytes from the sequences in flight (kv_cache.py),
+never as vLLM's fraction of the NUMA node; on GPU `vllm_gpu_memory_utilization`
+applies unless `vllm_kv_cache_memory` is given.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from .kv_cache import kv_cache_engine_kwargs, parse_size
 from .worker_ext import WORKER_EXTENSION
 
 
@@ -100,6 +105,8 @@ class ColocateEngine:
                  vllm_gpu_memory_utilization: float = 0.9, vllm_max_model_len: Optional[int] = None,
                  vllm_enforce_eager: bool = False, vllm_enable_prefix_caching: bool = True,
                  vllm_max_num_seqs: Optional[int] = None,
+                 vllm_kv_cache_memory: Union[None, int, str] = None,
+                 sequences_in_flight: Optional[int] = None,
                  vllm_engine_kwargs: Optional[Dict[str, Any]] = None,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  repetition_penalty: float = 1.0, max_completion_length: int = 512,
@@ -110,7 +117,8 @@ class ColocateEngine:
         groups = vllm_tp_groups(self.world_size, vllm_tensor_parallel_size)
         if not 0 < vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"vllm_gpu_memory_utilization={vllm_gpu_memory_utilization} must be "
-                             "in (0, 1] (on CPU: the fraction of RAM for the KV cache)")
+                             "in (0, 1] (the fraction of GPU memory; not used on CPU)")
+        parse_size(vllm_kv_cache_memory)
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level={sleep_level!r} must be 0, 1 or 2")
         self.sampling = SamplingOptions(temperature, top_p, top_k, repetition_penalty,
@@ -132,6 +140,14 @@ class ColocateEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        # The KV cache in bytes (kv_cache.py): on CPU never a fraction of the NUMA node.
+        # Sequences in flight: the caller's figure (the trainer passes its share of the
+        # generation batch), else vllm_max_num_seqs, else one prompt's group.
+        sequences = sequences_in_flight or vllm_max_num_seqs or num_generations
+        kv_kwargs = kv_cache_engine_kwargs(
+            model, on_cpu=current_platform.is_cpu(), size=vllm_kv_cache_memory,
+            sequences=sequences, max_model_len=vllm_max_model_len,
+            tensor_parallel_size=self.tp_size, dtype=dtype, engine_kwargs=vllm_engine_kwargs)
         kwargs: Dict[str, Any] = dict(
             model=model, tokenizer=model, dtype=dtype, seed=self.seed,
             tensor_parallel_size=self.tp_size,
@@ -147,6 +163,7 @@ class ColocateEngine:
             kwargs["max_num_seqs"] = vllm_max_num_seqs
         if self.world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        kwargs.update(kv_kwargs)
         kwargs.update(vllm_engine_kwargs or {})
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()

@@ -36,9 +36,24 @@ from typing import Optional, Sequence
 API_KEY_ENV = "MEGATRON_ROLLOUT_API_KEY"
 
 
-def vllm_cli_args(cfg) -> list:
-    """`vllm serve` flags for a RolloutServerConfig."""
+# Sequences one server engine is sized for when --vllm_max_num_seqs is not given: the
+# server does not know the trainer's batch; a smaller cache only makes vLLM queue.
+SERVER_SEQUENCES = 32
+
+
+def vllm_cli_args(cfg, on_cpu: Optional[bool] = None) -> list:
+    """`vllm serve` flags for a RolloutServerConfig (on_cpu: None asks vLLM's platform).
+
+    The KV cache is sized in bytes on CPU (kv_cache.py), never as a fraction of the
+    NUMA node: `--kv-cache-memory-bytes` unless the user's vLLM conventions apply.
+    """
+    from .kv_cache import kv_cache_engine_kwargs
     from .worker_ext import WORKER_EXTENSION
+
+    if on_cpu is None:
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
 
     argv = ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port),
             "--tensor-parallel-size", str(cfg.vllm_tensor_parallel_size),
@@ -54,6 +69,12 @@ def vllm_cli_args(cfg) -> list:
         argv.append("--enforce-eager")
     if cfg.vllm_max_num_seqs is not None:
         argv += ["--max-num-seqs", str(cfg.vllm_max_num_seqs)]
+    kv = kv_cache_engine_kwargs(
+        cfg.model, on_cpu=on_cpu, size=cfg.vllm_kv_cache_memory,
+        sequences=cfg.vllm_max_num_seqs or SERVER_SEQUENCES, max_model_len=cfg.vllm_max_model_len,
+        tensor_parallel_size=cfg.vllm_tensor_parallel_size, engine_kwargs=cfg.vllm_engine_kwargs)
+    if "kv_cache_memory_bytes" in kv:
+        argv += ["--kv-cache-memory-bytes", str(kv["kv_cache_memory_bytes"])]
     return argv
 
 

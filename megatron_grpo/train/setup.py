@@ -125,14 +125,22 @@ def build_sampler(cfg):
                                num_generations=g.num_generations, seed=cfg.training.seed)
         client.wait_until_ready()
         return client
-    from ..rollout.colocate import ColocateEngine
+    import torch.distributed as dist
 
+    from ..rollout.colocate import ColocateEngine
+    from ..rollout.kv_cache import sequences_per_engine
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
     return ColocateEngine(
         cfg.model.model, vllm_tensor_parallel_size=r.vllm_tensor_parallel_size,
         vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         vllm_max_model_len=r.vllm_max_model_len, vllm_enforce_eager=r.vllm_enforce_eager,
         vllm_enable_prefix_caching=r.vllm_enable_prefix_caching,
-        vllm_max_num_seqs=r.vllm_max_num_seqs, vllm_engine_kwargs=r.vllm_engine_kwargs,
+        vllm_max_num_seqs=r.vllm_max_num_seqs, vllm_kv_cache_memory=r.vllm_kv_cache_memory,
+        sequences_in_flight=sequences_per_engine(
+            g.generation_batch_size, g.num_generations, world, r.vllm_tensor_parallel_size,
+            r.vllm_max_num_seqs),
+        vllm_engine_kwargs=r.vllm_engine_kwargs,
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
         repetition_penalty=r.repetition_penalty, max_completion_length=g.max_completion_length,
         num_generations=g.num_generations, seed=cfg.training.seed,
