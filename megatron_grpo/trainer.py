@@ -8,6 +8,7 @@ scaling lives in train/engine.py; the math in algorithms/.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -134,6 +135,12 @@ def sync_weights(policy, engine, cfg, is_server: bool) -> dict:
     return info
 
 
+def _sink_names(log) -> dict:
+    """wandb / swanlab project and run names (ms-swift's options)."""
+    return dict(wandb_project=log.wandb_project, wandb_exp_name=log.wandb_exp_name,
+                swanlab_project=log.swanlab_project, swanlab_exp_name=log.swanlab_exp_name)
+
+
 def train(cfg) -> None:
     from transformers import AutoTokenizer
 
@@ -150,6 +157,7 @@ def train(cfg) -> None:
     dataset = load_prompt_dataset(cfg.data.dataset, seed=t.seed, system=cfg.data.system,
                                   columns=cfg.data.columns)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.model)
+    render_prompt = functools.partial(render_prompt, enable_thinking=cfg.data.enable_thinking)
     if cfg.data.max_length and cfg.data.truncation_strategy == "delete":
         from .data import drop_long_prompts
 
@@ -185,7 +193,7 @@ def train(cfg) -> None:
     logger = RunLogger(out_dir, steps, report_to=cfg.logging.report_to,
                        logging_steps=cfg.logging.logging_steps,
                        log_completions=cfg.logging.log_completions, enabled=rank == 0,
-                       start_step=step)
+                       start_step=step, **_sink_names(cfg.logging))
     vocab = policy.args.vocab_size
     per_step = g.generation_batch_size // g.steps_per_generation    # = global_batch_size
     mbs = t.micro_batch_size

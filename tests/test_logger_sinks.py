@@ -16,8 +16,8 @@ STEPS = [{"reward": 0.25, "loss": 1.5, "kl": 0.0, "timing/train": 0.5},
          {"reward": 0.875, "loss": 0.5, "kl": float("nan"), "timing/train": 0.125}]
 
 
-def _log(out, report_to):
-    logger = RunLogger(str(out), len(STEPS), report_to=report_to)
+def _log(out, report_to, **names):
+    logger = RunLogger(str(out), len(STEPS), report_to=report_to, **names)
     for i, m in enumerate(STEPS, 1):
         logger.log(i, m)
     png = logger.close()
@@ -43,8 +43,9 @@ def test_tensorboard(tmp_path):
         assert got[step] == pytest.approx(values, rel=1e-6)
 
 
-def _wandb_history(path):
-    """History rows of an offline .wandb file (LevelDB log blocks of Record protos)."""
+def _wandb_history(path, record="history"):
+    """History rows of an offline .wandb file (LevelDB log blocks of Record protos); with
+    record="run": the run records (project, display_name)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
@@ -65,7 +66,9 @@ def _wandb_history(path):
             rec = pb.Record()
             rec.ParseFromString(chunk)
             chunk = b""
-            if rec.WhichOneof("record_type") == "history":
+            if record == "run" and rec.WhichOneof("record_type") == "run":
+                rows.append(rec.run)
+            elif record == "history" and rec.WhichOneof("record_type") == "history":
                 rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
                              for i in rec.history.item})
     return rows
@@ -82,6 +85,17 @@ def test_wandb_offline(tmp_path, monkeypatch):
     assert got.keys() == want.keys()
     for step, values in want.items():
         assert got[step] == pytest.approx(values, rel=1e-12)
+
+
+def test_wandb_project_and_name(tmp_path, monkeypatch):
+    """--wandb_project / --wandb_exp_name name the run (ms-swift's options)."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _log(tmp_path, ["wandb"], wandb_project="grpo-port", wandb_exp_name="dense-colocate")
+    (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
+    runs = _wandb_history(path, record="run")
+    assert runs and runs[0].project == "grpo-port" and runs[0].display_name == "dense-colocate"
 
 
 def test_swanlab_offline(tmp_path, monkeypatch):

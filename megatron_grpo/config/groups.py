@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Literal, Optional
 
+from .swift_flags import UNSUPPORTED_VALUES
+
 
 def opt(default: Any = None, help: str = "", *, factory: Any = None) -> Any:
     """A dataclass field carrying its `--help` text."""
@@ -44,6 +46,10 @@ def bad_choice(name: str, value: Any, annotation: Any) -> Optional[str]:
     for v in value if isinstance(value, list) else [value]:
         if v not in choices:
             shown = ", ".join(str(c) for c in choices)
+            feature = UNSUPPORTED_VALUES.get((name, str(v)))
+            if feature:
+                return (f"--{name} {v!r} is an ms-swift value not supported yet ({feature}); "
+                        f"allowed values: {shown}")
             return (f"--{name} {v!r} is not a valid choice; allowed values: {shown}. "
                     f"Fix: pass one of them, e.g. --{name} {choices[0]}")
     return None
@@ -68,6 +74,16 @@ class ModelOptions(_Group):
     """The model to train."""
     model: Optional[str] = opt(None, "Local Hugging Face model folder (config.json, tokenizer, "
                                      "*.safetensors). Required.")
+    load_safetensors: Optional[bool] = opt(
+        None, "ms-swift 3.x: read the weights from --model's safetensors. They always are here, "
+              "so true (or unset) is accepted and false (start from a Megatron checkpoint) is "
+              "refused.")
+    attention_backend: Literal["flash", "fused", "unfused", "local", "auto"] = opt(
+        "auto", "Megatron's attention implementation. With Transformer Engine (GPU): passed to "
+                "TransformerConfig.attention_backend (flash, fused, unfused: Transformer "
+                "Engine's kernels; auto: it picks). Without it (CPU): local, unfused and auto "
+                "all run Megatron's local attention; flash and fused are refused. ms-swift's "
+                "default is flash; auto picks flash where it is installed.")
 
 
 @dataclass
@@ -86,6 +102,20 @@ class DataOptions(_Group):
         "left", "Prompts longer than max_length: left cuts them from the left (keeping the "
                 "question's end), delete drops them from the dataset at start-up (ms-swift's GRPO).")
     dataset_shuffle: bool = opt(True, "Shuffle the prompt order each epoch (seeded by --seed).")
+    enable_thinking: Optional[bool] = opt(
+        None, "Passed to the chat template as enable_thinking (Qwen3-style hybrid thinking). "
+              "None: ms-swift's default, false for templates that read enable_thinking (an "
+              "empty think block opens the answer), nothing passed to the others.")
+    dataset_num_proc: int = opt(1, "Accepted for ms-swift scripts; no effect here: prompts are "
+                                   "read and rendered in the main process.")
+    load_from_cache_file: bool = opt(False, "Accepted for ms-swift scripts; no effect here: "
+                                            "there is no preprocessing cache.")
+    dataloader_num_workers: int = opt(4, "Accepted for ms-swift scripts; no effect here: prompts "
+                                         "are sampled by index, without a torch DataLoader.")
+    dataloader_pin_memory: bool = opt(True, "Accepted; no effect here (no torch DataLoader).")
+    dataloader_persistent_workers: bool = opt(False, "Accepted; no effect here (no torch "
+                                                     "DataLoader).")
+    dataloader_prefetch_factor: int = opt(2, "Accepted; no effect here (no torch DataLoader).")
 
 
 @dataclass
@@ -112,6 +142,20 @@ class TrainingOptions(_Group):
     bf16: Optional[bool] = opt(None, "Train in bfloat16. None: from the model's config.json "
                                      "torch_dtype (float32 on CPU is decided by the trainer).")
     seed: int = opt(42, "Seed of python, numpy, torch, the data order and vLLM sampling.")
+    recompute_granularity: Literal["selective", "full", "none"] = opt(
+        "selective", "Megatron's activation recomputation: selective recomputes the "
+                     "recompute_modules of every layer in backward, full recomputes whole layers "
+                     "(needs recompute_method and recompute_num_layers), none saves every "
+                     "activation. Gradients are the same; memory is traded for compute.")
+    recompute_method: Optional[Literal["uniform", "block"]] = opt(
+        None, "full recompute: uniform checkpoints groups of recompute_num_layers layers; block "
+              "recomputes the first recompute_num_layers layers of each pipeline stage.")
+    recompute_num_layers: Optional[int] = opt(
+        None, "full recompute: layers per group (uniform) or per stage (block).")
+    recompute_modules: List[Literal["core_attn", "mlp", "layernorm"]] = opt(
+        help="selective recompute: the parts of each layer to recompute (ms-swift's default "
+             "core_attn). The MoE ones (moe, moe_act, shared_experts) come with MoE, issue 16.",
+        factory=lambda: ["core_attn"])
     tuner_type: Literal["full", "lora"] = opt(
         "full", "full: train every parameter (the only one implemented); lora is not supported yet "
                 "(issue 15). ms-swift's old name --train_type is accepted too.")
@@ -259,10 +303,19 @@ class LoggingOptions(_Group):
     save_total_limit: Optional[int] = opt(None, "Keep at most N checkpoints; None: all.")
     logging_steps: int = opt(5, "Print/report metrics every N steps (metrics.jsonl gets every step).")
     log_completions: bool = opt(False, "Write prompts, completions and rewards to completions.jsonl.")
+    save_safetensors: bool = opt(True, "The trained model is written as HF safetensors "
+                                       "(final_hf/), always: false is refused.")
     report_to: Optional[List[Literal["tensorboard", "wandb", "swanlab", "none"]]] = opt(
         None, "Metric sinks besides metrics.jsonl (always written); none: no other. Default: "
               "tensorboard as in ms-swift (in output_dir/runs), or metrics.jsonl only with a "
               "warning when the tensorboard package is missing. A sink named here must be installed.")
+    wandb_project: Optional[str] = opt(None, "wandb project (--report_to wandb). None: "
+                                             "$WANDB_PROJECT, else megatron-grpo.")
+    wandb_exp_name: Optional[str] = opt(None, "wandb run name. None: output_dir's name.")
+    swanlab_project: Optional[str] = opt(None, "swanlab project (--report_to swanlab). None: "
+                                               "$SWANLAB_PROJECT, else megatron-grpo.")
+    swanlab_exp_name: Optional[str] = opt(None, "swanlab experiment name. None: output_dir's "
+                                                "name.")
     resume: Optional[str] = opt(None, "A checkpoint folder to continue from, or true/auto: the "
                                       "newest checkpoint in output_dir if there is one.")
 
@@ -290,4 +343,6 @@ ALIASES = {
     "max_epochs": "num_train_epochs",
     "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
     "train_type": "tuner_type",
+    "custom_register_path": "external_plugins",     # ms-swift 3.x
+    "num_workers": "dataloader_num_workers",        # ms-swift 3.x (Megatron-LM)
 }

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Tuple
 
 from .errors import Problems
 from .groups import ALIASES, bad_choice, literal_choices
+from .swift_flags import rejection
 
 _TRUE = {"true", "1", "yes", "y", "on", "t"}
 _FALSE = {"false", "0", "no", "n", "off", "f"}
@@ -151,9 +152,17 @@ def convert(name: str, value: Any, annotation: Any) -> Any:
 
 
 class UnknownOption(ValueError):
-    """An option name that is neither a field nor an alias; `suggestion`: the closest name."""
+    """An option name that is neither a field nor an alias; `suggestion`: the closest name.
+
+    An ms-swift flag this project does not support yet gets its own line naming the
+    feature it belongs to (swift_flags.py), and no suggestion: it is not a typo."""
 
     def __init__(self, name: str, close: List[str]):
+        unsupported = rejection(name)
+        if unsupported:
+            self.suggestion = None
+            super().__init__(unsupported)
+            return
         self.suggestion = ALIASES.get(close[0], close[0]) if close else None
         hint = f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
         super().__init__(f"unknown option --{name}.{hint} Run with --help for the full list.")

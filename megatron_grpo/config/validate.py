@@ -63,7 +63,7 @@ def finalize(cfg: "GRPOConfig", problems: Optional[Problems] = None) -> None:
     """Resolve dependent defaults in place and check the options. Every problem goes into
     `problems`; without it they are raised together as one ConfigError."""
     p = Problems() if problems is None else problems
-    for check in (_check_model, _check_data, _check_training, _check_parallel, _check_batches,
+    for check in (_check_model, _check_model_options, _check_data, _check_training, _check_parallel, _check_batches,
                   _check_loss, _check_rewards, _check_rollout, _check_logging):
         with p.section():
             check(cfg, p)
@@ -134,6 +134,9 @@ def _check_data(cfg: "GRPOConfig", p: Problems) -> None:
                 data.system = f.read().strip()
     if data.max_length is not None:
         _positive(p, "max_length", data.max_length)
+    _positive(p, "dataset_num_proc", data.dataset_num_proc)
+    p.require(data.dataloader_num_workers >= 0,
+              f"--dataloader_num_workers {data.dataloader_num_workers} must be >= 0")
 
 
 def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
@@ -162,6 +165,48 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
     p.require(t.tuner_type != "lora",
               "--tuner_type lora is not supported yet (LoRA is issue 15); allowed: full. "
               "Fix: --tuner_type full (full-parameter training)")
+    _check_recompute(t, p)
+
+
+def _check_recompute(t, p: Problems) -> None:
+    """Megatron's rules (TransformerConfig), as one line each before anything starts."""
+    if t.recompute_granularity == "full":
+        p.require(t.recompute_method is not None and t.recompute_num_layers is not None,
+                  "--recompute_granularity full needs --recompute_method uniform|block and "
+                  "--recompute_num_layers N. Fix: e.g. --recompute_method uniform "
+                  "--recompute_num_layers 1")
+        if t.recompute_num_layers is not None:
+            low = 1 if t.recompute_method == "uniform" else 0
+            p.require(t.recompute_num_layers >= low,
+                      f"--recompute_num_layers {t.recompute_num_layers} must be >= {low} with "
+                      f"--recompute_method {t.recompute_method}")
+    else:
+        p.require(t.recompute_num_layers is None,
+                  f"--recompute_num_layers {t.recompute_num_layers} applies to "
+                  f"--recompute_granularity full only (it is {t.recompute_granularity}). Fix: "
+                  "drop it, or add --recompute_granularity full --recompute_method uniform")
+        p.require(t.recompute_method is None,
+                  f"--recompute_method {t.recompute_method} applies to --recompute_granularity "
+                  f"full only (it is {t.recompute_granularity}). Fix: drop it, or add "
+                  "--recompute_granularity full --recompute_num_layers 1")
+    if t.recompute_granularity == "selective":
+        p.require(bool(t.recompute_modules),
+                  "--recompute_granularity selective needs --recompute_modules (core_attn, mlp, "
+                  "layernorm). Fix: e.g. --recompute_modules core_attn, or "
+                  "--recompute_granularity none")
+
+
+def _check_model_options(cfg: "GRPOConfig", p: Problems) -> None:
+    m = cfg.model
+    p.require(m.load_safetensors is not False,
+              "--load_safetensors false (start from a Megatron checkpoint, --mcore_model) is not "
+              "supported yet: weights are read from --model's safetensors. Fix: drop it, and "
+              "use --resume to continue a run")
+    if m.attention_backend in ("flash", "fused"):
+        p.require(importlib.util.find_spec("transformer_engine") is not None,
+                  f"--attention_backend {m.attention_backend} needs Transformer Engine (GPU), "
+                  "which is not installed here. Fix: --attention_backend auto (or local, "
+                  "unfused): Megatron's local attention")
 
 
 def _check_parallel(cfg: "GRPOConfig", p: Problems) -> None:
@@ -379,6 +424,10 @@ def _check_report_to(log, p: Problems) -> None:
 
 def _check_logging(cfg: "GRPOConfig", p: Problems) -> None:
     log = cfg.logging
+    p.require(log.save_safetensors,
+              "--save_safetensors false (Megatron-format weights only) is not supported: the "
+              "trained model is always written as HF safetensors in output_dir/final_hf, and "
+              "checkpoint-N/ holds the Megatron state to resume from. Fix: drop it")
     if log.output_dir is None and cfg.model.model:
         # Megatron-SWIFT's default save folder.
         name = os.path.basename(os.path.normpath(cfg.model.model))

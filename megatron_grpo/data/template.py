@@ -1,16 +1,30 @@
 """Chat messages -> the prompt string the engine samples from."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 # Used when a tokenizer has no chat template (e.g. a tiny locally trained one).
 FALLBACK_TEMPLATE = "{role}: {content}\n"
 FALLBACK_GENERATION_PROMPT = "assistant: "
 
 
-def render_prompt(tokenizer: Any, messages: List[Dict[str, str]]) -> str:
-    """The tokenizer's chat template with the generation prompt, or a plain fallback."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def render_prompt(tokenizer: Any, messages: List[Dict[str, str]],
+                  enable_thinking: Optional[bool] = None) -> str:
+    """The tokenizer's chat template with the generation prompt, or a plain fallback.
+
+    `enable_thinking` (--enable_thinking) goes to the template as a variable. None is
+    ms-swift's default: false for a hybrid-thinking template (one that reads the variable,
+    as Qwen3's: the answer then opens with an empty think block), and nothing for the
+    others, whose own behaviour stands.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        extra = {}
+        if enable_thinking is not None:
+            extra["enable_thinking"] = enable_thinking
+        elif isinstance(template, str) and "enable_thinking" in template:
+            extra["enable_thinking"] = False
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **extra)
     text = "".join(FALLBACK_TEMPLATE.format(**m) for m in messages)
     return text + FALLBACK_GENERATION_PROMPT

@@ -72,8 +72,12 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
                              vpp: int | None = None, cp: int = 1, sequence_parallel: bool = False,
                              dtype: str | torch.dtype = "float32",
                              make_vocab_size_divisible_by: int = 128,
+                             recompute: dict | None = None, attention_backend: str | None = None,
                              **overrides: Any):
-    """Translate an HF config of a supported family. Returns (TransformerConfig, ModelArgs)."""
+    """Translate an HF config of a supported family. Returns (TransformerConfig, ModelArgs).
+
+    `recompute`: the run's recompute_* options (see recompute_kwargs); `attention_backend`:
+    ms-swift's name, mapped by megatron_attention_backend (None: Megatron's default)."""
     from megatron.core.transformer import TransformerConfig
 
     hf = load_hf_config(model)
@@ -143,6 +147,9 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
         moe_token_dispatcher_type="alltoall",  # dense models; allgather refuses variable lengths
         cross_entropy_loss_fusion=False,
     )
+    kwargs.update(recompute_kwargs(**(recompute or {})))
+    if attention_backend is not None:
+        kwargs["attention_backend"] = megatron_attention_backend(attention_backend)
     kwargs.update(overrides)
     config = TransformerConfig(**kwargs)
     vocab = hf["vocab_size"]
@@ -156,3 +163,44 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
         hf_config=hf,
     )
     return config, args
+
+
+def recompute_kwargs(recompute_granularity: str | None = None, recompute_method: str | None = None,
+                     recompute_num_layers: int | None = None,
+                     recompute_modules: list | None = None) -> dict:
+    """ms-swift's recompute_* options as TransformerConfig fields ("none" -> no recompute).
+
+    selective: the listed submodules of every layer run again in backward (Megatron keeps
+    only their inputs); full: whole layers do, by uniform groups of recompute_num_layers or
+    the first recompute_num_layers of each stage (block)."""
+    if recompute_granularity in (None, "none"):
+        return {}
+    out = {"recompute_granularity": recompute_granularity}
+    if recompute_granularity == "full":
+        out.update(recompute_method=recompute_method, recompute_num_layers=recompute_num_layers)
+    else:
+        out["recompute_modules"] = list(recompute_modules or ["core_attn"])
+    return out
+
+
+def megatron_attention_backend(name: str, use_te: bool | None = None):
+    """ms-swift's --attention_backend as Megatron's AttnBackend.
+
+    With Transformer Engine every value passes through. Without it (CPU) the layer spec
+    holds Megatron's local attention whatever the value: local, unfused and auto name it
+    (AttnBackend.local), flash and fused would be Transformer Engine kernels: refused."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from .builder import use_transformer_engine
+
+    use_te = use_transformer_engine() if use_te is None else use_te
+    if use_te:
+        return AttnBackend[name]
+    if name in ("flash", "fused"):
+        raise ValueError(f"--attention_backend {name} needs Transformer Engine on a GPU; this "
+                         "machine runs Megatron's local attention. Fix: --attention_backend auto "
+                         "(or local, unfused)")
+    if name not in ("local", "unfused", "auto"):
+        raise ValueError(f"--attention_backend {name!r} is not valid; allowed values: flash, "
+                         "fused, unfused, local, auto")
+    return AttnBackend.local

@@ -26,7 +26,8 @@ def _truncate_after(path: str, step: int) -> None:
 
 class RunLogger:
     def __init__(self, output_dir: str, total_steps: int, *, report_to=(), logging_steps=1,
-                 log_completions=False, enabled=True, start_step=0):
+                 log_completions=False, enabled=True, start_step=0, wandb_project=None,
+                 wandb_exp_name=None, swanlab_project=None, swanlab_exp_name=None):
         self.enabled = enabled
         self.output_dir = output_dir
         self.logging_steps = max(1, logging_steps)
@@ -47,18 +48,23 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(output_dir, "runs"))
-        # wandb / swanlab: the same scalars; projects from WANDB_PROJECT / SWANLAB_PROJECT.
+        # wandb / swanlab: the same scalars. Project: --wandb_project / --swanlab_project,
+        # else WANDB_PROJECT / SWANLAB_PROJECT, else megatron-grpo; run name: --*_exp_name,
+        # else the output folder's name.
         self.sinks = []
+        run_name = os.path.basename(os.path.normpath(output_dir))
         if "wandb" in (report_to or ()):
             import wandb
 
-            wandb.init(project=os.environ.get("WANDB_PROJECT", "megatron-grpo"), dir=output_dir)
+            wandb.init(project=wandb_project or os.environ.get("WANDB_PROJECT", "megatron-grpo"),
+                       name=wandb_exp_name or run_name, dir=output_dir)
             self.sinks.append(wandb)
         if "swanlab" in (report_to or ()):
             import swanlab
 
-            swanlab.init(project=os.environ.get("SWANLAB_PROJECT", "megatron-grpo"),
-                         logdir=output_dir)
+            swanlab.init(project=swanlab_project or os.environ.get("SWANLAB_PROJECT",
+                                                                   "megatron-grpo"),
+                         experiment_name=swanlab_exp_name or run_name, logdir=output_dir)
             self.sinks.append(swanlab)
         from tqdm import tqdm
 

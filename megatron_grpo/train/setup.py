@@ -52,11 +52,16 @@ def build_chunks(cfg, load_weights: bool = True):
 
     from ..model import build_model, build_transformer_config
 
-    p = cfg.parallel
+    p, t = cfg.parallel, cfg.training
     config, args = build_transformer_config(
         cfg.model.model, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
-        sequence_parallel=p.sequence_parallel, dtype=_dtype(cfg))
+        sequence_parallel=p.sequence_parallel, dtype=_dtype(cfg),
+        recompute=dict(recompute_granularity=t.recompute_granularity,
+                       recompute_method=t.recompute_method,
+                       recompute_num_layers=t.recompute_num_layers,
+                       recompute_modules=t.recompute_modules),
+        attention_backend=cfg.model.attention_backend)
     chunks = build_model(config, args)
     if load_weights:
         load_hf_weights(chunks, config, args, cfg.model.model)

@@ -1,0 +1,105 @@
+"""Every ms-swift Megatron GRPO flag is an option of ours or rejected with its feature."""
+import os
+
+import pytest
+
+from megatron_grpo.config import ALIASES, GROUPS, ConfigError, parse_rlhf_args
+from megatron_grpo.config import swift_flags as sf
+from megatron_grpo.config.parse import field_table
+
+from tests.test_config_validate import ROOT, args, error_of, model_dir  # noqa: F401  (fixture)
+
+PLUGIN = os.path.join(ROOT, "examples", "plugins", "digits_reward.py")
+OURS = set(field_table(GROUPS)) | set(ALIASES)
+
+
+def test_every_ms_swift_flag_is_accounted_for():
+    flags = sf.all_flags()
+    assert len(flags) > 400
+    missing = [f for f in flags if f not in OURS and f not in sf.FEATURE_OF and f not in sf.TO_WIRE]
+    assert not missing, f"ms-swift flags neither implemented nor rejected: {missing}"
+
+
+def test_tables_name_only_ms_swift_flags_and_no_implemented_one():
+    flags = set(sf.all_flags())
+    assert set(sf.FEATURE_OF) <= flags, set(sf.FEATURE_OF) - flags
+    assert set(sf.ACCEPTED_WITHOUT_EFFECT) <= set(field_table(GROUPS))
+    # A rejected flag that is also an option would never be rejected: one of them is stale.
+    # (OTHER_BRANCH entries become options when that branch is merged: then drop them.)
+    stale = {f for f in sf.FEATURE_OF if f in OURS and f not in sf.OTHER_BRANCH}
+    assert not stale, stale
+    for name, value in sf.UNSUPPORTED_VALUES:
+        assert name in OURS
+
+
+@pytest.mark.parametrize("flag, feature", [
+    ("moe_permute_fusion", "MoE, issue 16"), ("lora_rank", "LoRA, issue 15"),
+    ("multi_turn_scheduler", "multi-turn, issue 17"), ("vit_lr", "vision-language, issue 18"),
+    ("padding_free", "padding-free packing"), ("eval_steps", "evaluation"),
+    ("eval_interval", "evaluation")])
+def test_unsupported_flag_one_line(model_dir, flag, feature):
+    message = error_of(args(model_dir, f"--{flag}", "true"))
+    assert message == f"--{flag} is an ms-swift option not supported yet ({feature})"
+
+
+def test_unsupported_flags_collected_with_others(model_dir):
+    message = error_of(args(model_dir, "--padding_free", "true", "--eval_steps", "100",
+                            "--lerning_rate", "1e-6", "--epsilon", "x"))
+    assert message.startswith("4 problems")
+    assert "--padding_free is an ms-swift option not supported yet (padding-free packing)" in message
+    assert "--eval_steps is an ms-swift option not supported yet (evaluation)" in message
+    assert "Did you mean: --learning_rate" in message and "--epsilon 'x'" in message
+
+
+def test_unsupported_value(model_dir):
+    message = error_of(args(model_dir, "--loss_type", "sapo"))
+    assert message.startswith("--loss_type 'sapo' is an ms-swift value not supported yet (SAPO")
+
+
+def test_yaml_key_rejected_too(model_dir, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("moe_grouped_gemm: true\n")
+    message = error_of(args(model_dir, "--config", str(path)))
+    assert message == "--moe_grouped_gemm is an ms-swift option not supported yet (MoE, issue 16)"
+
+
+def test_accepted_options(model_dir):
+    cfg = parse_rlhf_args(args(model_dir, "--save_safetensors", "true", "--load_safetensors", "true",
+                               "--dataset_num_proc", "8", "--dataloader_num_workers", "8",
+                               "--load_from_cache_file", "true", "--wandb_project", "p",
+                               "--wandb_exp_name", "e", "--enable_thinking", "false",
+                               "--custom_register_path", PLUGIN, "--attention_backend", "auto"))
+    assert cfg.data.dataset_num_proc == 8 and cfg.data.enable_thinking is False
+    assert cfg.logging.wandb_project == "p" and cfg.logging.wandb_exp_name == "e"
+    assert cfg.reward.external_plugins == [PLUGIN]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--save_safetensors", "false"], "--save_safetensors false"),
+    (["--load_safetensors", "false"], "--load_safetensors false"),
+    (["--recompute_granularity", "full"], "--recompute_method uniform|block"),
+    (["--recompute_granularity", "full", "--recompute_method", "uniform",
+      "--recompute_num_layers", "0"], "--recompute_num_layers 0 must be >= 1"),
+    (["--recompute_num_layers", "2"], "applies to --recompute_granularity full only"),
+    (["--recompute_modules", "moe"], "--recompute_modules 'moe' is not a valid choice"),
+    (["--attention_backend", "sdpa"], "--attention_backend 'sdpa' is not a valid choice"),
+    (["--dataset_num_proc", "0"], "--dataset_num_proc 0"),
+])
+def test_option_errors(model_dir, extra, expected):
+    assert expected in error_of(args(model_dir, *extra))
+
+
+def test_flash_attention_without_transformer_engine(model_dir):
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed")
+    message = error_of(args(model_dir, "--attention_backend", "flash"))
+    assert message.startswith("--attention_backend flash needs Transformer Engine (GPU)")
+
+
+def test_recompute_full_accepted(model_dir):
+    cfg = parse_rlhf_args(args(model_dir, "--recompute_granularity", "full", "--recompute_method",
+                               "block", "--recompute_num_layers", "1"))
+    assert (cfg.training.recompute_granularity, cfg.training.recompute_method,
+            cfg.training.recompute_num_layers) == ("full", "block", 1)
