@@ -9,7 +9,7 @@ import torch
 
 from megatron_grpo.algorithms import (LOSS_TYPES, compute_policy_loss, count_partials, entropy_threshold,
                                       local_loss, loss_normalizer, policy_metric_partials, finalize_metrics)
-from megatron_grpo.algorithms.policy_loss import LossTypeParams, quantile
+from megatron_grpo.algorithms.policy_loss import LossTypeParams, discounted_suffix_sum, quantile
 
 B, L, LMAX = 6, 7, 9
 D = torch.float64
@@ -303,6 +303,17 @@ def test_loss_type_params(variant, level):
         assert (w != 1.0).any()
         if variant == "fipo_safety" and level == "token":
             assert not out.fipo["safety_keep"][out.loss_mask].all()
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 128])
+def test_discounted_suffix_sum_across_blocks(block):
+    """fipo's F_t = sum_{s >= t} gamma^(s - t) d_s, blocked, against a double loop."""
+    g = torch.Generator().manual_seed(6)
+    d = torch.randn(3, 10, generator=g, dtype=D)
+    gamma = 0.8
+    want = torch.tensor([[sum(gamma ** (s - t) * d[b, s].item() for s in range(t, 10)) for t in range(10)]
+                         for b in range(3)], dtype=D)
+    torch.testing.assert_close(discounted_suffix_sum(d, gamma, block=block), want, rtol=1e-12, atol=1e-12)
 
 
 def test_sapo_gate_at_ratio_one_has_unit_slope():
