@@ -8,6 +8,7 @@ scaling lives in train/engine.py; the math in algorithms/.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .algorithms import count_partials, finalize_metrics, loss_normalizer
+from .algorithms.policy_loss import LossTypeParams
 from .train import (LossOptions, forward_logprobs, micro_batches, reduce_partials,
                     step_entropy_threshold)
 from .train.batch import collate, split_completion_values
@@ -37,7 +39,8 @@ def _loss_options(cfg) -> LossOptions:
         top_entropy_quantile=g.top_entropy_quantile, overlong_filter=g.overlong_filter,
         rollout_importance_sampling_mode=g.rollout_importance_sampling_mode,
         rollout_importance_sampling_threshold=g.rollout_importance_sampling_threshold,
-        temperature=r.temperature, log_entropy=g.log_entropy)
+        temperature=r.temperature, log_entropy=g.log_entropy,
+        loss_params=LossTypeParams(**{f.name: getattr(g, f.name) for f in dataclasses.fields(LossTypeParams)}))
 
 
 def _per_token(chunks, batches, samples, field, temperature, vocab_size):
@@ -148,6 +151,7 @@ def train(cfg) -> None:
     from .rewards import build_reward_funcs, load_plugins
 
     g, t = cfg.grpo, cfg.training
+    opts = _loss_options(cfg)   # first: a bad sapo/fipo option fails before any start-up
     build_parallel(cfg)
     rank = dist.get_rank()
     seed_everything(t.seed, rank)
@@ -171,7 +175,6 @@ def train(cfg) -> None:
                             seed=t.seed, shuffle=cfg.data.dataset_shuffle)
     steps = total_steps(cfg, len(dataset))
     policy = build_policy(cfg, steps)
-    opts = _loss_options(cfg)
     ref = build_reference(cfg) if g.beta != 0.0 else None
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)

@@ -98,7 +98,7 @@ def test_steps_per_generation_two(loss_type):
         torch.testing.assert_close(per_split[0][0], per_split[1][0], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(per_split[0][1], per_split[1][1], rtol=1e-9, atol=1e-12)
         step_results.append(per_split[0][0])
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "fipo"):
         whole = step_loss(bt, bt["logps"].clone(), [[list(range(S))]], o, generation_counts=gen_counts)
         torch.testing.assert_close(step_results[0] + step_results[1], whole, rtol=1e-10, atol=1e-12)
 

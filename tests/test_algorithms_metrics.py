@@ -24,37 +24,53 @@ def reference_policy_metrics(bt, o):
     mask = bt["mask"].tolist()
     filtered = [bool(t) and o["overlong_filter"] for t in bt["truncated"].tolist()]
     lp, old, ref, ent, adv = (bt[k].tolist() for k in ("logps", "old", "ref", "entropy", "adv"))
-    kls, low, high, region, seq_ent, all_ent = [], [], [], [], [], []
+    kls, low, high, region, cispo, seq_ent, all_ent = [], [], [], [], [], [], []
+    fipo = {"future_kl": [], "weight": [], "keep": []}
+    gamma = 2.0 ** (-1 / 32.0)  # fipo's defaults: decay 32, clip [1, 1.2], safety threshold 4
     for i in range(len(mask)):
         toks = [t for t in range(len(mask[i])) if mask[i][t]]
         if filtered[i] or not toks:
             continue
         seq_lr = _mean([lp[i][t] - old[i][t] for t in toks])
-        n_low = n_high = n_region = 0
+        n_low = n_high = n_region = n_cispo = 0
         for t in toks:
             d = max(-20.0, min(20.0, ref[i][t] - lp[i][t]))
             kls.append(max(-10.0, min(10.0, math.exp(d) - d - 1)))
             r = math.exp(lp[i][t] - old[i][t] if o["importance_sampling_level"] == "token" else seq_lr)
-            if o["loss_type"] == "cispo":
-                lo, hi = False, r > eps_hi and adv[i] > 0
-            else:
-                lo, hi = r < 1 - eps and adv[i] < 0, r > 1 + eps_hi and adv[i] > 0
+            lo, hi = r < 1 - eps and adv[i] < 0, r > 1 + eps_hi and adv[i] > 0
             n_low += lo
             n_high += hi
             n_region += lo or hi
+            n_cispo += r > eps_hi and adv[i] > 0
             all_ent.append(ent[i][t])
+            f = sum(gamma ** (s - t) * (lp[i][s] - old[i][s]) for s in toks if s >= t)
+            keep = not (adv[i] < 0 and r > 4.0)
+            w = min(max(math.exp(f), 1.0), 1.2)
+            fipo["future_kl"].append(f)
+            fipo["weight"].append(w if keep else min(max(w, 0.8), 1.0))
+            fipo["keep"].append(float(keep))
         low.append(n_low / len(toks))
         high.append(n_high / len(toks))
         region.append(n_region / len(toks))
+        cispo.append(n_cispo / len(toks))
         seq_ent.append(_mean([ent[i][t] for t in toks]))
-    return {
+    out = {
         "kl": _mean(kls),
-        "clip_ratio/low_mean": _mean(low), "clip_ratio/low_min": min(low),
-        "clip_ratio/high_mean": _mean(high), "clip_ratio/high_max": max(high),
-        "clip_ratio/region_mean": _mean(region),
-        "entropy/mean": _mean(seq_ent), "entropy/max": max(seq_ent), "entropy/min": min(seq_ent),
-        "entropy/threshold": float(np.quantile(all_ent, 1 - o["top_entropy_quantile"])),
+        "entropy/entropy_mean": _mean(seq_ent), "entropy/entropy_max": max(seq_ent),
+        "entropy/entropy_min": min(seq_ent),
+        "entropy/entropy_threshold": float(np.quantile(all_ent, 1 - o["top_entropy_quantile"])),
     }
+    if o["loss_type"] == "cispo":
+        out["cispo_clip_ratio"] = _mean(cispo)
+    elif o["loss_type"] != "sapo":  # sapo has no hard clip
+        out.update({"clip_ratio/low_mean": _mean(low), "clip_ratio/low_min": min(low),
+                    "clip_ratio/high_mean": _mean(high), "clip_ratio/high_max": max(high),
+                    "clip_ratio/region_mean": _mean(region)})
+    if o["loss_type"] == "fipo":
+        out.update({"fipo/future_kl_mean": _mean(fipo["future_kl"]),
+                    "fipo/influence_weight_mean": _mean(fipo["weight"]),
+                    "fipo/safety_keep_ratio": _mean(fipo["keep"])})
+    return out
 
 
 def reference_rollout_metrics(bt, mode, cap):
@@ -135,7 +151,7 @@ def _policy_out(bt, idx, o, threshold):
 
 
 @pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("dapo", "sequence"), ("cispo", "token"),
-                                             ("bnpo", "sequence_token")])
+                                             ("bnpo", "sequence_token"), ("sapo", "token"), ("fipo", "token")])
 def test_policy_metrics_reduce_over_ranks(loss_type, level):
     bt = make_batch(13, b=S, l=L, empty_row=False)
     bt["truncated"][[3, 6]] = True  # rank 2 has only filtered completions
@@ -154,7 +170,7 @@ def test_policy_metrics_reduce_over_ranks(loss_type, level):
     _assert_metrics(reduced, want)
     # an empty rank alone finalises to NaN rather than failing
     alone = finalize_metrics(per_rank[2])
-    assert math.isnan(alone["clip_ratio/low_mean"]) and math.isnan(alone["entropy/max"])
+    assert math.isnan(alone["kl"]) and math.isnan(alone["entropy/entropy_max"])
 
 
 @pytest.mark.parametrize("mode,cap", [("token_truncate", 1.2), ("token_mask", 1.2), ("sequence_truncate", 1.05),

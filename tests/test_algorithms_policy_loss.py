@@ -9,7 +9,7 @@ import torch
 
 from megatron_grpo.algorithms import (LOSS_TYPES, compute_policy_loss, count_partials, entropy_threshold,
                                       local_loss, loss_normalizer, policy_metric_partials, finalize_metrics)
-from megatron_grpo.algorithms.policy_loss import quantile
+from megatron_grpo.algorithms.policy_loss import LossTypeParams, discounted_suffix_sum, quantile
 
 B, L, LMAX = 6, 7, 9
 D = torch.float64
@@ -58,6 +58,8 @@ def reference_loss(bt, logps, o):
     mode = o.get("rollout_importance_sampling_mode")
     cap = o.get("rollout_importance_sampling_threshold", 2.0)
     on_policy = o.get("on_policy", False)
+    prm = LossTypeParams(**{k: o[k] for k in PARAM_KEYS if k in o})
+    gamma = 2.0 ** (-1.0 / prm.fipo_decay_rate)
     mask = bt["mask"].tolist()
     filtered = [bool(t) and o.get("overlong_filter", False) for t in bt["truncated"].tolist()]
     adv = bt["adv"].tolist() if bt["adv"].dim() == 1 else None
@@ -90,23 +92,51 @@ def reference_loss(bt, logps, o):
                 else:
                     w[t] = rho[t] if rho_seq <= cap else 0.0
         seq_mean_lr = (sum(logps[i, t] - old[t] for t in toks) / len(toks)) if toks else None
-        seq_sum = torch.zeros((), dtype=D)
-        for t in toks:
-            a = adv[i] if adv is not None else bt["adv"][i, t].item()
+
+        def coef1_at(t):
             if level == "token":
                 logw = logps[i, t] - old[t]
             elif level == "sequence":
                 logw = seq_mean_lr
             else:
                 logw = logps[i, t] - logps[i, t].detach() + seq_mean_lr.detach()
-            c1 = torch.exp(logw)
+            return torch.exp(logw)
+
+        def advantage_at(t):
+            return adv[i] if adv is not None else bt["adv"][i, t].item()
+
+        # fipo: d_s = log ratio of loss tokens (0 where the ratio exceeds delta); F_t its
+        # gamma-discounted sum over s >= t; I_t = exp(F_t), clipped, safety-capped.
+        influence = {}
+        if loss_type == "fipo" and not filtered[i]:
+            d = {s: (0.0 if delta is not None and coef1_at(s).item() > delta
+                     else float(logps[i, s].detach() - old[s])) for s in toks}
+            for t in toks:
+                f = sum(gamma ** (s - t) * d[s] for s in toks if s >= t)
+                w_t = math.exp(f)
+                if prm.fipo_clip_range:
+                    lo = 1.0 if prm.fipo_clip_high_only else 1.0 - prm.fipo_clip_range
+                    w_t = min(max(w_t, lo), 1.0 + prm.fipo_clip_range)
+                if (prm.fipo_safety_threshold is not None and advantage_at(t) < 0
+                        and coef1_at(t).item() > prm.fipo_safety_threshold):
+                    w_t = min(max(w_t, 0.8), 1.0)
+                influence[t] = w_t
+        seq_sum = torch.zeros((), dtype=D)
+        for t in toks:
+            a = advantage_at(t)
+            c1 = coef1_at(t)
             if loss_type == "cispo":
                 term = -_clamp(c1, hi=eps_hi).detach() * a * logps[i, t]
+            elif loss_type == "sapo":
+                tau = prm.tau_pos if a > 0 else prm.tau_neg
+                term = -torch.sigmoid(tau * (c1 - 1.0)) * (4.0 / tau) * a
             else:
                 c2 = _clamp(c1, 1 - eps, 1 + eps_hi)
                 if delta is not None:
                     c1 = _clamp(c1, hi=delta)
                 term = -torch.minimum(c1 * a, c2 * a)
+                if loss_type == "fipo":
+                    term = term * influence.get(t, 1.0)
             if thr is not None and not bt["entropy"][i, t].item() >= thr:
                 term = term * 0.0
             if use_kl:
@@ -127,7 +157,7 @@ def reference_loss(bt, logps, o):
         total = total + seq_sum
 
     n_seq = len(mask)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return sum(s / max(n, 1) for s, n in seq_terms) / n_seq
     if loss_type == "bnpo":
         return total / max(len(loss_tokens), 1)
@@ -142,10 +172,13 @@ def reference_loss(bt, logps, o):
 IMPL_KEYS = ("loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "beta", "kl_estimator",
              "kl_in_reward", "top_entropy_quantile", "overlong_filter", "rollout_importance_sampling_mode",
              "rollout_importance_sampling_threshold")
+PARAM_KEYS = ("tau_pos", "tau_neg", "fipo_decay_rate", "fipo_clip_range", "fipo_clip_high_only",
+              "fipo_safety_threshold")
 
 
 def implementation_loss(bt, logps, o):
     kwargs = {k: o[k] for k in IMPL_KEYS if k in o}
+    kwargs["loss_params"] = LossTypeParams(**{k: o[k] for k in PARAM_KEYS if k in o})
     out = compute_policy_loss(
         logps, bt["adv"], bt["mask"],
         old_logps=None if o.get("on_policy") else bt["old"],
@@ -206,7 +239,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_option_variants(loss_type, variant):
     o = dict(_base(loss_type), **VARIANTS[variant])
@@ -239,7 +272,116 @@ def test_all_completions_overlong_gives_zero_loss_not_nan(loss_type, level):
     assert torch.equal(lp.grad, torch.zeros_like(lp))
     assert torch.isnan(out.entropy_threshold)
     metrics = finalize_metrics(policy_metric_partials(out, loss_type=loss_type, epsilon=0.2, entropy=bt["entropy"]))
-    assert math.isnan(metrics["kl"]) and math.isnan(metrics["clip_ratio/low_min"])
+    assert math.isnan(metrics["kl"]) and math.isnan(metrics["entropy/entropy_max"])
+    clip_key = {"cispo": "cispo_clip_ratio", "sapo": None, "fipo": "fipo/influence_weight_mean"}.get(
+        loss_type, "clip_ratio/low_min")
+    assert clip_key is None or math.isnan(metrics[clip_key])
+
+
+# sapo's temperatures and fipo's options, each where it changes the loss.
+LOSS_PARAM_VARIANTS = {
+    "sapo_sharp": dict(loss_type="sapo", tau_pos=8.0, tau_neg=12.0),
+    "sapo_soft": dict(loss_type="sapo", tau_pos=0.3, tau_neg=0.5),
+    "fipo_two_sided": dict(loss_type="fipo", fipo_clip_high_only=False, fipo_decay_rate=2.0),
+    "fipo_no_clip": dict(loss_type="fipo", fipo_clip_range=None, fipo_decay_rate=4.0),
+    "fipo_safety": dict(loss_type="fipo", fipo_clip_range=0.5, fipo_clip_high_only=False,
+                        fipo_safety_threshold=1.05),
+    "fipo_no_safety_delta": dict(loss_type="fipo", fipo_safety_threshold=None, delta=1.2,
+                                 fipo_clip_range=0.0),
+}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
+@pytest.mark.parametrize("variant", list(LOSS_PARAM_VARIANTS))
+def test_loss_type_params(variant, level):
+    o = dict(_base("grpo"), importance_sampling_level=level, beta=0.02, **LOSS_PARAM_VARIANTS[variant])
+    check_against_reference(31, o)
+    if o["loss_type"] == "fipo":
+        # the options act: the influence weights are not all 1
+        _, out = implementation_loss(make_batch(31), make_batch(31)["logps"], o)
+        w = out.fipo["influence_weight"][out.loss_mask]
+        assert (w != 1.0).any()
+        if variant == "fipo_safety" and level == "token":
+            assert not out.fipo["safety_keep"][out.loss_mask].all()
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 128])
+def test_discounted_suffix_sum_across_blocks(block):
+    """fipo's F_t = sum_{s >= t} gamma^(s - t) d_s, blocked, against a double loop."""
+    g = torch.Generator().manual_seed(6)
+    d = torch.randn(3, 10, generator=g, dtype=D)
+    gamma = 0.8
+    want = torch.tensor([[sum(gamma ** (s - t) * d[b, s].item() for s in range(t, 10)) for t in range(10)]
+                         for b in range(3)], dtype=D)
+    torch.testing.assert_close(discounted_suffix_sum(d, gamma, block=block), want, rtol=1e-12, atol=1e-12)
+
+
+def test_sapo_gate_at_ratio_one_has_unit_slope():
+    """On-policy (ratio 1) SAPO's gradient equals the plain policy gradient -A d logp."""
+    bt = make_batch(2, empty_row=False)
+    lp = bt["logps"].clone().requires_grad_()
+    out = compute_policy_loss(lp, bt["adv"], bt["mask"], loss_type="sapo",
+                              loss_params=LossTypeParams(tau_pos=0.7, tau_neg=3.0))
+    out.per_token_loss.sum().backward()
+    want = torch.where(bt["mask"], -bt["adv"].unsqueeze(-1).expand(B, L), torch.zeros(B, L, dtype=D))
+    torch.testing.assert_close(lp.grad, want, rtol=1e-12, atol=1e-12)
+
+
+def test_fipo_rejects_context_parallel_sums():
+    bt = make_batch(0)
+    with pytest.raises(ValueError, match="fipo.*context parallel"):
+        compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], old_logps=bt["old"], loss_type="fipo",
+                            sequence_sums=lambda x: x)
+
+
+@pytest.mark.parametrize("bad", [dict(tau_pos=0.0), dict(tau_neg=-1.0), dict(fipo_decay_rate=0.0),
+                                 dict(fipo_clip_range=-0.1)])
+def test_loss_type_params_reject_bad_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        LossTypeParams(**bad)
+
+
+# ---------------------------------------------------------------- padding may hold anything (issue 11)
+
+PADDED_INPUTS = ("logps", "old", "ref", "rollout", "adv", "entropy")
+
+
+def _with_padding(bt, value):
+    """The batch with per-token advantages, and `value` in the padding of every [B, L] input."""
+    bt = dict(bt)
+    g = torch.Generator().manual_seed(77)
+    bt["adv"] = torch.randn(B, L, generator=g, dtype=D)
+    for key in PADDED_INPUTS:
+        bt[key] = bt[key].masked_fill(~bt["mask"], value)
+    return bt
+
+
+@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), float("-inf")])
+def test_padding_garbage_in_every_input_changes_nothing(loss_type, level, garbage):
+    """NaN/inf in the padding of logps, old/ref/rollout log-probs, [B, L] advantages and
+    entropy: the loss, its gradient and the metrics equal those with zero padding."""
+    base = make_batch(13)
+    o = dict(_base(loss_type), importance_sampling_level=level, beta=0.05, top_entropy_quantile=0.7,
+             overlong_filter=True, rollout_importance_sampling_mode="sequence_truncate",
+             rollout_importance_sampling_threshold=1.1, delta=1.5 if loss_type != "cispo" else None)
+    results = []
+    for value in (0.0, garbage):
+        bt = _with_padding(base, value)
+        lp = bt["logps"].clone().requires_grad_()
+        loss, out = implementation_loss(bt, lp, o)
+        loss.backward()
+        metrics = finalize_metrics(policy_metric_partials(out, loss_type=loss_type, epsilon=o["epsilon"],
+                                                          epsilon_high=o["epsilon_high"], entropy=bt["entropy"]))
+        results.append((loss.detach(), lp.grad, metrics))
+    (clean_loss, clean_grad, clean_m), (loss, grad, m) = results
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert torch.equal(loss, clean_loss) and torch.equal(grad, clean_grad)
+    assert clean_grad.abs().sum() > 0
+    assert m.keys() == clean_m.keys()
+    for k in m:
+        assert torch.equal(m[k], clean_m[k]) or (math.isnan(m[k]) and math.isnan(clean_m[k])), k
 
 
 def test_entropy_threshold_and_quantile_match_numpy():
@@ -265,7 +407,7 @@ def test_global_entropy_threshold_overrides_local():
 
 
 @pytest.mark.parametrize("kwargs,option,valid", [
-    (dict(loss_type="ppo"), "loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]),
+    (dict(loss_type="ppo"), "loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo"]),
     (dict(importance_sampling_level="step"), "importance_sampling_level", ["token", "sequence", "sequence_token"]),
     (dict(kl_estimator="k4", beta=0.1), "kl_estimator", ["k1", "k2", "k3"]),
     (dict(rollout_importance_sampling_mode="clip"), "rollout_importance_sampling_mode",
@@ -290,3 +432,26 @@ def test_missing_inputs_raise():
         compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], rollout_importance_sampling_mode="token_mask")
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], entropy=bt["entropy"], top_entropy_quantile=0.0)
+
+
+def test_loss_type_options_reach_the_loss(tmp_path):
+    """--tau_pos/--tau_neg/--fipo_* travel from the command line into LossOptions whole;
+    a bad value fails with the option's name."""
+    import json
+
+    from megatron_grpo.config import parse_rlhf_args
+    from megatron_grpo.trainer import _loss_options
+    from tests.test_config_parse import COUNTDOWN
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    argv = ["--model", str(tmp_path), "--dataset", COUNTDOWN, "--reward_funcs", "countdown",
+            "--loss_type", "sapo", "--tau_pos", "2.5", "--tau_neg", "3", "--fipo_decay_rate", "8",
+            "--fipo_clip_range", "none", "--fipo_clip_high_only", "false", "--fipo_safety_threshold", "2"]
+    opts = _loss_options(parse_rlhf_args(argv))
+    assert opts.loss_type == "sapo"
+    assert opts.loss_params == LossTypeParams(tau_pos=2.5, tau_neg=3.0, fipo_decay_rate=8.0, fipo_clip_range=None,
+                                              fipo_clip_high_only=False, fipo_safety_threshold=2.0)
+    with pytest.raises(ValueError, match="tau_neg"):
+        _loss_options(parse_rlhf_args(argv[:-12] + ["--tau_neg", "0"]))
+    with pytest.raises(ValueError, match="--loss_type fipo.*--context_parallel_size"):
+        parse_rlhf_args(argv[:6] + ["--loss_type", "fipo", "--context_parallel_size", "2"])

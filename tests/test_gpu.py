@@ -121,5 +121,5 @@ def test_megatron_on_the_device(tiny_hf):
     assert out["export_offload_False"] and out["export_offload_True"], out
     m = out["metrics"]
     assert all(torch.isfinite(torch.tensor(v)) for v in m.values()), m
-    assert "entropy/threshold" in m and abs(m["entropy/threshold"] - out["threshold"]) < 1e-6
+    assert "entropy/entropy_threshold" in m and abs(m["entropy/entropy_threshold"] - out["threshold"]) < 1e-6
     assert out["grad_norm"] > 0 and torch.isfinite(torch.tensor(out["grad_norm"]))

@@ -8,7 +8,8 @@ import pytest
 from megatron_grpo.rewards import build_reward_funcs, score
 from megatron_grpo.rewards.accuracy import Accuracy, Cosine
 from megatron_grpo.rewards.countdown import countdown_reward, evaluate_expression
-from megatron_grpo.rewards.format_reward import format_reward
+from megatron_grpo.rewards.format_reward import format_reward, react_format_reward
+from megatron_grpo.rewards.math_reward import clean_latex, math_reward
 from megatron_grpo.rewards.length import Repetition, SoftOverlong
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,11 +25,48 @@ def test_format():
         "<answer>b</answer>": 0.0,
         "<think>a</think>": 0.0,
         "<think>a</think> so <answer>b</answer>": 0.0,         # only whitespace in between
-        "<think>a</think><answer>b</answer><answer>c</answer>": 0.0,
-        "<think>a<think>b</think><answer>c</answer>": 0.0,
+        # ms-swift's pattern does not check nesting: its lazy `.*?` stretches to the last tag
+        "<think>a</think><answer>b</answer><answer>c</answer>": 1.0,
+        "<think>a<think>b</think><answer>c</answer>": 1.0,
+        "\n<think>a</think><answer>b</answer>": 0.0,
         "": 0.0,
     }
     assert format_reward(list(cases)) == list(cases.values())
+
+
+def test_react_format():
+    cases = {
+        "<think>look it up</think>\nAction: search\nAction Input: {\"q\": \"x\"}": 1.0,
+        "<think>a\nb</think>Action: f\n\nthen Action Input:": 1.0,     # anything between them
+        "<think>a</think>Action Input: {} Action: f": 0.0,              # Action: must come first
+        "<think>a</think> well, Action: f Action Input: {}": 0.0,        # only whitespace before Action:
+        "Action: f\nAction Input: {}": 0.0,                              # no <think>
+        " <think>a</think>Action: f Action Input: {}": 0.0,             # must start with <think>
+    }
+    assert react_format_reward(list(cases)) == list(cases.values())
+
+
+def test_math():
+    completions = ["We get 42.\n# Answer\n\\boxed{42}",   # '# Answer', then the box
+                   "so \\boxed{\\frac{1}{2}} done",          # first '}' ends the box: '\\frac{1'
+                   "\\(x+1\\)",                              # delimiters dropped
+                   "\\boxed{7}",
+                   "no box, 7 and more"]
+    truths = ["42", "\\frac{1", "<ignored># Answer x+1", "\\boxed{8}", "7"]
+    assert math_reward(completions, ground_truths=truths) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert clean_latex("\\[\\frac{a}{b}}}\\]") == "\\fracab"
+    assert math_reward(["\\boxed{3}"], solution=["3"]) == [1.0]      # `solution` when no ground_truths
+    with pytest.raises(ValueError, match="ground_truths"):
+        math_reward(["x"])
+
+
+def test_math_uses_sympy_when_it_can_parse():
+    try:
+        from sympy.parsing.latex import parse_latex
+        parse_latex("1")
+    except Exception:  # sympy's LaTeX parser needs antlr4-python3-runtime 4.11
+        pytest.skip("sympy's LaTeX parser is unavailable (antlr4 runtime != 4.11)")
+    assert math_reward(["\\boxed{0.5}", "\\boxed{2x+2}"], ground_truths=["\\frac{1}{2}", "2(x+1)"]) == [1.0, 1.0]
 
 
 def test_accuracy_with_math_verify():
@@ -56,7 +94,6 @@ def test_accuracy_fallback_without_math_verify():
 
 def _cosine_reference(t, T, v0, vL):
     # The paper's / ms-swift's form: r = max - (max - min) * (1 - cos(t pi / T)) / 2, max at t=0.
-    t = min(t, T)
     return v0 - (v0 - vL) * (1 - math.cos(t * math.pi / T)) / 2
 
 
@@ -66,8 +103,9 @@ def test_cosine():
     lengths = [0, 25, 50, 100, 150]
     got_right = cos([right] * 5, solution=["4"] * 5, completion_lengths=lengths)
     got_wrong = cos([wrong] * 5, solution=["4"] * 5, completion_lengths=lengths)
-    assert got_right == pytest.approx([1.0, 0.5 + 0.25 * (1 + math.sqrt(0.5)), 0.75, 0.5, 0.5])
-    assert got_wrong == pytest.approx([-0.5, -0.25 - 0.25 * math.sqrt(0.5), -0.25, 0.0, 0.0])
+    # past max_len (150) the cosine turns back, as ms-swift's: cos(1.5 pi) = 0 -> the midpoint
+    assert got_right == pytest.approx([1.0, 0.5 + 0.25 * (1 + math.sqrt(0.5)), 0.75, 0.5, 0.75])
+    assert got_wrong == pytest.approx([-0.5, -0.25 - 0.25 * math.sqrt(0.5), -0.25, 0.0, -0.25])
     assert got_right == pytest.approx([_cosine_reference(t, 100, 1.0, 0.5) for t in lengths])
     assert got_wrong == pytest.approx([_cosine_reference(t, 100, -0.5, 0.0) for t in lengths])
     with pytest.raises(ValueError, match="completion_lengths"):
@@ -85,7 +123,8 @@ def test_repetition():
 def test_soft_overlong():
     soft = SoftOverlong(soft_max_length=100, soft_cache_length=20)
     got = soft(["x"] * 6, completion_lengths=[10, 80, 81, 90, 100, 110])
-    assert got == pytest.approx([0.0, 0.0, -1 / 20, -0.5, -1.0, -1.0])
+    # ms-swift: min(-(L - 80) / 20, 0), not floored at -1 past soft_max_length
+    assert got == pytest.approx([0.0, 0.0, -1 / 20, -0.5, -1.0, -1.5])
     with pytest.raises(ValueError, match="soft_cache_length"):
         SoftOverlong(100, 100)
 

@@ -117,3 +117,64 @@ def test_score_checks_columns_and_accepts_tensors():
     out = score([RewardFunc("t", lambda c, **kw: torch.tensor([0.5, 2.0]))], ["a", "b"])
     assert out[:, 0].tolist() == [0.5, 2.0]
     assert score([], ["a", "b"]).shape == (2, 0)
+
+
+# An ms-swift reward plugin as its users write it (ms-swift's docs' idiom); only line 1 differs.
+SWIFT_PLUGIN = '''\
+{import_line}
+import asyncio
+
+
+class LengthBudget(ORM):
+    """Reads its options as ms-swift plugins do: flat names on self.args."""
+
+    def __init__(self, args=None, **kwargs):
+        super().__init__(args, **kwargs)
+        self.budget = args.max_completion_length if args is not None else 10
+
+    def __call__(self, completions, solution, **kwargs):
+        return [float(len(c) <= self.budget) + float(s in c) for c, s in zip(completions, solution)]
+
+
+class SlowJudge(AsyncORM):
+    async def __call__(self, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [0.5 if "?" in c else None for c in completions]
+
+
+orms["{budget}"] = LengthBudget
+orms["{judge}"] = SlowJudge
+'''
+
+
+def test_ms_swift_plugin_needs_only_its_import_line_changed(tmp_path):
+    budget, judge = unique("budget"), unique("judge")
+    plugin = tmp_path / "swift_plugin.py"
+    plugin.write_text(SWIFT_PLUGIN.format(import_line="from megatron_grpo.rewards import AsyncORM, ORM, orms",
+                                          budget=budget, judge=judge))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    cfg = parse_rlhf_args(["--model", str(tmp_path / "m"), "--dataset", ARITH, "--max_completion_length", "5",
+                           "--external_plugins", str(plugin), "--reward_funcs", budget, judge])
+    funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
+    assert funcs[0].fn.args.max_completion_length == 5 and funcs[0].fn.args.model == str(tmp_path / "m")
+    out = score(funcs, ["12", "why 12?", "far too long"], {"solution": ["12", "12", "3"]})
+    assert out[:, 0].tolist() == [2.0, 1.0, 0.0]
+    assert math.isnan(out[0, 1].item()) and out[1, 1].item() == 0.5 and math.isnan(out[2, 1].item())
+
+
+@pytest.mark.parametrize("import_line, fix", [
+    ("from swift.rewards import ORM, orms, AsyncORM", "`from megatron_grpo.rewards import ORM, orms, AsyncORM`"),
+    ("from swift.plugin import ORM, orms as table", "`from megatron_grpo.rewards import ORM, orms as table`"),
+    ("import swift.llm", "megatron-grpo has no swift.llm; remove it"),
+])
+def test_plugin_importing_swift_gets_a_one_line_fix(tmp_path, import_line, fix):
+    plugin = tmp_path / "old_plugin.py"
+    plugin.write_text("# my reward\n\n" + SWIFT_PLUGIN.format(import_line=import_line, budget="b", judge="j"))
+    with pytest.raises(ValueError) as e:
+        load_plugins([str(plugin)])
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"--external_plugins {plugin}:3: `{import_line}` imports ms-swift; ")
+    assert fix in msg
+    assert "b" not in registered_names()        # refused before anything ran

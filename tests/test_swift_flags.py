@@ -52,8 +52,8 @@ def test_unsupported_flags_collected_with_others(model_dir):
 
 
 def test_unsupported_value(model_dir):
-    message = error_of(args(model_dir, "--loss_type", "sapo"))
-    assert message.startswith("--loss_type 'sapo' is an ms-swift value not supported yet (SAPO")
+    message = error_of(args(model_dir, "--loss_type", "real"))
+    assert message.startswith("--loss_type 'real' is an ms-swift value not supported yet (loss type real")
 
 
 def test_yaml_key_rejected_too(model_dir, tmp_path):

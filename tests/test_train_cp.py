@@ -171,7 +171,7 @@ def test_cp2_step_equals_cp1():
     metrics = dict(zip(results[0][0]["names"], (c[1] for c in results[0][0]["cases"])))
     assert metrics["grpo"]["kl"] > 0
     assert metrics["grpo-sequence"]["rollout_correction/clipped_frac"] > 0
-    assert "entropy/threshold" in metrics["dapo-sequence_token-entropy"]
+    assert "entropy/entropy_threshold" in metrics["dapo-sequence_token-entropy"]
     _check(results, 0, 1, "cp=2")
 
 
@@ -204,7 +204,7 @@ def test_e2e_rlhf_cp2(tiny, tmp_path):
     # step 1, timing/sync (weights to vLLM) with step 2.
     once = {"timing/generate": 0, "timing/score": 0, "timing/sync": 1}
     keys = [k for k in METRIC_KEYS if k not in once] + [
-        "kl", "entropy/mean", "rollout_correction/log_ppl_abs_diff"]
+        "kl", "entropy/entropy_mean", "rollout_correction/log_ppl_abs_diff"]
     for k, step in once.items():
         assert k in rows[step], f"step {step + 1}: metrics.jsonl lacks {k}"
     for row in rows:

@@ -11,7 +11,7 @@ import torch
 from tests.harness import run_distributed
 from tests.mcore_utils import TINY_QWEN2, setup
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo"]
 N_SAMPLES, VOCAB = 8, TINY_QWEN2["vocab_size"]
 
 

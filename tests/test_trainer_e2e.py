@@ -149,7 +149,7 @@ def test_pp2_with_reference_and_two_steps_per_generation(tiny, tmp_path):
                    global_batch_size=8, train_iters=2, log_entropy="true",
                    top_entropy_quantile=0.5))
     assert r.returncode == 0, r.stderr[-4000:]
-    _check_metrics(_metrics(out), 2, extra=("kl", "entropy/mean", "entropy/threshold"),
+    _check_metrics(_metrics(out), 2, extra=("kl", "entropy/entropy_mean", "entropy/entropy_threshold"),
                    steps_per_generation=2)
 
 

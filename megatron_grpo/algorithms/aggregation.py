@@ -38,6 +38,8 @@ dapo     token mean over the whole GENERATION batch (all `steps_per_generation` 
          generation batch the same way). With steps_per_generation > 1 each optimizer step
          therefore carries only its share of the generation-batch mean, as in TRL.
 cispo    normalised like dapo (TRL and ms-swift share the code path).
+fipo     normalised like dapo (ms-swift).
+sapo     normalised like grpo (ms-swift).
 
 Context parallelism: a completion split over CP ranks must count once in S, and n_i must
 be its full length (pass `sequence_token_counts`); count partials are then taken on one CP
@@ -71,7 +73,7 @@ def _dr_grpo_norm(step, generation, max_completion_length):
 
 def _generation_token_norm(step, generation, max_completion_length):
     if generation is None:
-        raise ValueError("loss_type='dapo'/'cispo' normalise by the generation batch's completion tokens: "
+        raise ValueError("loss_type='dapo'/'cispo'/'fipo' normalise by the generation batch's completion tokens: "
                          "pass generation_counts (equal to step_counts when steps_per_generation == 1)")
     return generation[COMPLETION_TOKENS]
 
@@ -83,10 +85,12 @@ LOSS_NORMALIZERS = {
     "dr_grpo": _dr_grpo_norm,
     "dapo": _generation_token_norm,
     "cispo": _generation_token_norm,
+    "sapo": _grpo_norm,
+    "fipo": _generation_token_norm,
 }
 
 # Which loss types weigh tokens by 1 / (tokens of their own completion).
-_PER_SEQUENCE_MEAN = {"grpo"}
+_PER_SEQUENCE_MEAN = {"grpo", "sapo"}
 
 
 def count_partials(loss_mask: torch.Tensor, completion_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -117,7 +121,7 @@ def loss_normalizer(loss_type: str, step_counts: torch.Tensor, *,
     """The global denominator of `loss_type` (module docstring) -> 0-d float64, >= 1.
 
     step_counts: global counts [3] of the optimizer step; generation_counts: of the whole
-    generation batch (dapo, cispo).
+    generation batch (dapo, cispo, fipo).
     """
     check_option("loss_type", loss_type, LOSS_NORMALIZERS)
     norm = LOSS_NORMALIZERS[loss_type](step_counts, generation_counts, max_completion_length)

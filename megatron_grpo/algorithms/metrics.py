@@ -20,10 +20,17 @@ clip_ratio/low_mean     completion mean of the fraction of its loss tokens clipp
 clip_ratio/high_mean    same above (ratio > 1 + epsilon_high and A > 0); high_max: max
 clip_ratio/region_mean  completion mean of the fraction clipped either way
     (ms-swift's docs define these per completion ("sentence"); its code takes per-rank token
-    ratios, which depend on the split. For cispo only the upper clip exists: ratio >
-    epsilon_high and A > 0, as ms-swift's cispo_clip_ratio.)
-entropy/mean|max|min    completion mean / max / min of the per-completion mean entropy
-entropy/threshold       the top_entropy_quantile threshold used (reduced with MAX: equal on
+    ratios, which depend on the split.) Logged for grpo, bnpo, dr_grpo, dapo and fipo.
+cispo_clip_ratio        cispo instead of clip_ratio/*: completion mean of the fraction of its
+                        loss tokens with ratio > epsilon_high and A > 0 (the only clip cispo has)
+    sapo has no hard clip and logs neither (as ms-swift).
+fipo/future_kl_mean, fipo/influence_weight_mean, fipo/safety_keep_ratio
+                        fipo: token means over loss tokens of policy_loss.fipo_influence's
+                        F_t, I_t and safety mask (ms-swift's names)
+entropy/entropy_mean|entropy_max|entropy_min
+                        completion mean / max / min of the per-completion mean entropy
+                        (Megatron-SWIFT's names)
+entropy/entropy_threshold  the top_entropy_quantile threshold used (reduced with MAX: equal on
                         every rank when the caller passes the global threshold)
 rollout_correction/     off-policy diagnostics of the sampler (rollout) vs trainer (old)
     log-probs over the completion mask before the overlong filter, lr = old - rollout:
@@ -113,7 +120,8 @@ def policy_metric_partials(out: PolicyLossOutput, *, loss_type: str, epsilon: fl
                            epsilon_high: Optional[float] = None,
                            entropy: Optional[torch.Tensor] = None,
                            sequence_sums: Optional[SequenceSums] = None) -> Partials:
-    """kl, clip_ratio/* and (with `entropy` [B, L]) entropy/* partials of one micro-batch.
+    """kl, clip_ratio/* (or cispo_clip_ratio, fipo/*) and (with `entropy` [B, L]) entropy/*
+    partials of one micro-batch.
 
     sequence_sums: under context parallelism (module docstring); None for whole rows.
     """
@@ -122,13 +130,18 @@ def policy_metric_partials(out: PolicyLossOutput, *, loss_type: str, epsilon: fl
     p = empty_partials()
     mask = out.loss_mask                                                 # [B, L] bool
     ratio, adv = out.ratio, out.advantages                               # [B, L]
+    rows = {"n": mask}
     if loss_type == "cispo":
-        low = torch.zeros_like(mask)
-        high = (ratio > epsilon_high) & (adv > 0)
-    else:
+        rows["cispo"] = (ratio > epsilon_high) & (adv > 0) & mask
+    elif loss_type != "sapo":
         low = (ratio < 1.0 - epsilon) & (adv < 0)
         high = (ratio > 1.0 + epsilon_high) & (adv > 0)
-    rows = {"n": mask, "low": low & mask, "high": high & mask, "region": (low | high) & mask}
+        rows.update(low=low & mask, high=high & mask, region=(low | high) & mask)
+    fipo_names = {"future_kl": "fipo/future_kl_mean", "influence_weight": "fipo/influence_weight_mean",
+                  "safety_keep": "fipo/safety_keep_ratio"}
+    for key in fipo_names if out.fipo is not None else ():
+        v = out.fipo[key].detach().to(torch.float64)
+        rows["fipo_" + key] = torch.where(mask, v, torch.zeros_like(v))
     if out.per_token_kl is not None:
         rows["kl"] = torch.where(mask, out.per_token_kl.detach(), torch.zeros_like(out.per_token_kl))
     if entropy is not None:
@@ -140,20 +153,25 @@ def policy_metric_partials(out: PolicyLossOutput, *, loss_type: str, epsilon: fl
 
     if out.per_token_kl is not None:
         _add_mean(p, "kl", sums["kl"].sum(), n.sum())
-    low_frac, high_frac, region_frac = ((sums[k] / per_seq)[has] for k in ("low", "high", "region"))
-    _add_mean(p, "clip_ratio/low_mean", low_frac.sum(), n_seq)
-    _add_mean(p, "clip_ratio/high_mean", high_frac.sum(), n_seq)
-    _add_mean(p, "clip_ratio/region_mean", region_frac.sum(), n_seq)
-    _add_min(p, "clip_ratio/low_min", low_frac)
-    _add_max(p, "clip_ratio/high_max", high_frac)
+    if "cispo" in sums:
+        _add_mean(p, "cispo_clip_ratio", (sums["cispo"] / per_seq)[has].sum(), n_seq)
+    if "region" in sums:
+        low_frac, high_frac, region_frac = ((sums[k] / per_seq)[has] for k in ("low", "high", "region"))
+        _add_mean(p, "clip_ratio/low_mean", low_frac.sum(), n_seq)
+        _add_mean(p, "clip_ratio/high_mean", high_frac.sum(), n_seq)
+        _add_mean(p, "clip_ratio/region_mean", region_frac.sum(), n_seq)
+        _add_min(p, "clip_ratio/low_min", low_frac)
+        _add_max(p, "clip_ratio/high_max", high_frac)
+    for key, name in fipo_names.items() if out.fipo is not None else ():
+        _add_mean(p, name, sums["fipo_" + key].sum(), n.sum())
 
     if entropy is not None:
         seq_ent = (sums["entropy"] / per_seq)[has]                       # [C]
-        _add_mean(p, "entropy/mean", seq_ent.sum(), n_seq)
-        _add_min(p, "entropy/min", seq_ent)
-        _add_max(p, "entropy/max", seq_ent)
+        _add_mean(p, "entropy/entropy_mean", seq_ent.sum(), n_seq)
+        _add_min(p, "entropy/entropy_min", seq_ent)
+        _add_max(p, "entropy/entropy_max", seq_ent)
     if out.entropy_threshold is not None:
-        _add_max(p, "entropy/threshold", out.entropy_threshold)
+        _add_max(p, "entropy/entropy_threshold", out.entropy_threshold)
     return p
 
 

@@ -24,6 +24,13 @@ Order of operations (ms-swift's Megatron GRPO loss), per token t of completion i
         (two-sided clipping, TRL's `delta`); l = -min(coef1 A, coef2 A)
      cispo: l = -sg(min(coef1, eps_hi)) * A * logp_t  (TRL/ms-swift: eps_hi is an absolute
         cap on the ratio here, e.g. 5.0; `delta` does not apply)
+     sapo (SAPO, https://arxiv.org/abs/2511.20347): a soft gate instead of the clip,
+        l = -g_tau(coef1) * A,  g_tau(r) = sigmoid(tau (r - 1)) * 4 / tau,
+        tau = tau_pos where A > 0 else tau_neg (its gradient at r = 1 is 1, as the ratio's;
+        epsilon and `delta` do not apply)
+     fipo (FIPO, https://arxiv.org/abs/2603.19835): the grpo term times a detached influence
+        weight from the discounted future KL of each token (`fipo_influence`):
+        l = -min(coef1 A, coef2 A) * sg(I_t)
 4. `top_entropy_quantile` q < 1: l <- l * [H_t >= tau], tau the (1 - q) quantile of the
    entropies of the loss-mask tokens (`entropy_threshold`; pass the global tau in
    distributed use). The KL term below is not masked (ms-swift).
@@ -40,6 +47,12 @@ Order of operations (ms-swift's Megatron GRPO loss), per token t of completion i
      sequence_mask      W_t = rho_t if rho_seq <= C else 0
    l <- l * W_t (the KL term included).
 
+Every per-token input (logps, old/ref/rollout log-probs, [B, L] advantages, entropy) may
+hold anything in its padding, NaN and inf included: each is passed through `torch.where`
+with the mask before any arithmetic, so neither the loss nor the gradient sees it (a
+multiplication by the mask would not do: NaN * 0 = NaN, and a NaN that reaches a
+per-row reduction poisons the whole row's gradient at the sequence levels).
+
 The result is the per-token loss, zero outside the loss mask; `aggregation` turns it into
 the step's loss.
 
@@ -53,6 +66,7 @@ None means the rows are whole (the default, and CP=1).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
@@ -105,10 +119,33 @@ KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 }
 
 
-# ---- policy terms: fn(coef1, advantages, logps, epsilon_low, epsilon_high, delta) -> per-token loss
+@dataclass(frozen=True)
+class LossTypeParams:
+    """Hyper-parameters of single loss types (ms-swift's option names and defaults).
+
+    One object travels from the config to `compute_policy_loss`, so a new loss type's
+    option is a field here and in the config group, nothing in between.
+    """
+    tau_pos: float = 1.0                          # sapo: gate temperature where A > 0
+    tau_neg: float = 1.05                         # sapo: gate temperature where A <= 0
+    fipo_decay_rate: float = 32.0                 # fipo: half-life (tokens) of the future-KL discount
+    fipo_clip_range: Optional[float] = 0.2        # fipo: influence clipped to 1 +- this; None/0: off
+    fipo_clip_high_only: bool = True              # fipo: clip to [1, 1 + range] instead
+    fipo_safety_threshold: Optional[float] = 4.0  # fipo: A < 0 and ratio above it -> I in [0.8, 1]
+
+    def __post_init__(self) -> None:
+        for name in ("tau_pos", "tau_neg", "fipo_decay_rate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.fipo_clip_range is not None and self.fipo_clip_range < 0:
+            raise ValueError(f"fipo_clip_range={self.fipo_clip_range!r} must be >= 0 (or None: no clip)")
+
+
+# ---- policy terms: fn(coef1, advantages, logps, epsilon_low, epsilon_high, delta, params) -> per-token loss
 
 def clipped_surrogate(coef1: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor,
-                      epsilon_low: float, epsilon_high: float, delta: Optional[float]) -> torch.Tensor:
+                      epsilon_low: float, epsilon_high: float, delta: Optional[float],
+                      params: LossTypeParams) -> torch.Tensor:
     """PPO clipped objective, negated; `delta` caps the unclipped ratio (two-sided clipping)."""
     coef2 = torch.clamp(coef1, 1.0 - epsilon_low, 1.0 + epsilon_high)
     if delta is not None:
@@ -117,20 +154,87 @@ def clipped_surrogate(coef1: torch.Tensor, advantages: torch.Tensor, logps: torc
 
 
 def cispo_surrogate(coef1: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor,
-                    epsilon_low: float, epsilon_high: float, delta: Optional[float]) -> torch.Tensor:
+                    epsilon_low: float, epsilon_high: float, delta: Optional[float],
+                    params: LossTypeParams) -> torch.Tensor:
     """CISPO: REINFORCE on logp weighted by the detached, upper-clipped IS ratio."""
     weight = torch.clamp(coef1, max=epsilon_high).detach()
     return -weight * advantages * logps
 
 
-# loss_type -> policy term. How each loss_type is normalised lives in aggregation.py.
+def sapo_surrogate(coef1: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor,
+                   epsilon_low: float, epsilon_high: float, delta: Optional[float],
+                   params: LossTypeParams) -> torch.Tensor:
+    """SAPO: -g_tau(r) A with the soft gate g_tau(r) = sigmoid(tau (r - 1)) 4 / tau."""
+    def gate(tau: float) -> torch.Tensor:
+        return torch.sigmoid(tau * (coef1 - 1.0)) * (4.0 / tau)
+    return -torch.where(advantages > 0, gate(params.tau_pos), gate(params.tau_neg)) * advantages
+
+
+# loss_type -> policy term. How each loss_type is normalised lives in aggregation.py;
+# fipo's influence weight is applied in compute_policy_loss (it needs the whole rows).
 LOSS_TYPES: Dict[str, Callable[..., torch.Tensor]] = {
     "grpo": clipped_surrogate,
     "bnpo": clipped_surrogate,
     "dr_grpo": clipped_surrogate,
     "dapo": clipped_surrogate,
     "cispo": cispo_surrogate,
+    "sapo": sapo_surrogate,
+    "fipo": clipped_surrogate,
 }
+
+
+def discounted_suffix_sum(d: torch.Tensor, gamma: float, block: int = 128) -> torch.Tensor:
+    """F_t = sum_{s >= t} gamma^(s - t) d_s along the last dim of d [B, L] -> [B, L].
+
+    Blocks of `block` positions from the end: inside a block a [c, c] matmul with the
+    upper-triangular decay matrix, across blocks the recurrence
+    F_t = (block-local part) + gamma^(end - t) F_end, so memory stays O(B L + block^2)
+    and work O(B L block) instead of an [L, L] matrix.
+    """
+    n = d.shape[-1]
+    out = []
+    carry = torch.zeros_like(d[..., :1])                                            # F_end, [B, 1]
+    for start in reversed(range(0, n, block)):
+        end = min(n, start + block)
+        t = torch.arange(start, end, device=d.device, dtype=d.dtype)
+        dist = t.unsqueeze(0) - t.unsqueeze(1)                                      # [c, c]: s - t
+        decay = torch.where(dist >= 0, gamma ** dist.clamp(min=0), torch.zeros_like(dist))
+        blk = d[..., start:end] @ decay.t() + carry * gamma ** (end - t)            # [B, c]
+        out.append(blk)
+        carry = blk[..., :1]
+    return torch.cat(out[::-1], dim=-1) if out else d.clone()
+
+
+def fipo_influence(log_ratio: torch.Tensor, coef1: torch.Tensor, advantages: torch.Tensor,
+                   mask: torch.Tensor, delta: Optional[float],
+                   params: LossTypeParams) -> Dict[str, torch.Tensor]:
+    """FIPO's detached influence weight and its diagnostics, all [B, L].
+
+    log_ratio [B, L] = logp - old (token level, whatever the importance-sampling level),
+    coef1 the importance weight ([B, L] or [B, 1]), mask [B, L] the loss mask.
+    With d_t = log_ratio_t on mask tokens (0 elsewhere, and 0 where coef1 > delta if
+    `delta` is set) and gamma = 2 ** (-1 / fipo_decay_rate):
+        F_t = sum_{s >= t} gamma^(s - t) d_s                 (discounted future KL)
+        I_t = clip(exp(F_t), lo, 1 + fipo_clip_range),  lo = 1 if fipo_clip_high_only
+              else 1 - fipo_clip_range                      (no clip when the range is None/0)
+        I_t <- clip(I_t, 0.8, 1.0) where A_t < 0 and coef1_t > fipo_safety_threshold
+    Returns {"future_kl": F, "influence_weight": I, "safety_keep": bool mask of tokens
+    the safety rule left alone}.
+    """
+    d = torch.where(mask, log_ratio.detach(), torch.zeros_like(log_ratio))          # [B, L]
+    if delta is not None:
+        d = torch.where((coef1.detach() > delta).expand_as(d), torch.zeros_like(d), d)
+    gamma = 2.0 ** (-1.0 / params.fipo_decay_rate)
+    future_kl = torch.where(mask, discounted_suffix_sum(d, gamma), torch.zeros_like(d))  # [B, L]
+    weight = torch.exp(future_kl)
+    if params.fipo_clip_range:
+        lo = 1.0 if params.fipo_clip_high_only else 1.0 - params.fipo_clip_range
+        weight = torch.clamp(weight, lo, 1.0 + params.fipo_clip_range)
+    keep = torch.ones_like(mask)
+    if params.fipo_safety_threshold is not None:
+        keep = ~((advantages < 0) & (coef1.detach() > params.fipo_safety_threshold))
+        weight = torch.where(keep, weight, torch.clamp(weight, 0.8, 1.0))
+    return {"future_kl": future_kl, "influence_weight": weight, "safety_keep": keep}
 
 
 def log_importance_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor,
@@ -228,6 +332,7 @@ class PolicyLossOutput(NamedTuple):
     is_weights: Optional[torch.Tensor]           # [B, L] rollout IS weights (None when off)
     entropy_mask: Optional[torch.Tensor]         # [B, L] bool (None without top_entropy_quantile)
     entropy_threshold: Optional[torch.Tensor]    # 0-d threshold used (None without it)
+    fipo: Optional[Dict[str, torch.Tensor]] = None  # fipo only: `fipo_influence`'s [B, L] tensors
 
 
 def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -259,12 +364,15 @@ def compute_policy_loss(
     rollout_logps: Optional[torch.Tensor] = None,
     rollout_importance_sampling_mode: Optional[str] = None,
     rollout_importance_sampling_threshold: float = 2.0,
+    loss_params: LossTypeParams = LossTypeParams(),
     sequence_sums: Optional[SequenceSums] = None,
 ) -> PolicyLossOutput:
     """Per-token GRPO loss of a micro-batch (module docstring gives the formulas).
 
     logps [B, L] current policy log-probs (with grad); advantages [B] or [B, L];
     completion_mask [B, L]; old/ref/rollout logps and entropy [B, L]; truncated [B].
+    Padding (completion_mask False) of every [B, L] input may hold anything, NaN/inf too.
+    `loss_params`: the options of sapo (tau_pos/tau_neg) and fipo (fipo_*).
     `entropy_threshold_value`: the global threshold in distributed use; None computes
     it from this call's loss tokens (under CP pass it: this rank holds part of the rows).
     `sequence_sums`: under CP, the per-row sum reduction (module docstring).
@@ -285,6 +393,9 @@ def compute_policy_loss(
     if top_entropy_quantile < 1.0 and entropy is None:
         raise ValueError(f"top_entropy_quantile={top_entropy_quantile} needs the per-token entropy")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if loss_type == "fipo" and sequence_sums is not None:
+        raise ValueError("loss_type='fipo' is not supported with context parallelism yet (its future KL "
+                         "runs along whole rows); use --context_parallel_size 1 or another loss_type")
 
     mask = completion_mask.bool()                                          # [B, L]
     loss_mask = loss_mask_after_overlong_filter(mask, truncated, overlong_filter)
@@ -294,6 +405,7 @@ def compute_policy_loss(
     old = logps.detach() if old_logps is None else _zero_outside(old_logps.detach(), mask)
     adv = advantages.detach()
     adv = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logps.dtype).expand_as(logps)  # [B, L]
+    adv = _zero_outside(adv, mask)  # per-token advantages have padding too
 
     is_weights = None
     if rollout_importance_sampling_mode is not None:
@@ -304,7 +416,12 @@ def compute_policy_loss(
     log_w = log_importance_weights(logps, old, mask, importance_sampling_level,
                                    sequence_sums)                              # [B, L] | [B, 1]
     coef1 = torch.exp(log_w)
-    per_token = LOSS_TYPES[loss_type](coef1, adv, logps, epsilon, epsilon_high, delta).expand_as(logps)
+    per_token = LOSS_TYPES[loss_type](coef1, adv, logps, epsilon, epsilon_high, delta,
+                                      loss_params).expand_as(logps)
+    fipo = None
+    if loss_type == "fipo":
+        fipo = fipo_influence(logps - old, coef1, adv, loss_mask, delta, loss_params)
+        per_token = per_token * fipo["influence_weight"]
 
     entropy_mask = threshold = None
     if top_entropy_quantile < 1.0:
@@ -333,4 +450,5 @@ def compute_policy_loss(
         is_weights=is_weights,
         entropy_mask=entropy_mask,
         entropy_threshold=threshold,
+        fipo=fipo,
     )

@@ -200,9 +200,20 @@ class GRPOOptions(_Group):
                                               "None: equal to epsilon.")
     delta: Optional[float] = opt(None, "Two-sided GRPO: clip the ratio of negative-advantage tokens "
                                        "at delta (> 1 + epsilon_high recommended). None: off.")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = opt(
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo"] = opt(
         "grpo", "Loss aggregation: grpo (per-sequence mean), bnpo (token mean per batch), dr_grpo "
-                "(sum / (batch x max_completion_length)), dapo (token mean over the step), cispo.")
+                "(sum / (batch x max_completion_length)), dapo (token mean over the step), cispo, "
+                "sapo (soft gate, normalised as grpo), fipo (future-KL weighted, normalised as dapo).")
+    tau_pos: float = opt(1.0, "sapo: gate temperature for positive advantages (> 0).")
+    tau_neg: float = opt(1.05, "sapo: gate temperature for negative advantages (> 0; > tau_pos "
+                               "constrains negative updates more).")
+    fipo_decay_rate: float = opt(32.0, "fipo: half-life in tokens of the future-KL discount "
+                                       "(gamma = 2 ** (-1 / fipo_decay_rate)).")
+    fipo_clip_range: Optional[float] = opt(0.2, "fipo: clip the influence weight to 1 +- this; "
+                                                "None or 0: no clip.")
+    fipo_clip_high_only: bool = opt(True, "fipo: clip the influence weight to [1, 1 + fipo_clip_range].")
+    fipo_safety_threshold: Optional[float] = opt(4.0, "fipo: tokens with advantage < 0 and ratio above "
+                                                      "this get an influence weight in [0.8, 1]. None: off.")
     importance_sampling_level: Literal["token", "sequence", "sequence_token"] = opt(
         "token", "Importance ratio per token, per sequence (GSPO) or sequence_token (GSPO-token).")
     scale_rewards: Optional[Literal["group", "batch", "none", "gdpo"]] = opt(
@@ -214,7 +225,7 @@ class GRPOOptions(_Group):
                                              "None: false for grpo, true for rloo/reinforce_plus_plus.")
     top_entropy_quantile: float = opt(1.0, "Train only on the tokens whose entropy is in this top "
                                            "quantile (1.0: all tokens).")
-    log_entropy: bool = opt(False, "Log entropy/mean|max|min.")
+    log_entropy: bool = opt(False, "Log entropy/entropy_mean|entropy_max|entropy_min.")
     dynamic_sample: bool = opt(False, "DAPO dynamic sampling: resample groups whose rewards all agree.")
     max_resample_times: int = opt(3, "Resampling rounds of dynamic_sample.")
     overlong_filter: bool = opt(False, "Mask truncated completions out of the loss (DAPO).")
@@ -230,8 +241,9 @@ class GRPOOptions(_Group):
 @dataclass
 class RewardOptions(_Group):
     """Reward functions (see megatron_grpo.rewards) and their parameters."""
-    reward_funcs: List[str] = opt(help="Reward function names: accuracy, format, cosine, repetition, "
-                                       "soft_overlong, countdown, or one registered by a plugin.",
+    reward_funcs: List[str] = opt(help="Reward function names: accuracy, format, react_format, cosine, "
+                                       "repetition, soft_overlong, math, countdown, or one registered "
+                                       "by a plugin.",
                                   factory=list)
     reward_weights: Optional[List[float]] = opt(None, "One weight per reward function; default 1 each.")
     external_plugins: List[str] = opt(help="Python files imported before the reward names are "

@@ -238,9 +238,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         teacher_model teacher_model_type teacher_model_revision teacher_model_server
         teacher_tag_key offload_teacher_model teacher_kl_coef
     """,
-    "loss types real and fipo": """
-        real_tau fipo_decay_rate fipo_clip_range fipo_clip_high_only fipo_safety_threshold
-    """,
+    "loss type real (a group-level loss: micro-batches holding whole groups)": "real_tau",
     "off-policy sequence masking": "off_policy_sequence_mask_delta",
     "reward models": "reward_model reward_model_plugin",
     "reference model sync (TR-DPO style)": "sync_ref_model ref_model_sync_steps ref_model_mixup_alpha",
@@ -367,10 +365,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
 
 # Implemented on another branch (loss types, reward options); until it is merged they are
 # rejected like UNSUPPORTED. Once the option exists in groups.py this entry is not consulted.
-OTHER_BRANCH: Dict[str, str] = {
-    "tau_pos": "SAPO loss, --loss_type sapo (implemented on another branch)",
-    "tau_neg": "SAPO loss, --loss_type sapo (implemented on another branch)",
-}
+OTHER_BRANCH: Dict[str, str] = {}
 
 # Options with ms-swift's meaning whose wiring into checkpoint.py is still to do (the lead);
 # until then the parser reports them as unknown.
@@ -390,9 +385,7 @@ ACCEPTED_WITHOUT_EFFECT: Dict[str, str] = {
 
 # Choice values of implemented options that ms-swift accepts and this project does not (yet).
 UNSUPPORTED_VALUES: Dict[Tuple[str, str], str] = {
-    ("loss_type", "sapo"): "SAPO loss (implemented on another branch)",
-    ("loss_type", "real"): "loss types real and fipo",
-    ("loss_type", "fipo"): "loss types real and fipo",
+    ("loss_type", "real"): "loss type real (a group-level loss: micro-batches holding whole groups)",
     ("rlhf_type", "dpo"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("rlhf_type", "kto"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("rlhf_type", "rm"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",

@@ -277,6 +277,9 @@ def _check_loss(cfg: "GRPOConfig", p: Problems) -> None:
     if g.delta is not None:
         p.require(g.delta > 1, f"--delta {g.delta} must be > 1 (it caps the ratio of negative-advantage "
                                f"tokens); recommended > 1 + epsilon_high = {1 + g.epsilon_high}")
+    p.require(g.loss_type != "fipo" or cfg.parallel.context_parallel_size == 1,
+              "--loss_type fipo is not supported with --context_parallel_size > 1 yet (its future "
+              "KL runs along whole completions); use another loss_type or --context_parallel_size 1")
     p.require(0 < g.top_entropy_quantile <= 1,
               f"--top_entropy_quantile {g.top_entropy_quantile} must be in (0, 1]; 1.0 keeps all tokens")
     p.require(g.max_resample_times >= 0, f"--max_resample_times {g.max_resample_times} must be >= 0")

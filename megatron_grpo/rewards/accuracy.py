@@ -9,10 +9,12 @@ compared after normalisation (case, spaces, `$`, `\\boxed{}`, thousands commas,
 a final period; numbers by value).
 
 cosine (Chen et al., https://arxiv.org/abs/2502.03373): with t the completion's
-token count, clamped to L = cosine_max_len, and (v0, vL) the rewards at length 0
-and L (per correct / wrong answer):
+token count, L = cosine_max_len, and (v0, vL) the rewards at length 0 and L (per
+correct / wrong answer):
     r(t) = vL + (v0 - vL) * (1 + cos(pi * t / L)) / 2
-so short right answers earn most and short wrong answers are punished most.
+so short right answers earn most and short wrong answers are punished most. As
+ms-swift, t is not clamped to L: past L the cosine turns back (only reachable when
+cosine_max_len < max_completion_length).
 """
 from __future__ import annotations
 
@@ -112,8 +114,7 @@ class Accuracy:
 
 
 def cosine_scaled(t: float, max_len: int, value_at_0: float, value_at_max: float) -> float:
-    """r(t) = vL + (v0 - vL) * (1 + cos(pi * t / L)) / 2, t clamped to [0, L]."""
-    t = min(max(t, 0), max_len)
+    """r(t) = vL + (v0 - vL) * (1 + cos(pi * t / L)) / 2 (ms-swift's, t not clamped)."""
     return value_at_max + (value_at_0 - value_at_max) * (1 + math.cos(math.pi * t / max_len)) / 2
 
 

@@ -8,9 +8,10 @@ and 0 for an empty completion or one shorter than n words.
 
 soft_overlong (DAPO, https://arxiv.org/abs/2503.14476): with L the completion's
 token count, L_max = soft_max_length and L_cache = soft_cache_length,
-    r = 0                                  if L <= L_max - L_cache
-    r = (L_max - L_cache - L) / L_cache    if L_max - L_cache < L <= L_max
-    r = -1                                 if L > L_max
+    r = min((L_max - L_cache - L) / L_cache, 0)
+i.e. 0 up to L_max - L_cache, then linear down to -1 at L_max. As ms-swift, not floored
+at -1 beyond L_max (the paper's -1 there): completions longer than L_max only exist when
+soft_max_length < max_completion_length, and they keep getting worse.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class SoftOverlong:
             raise ValueError("the soft_overlong reward needs `completion_lengths` (token counts of "
                              "the completions)")
         expected = self.max_length - self.cache_length
-        return [max(min((expected - n) / self.cache_length, 0.0), -1.0) for n in completion_lengths]
+        return [min((expected - n) / self.cache_length, 0.0) for n in completion_lengths]
 
 
 register_reward("repetition")(Repetition)

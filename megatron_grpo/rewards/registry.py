@@ -18,16 +18,25 @@ sample it does not apply to). It must accept `**kwargs` it does not use.
         def __call__(self, completions, **kw): ...  # or None)
 
 A plugin file given with `--external_plugins` is imported before the reward names
-are resolved. ms-swift plugins that fill `orms["name"] = Class` work as well:
-`orms` is this registry.
+are resolved. ms-swift plugins work with one change, their import line:
+
+    from swift.rewards import ORM, orms          # or: from swift.plugin import ORM, orms
+ -> from megatron_grpo.rewards import ORM, orms  # AsyncORM too
+
+`orms` is this registry. A subclass of `ORM` is built as ms-swift builds it, `cls(args)`
+with `args` the run's options by their flat ms-swift names (`args.max_completion_length`,
+`args.cosine_max_len`), kept as `self.args`; other classes get the nested GRPOConfig. A plugin that still imports `swift` is refused before it runs, with a
+one-line message naming the file, the line and the replacement import.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import inspect
 import os
 import sys
+import types
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional
 
 # name -> function or class. Module state is limited to this table and the set of
@@ -80,6 +89,45 @@ def registered_names() -> List[str]:
     return sorted(REWARDS)
 
 
+# ms-swift modules whose reward API this package provides under megatron_grpo.rewards.
+_SWIFT_REWARD_MODULES = ("swift.rewards", "swift.rewards.orm", "swift.plugin", "swift.plugin.orm")
+REPLACEMENT_IMPORT = "from megatron_grpo.rewards import ORM, AsyncORM, orms"
+
+
+def check_no_swift_import(path: str) -> None:
+    """Refuse a plugin that imports ms-swift, naming the line and what to write instead.
+
+    Checked on the source (not by importing it), so the message is the same whether or
+    not ms-swift happens to be installed: with it installed, the plugin would register
+    into ms-swift's table and its names would not be found here.
+    """
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    try:
+        tree = ast.parse(source, filename=path)
+    except SyntaxError:
+        return  # the import below reports it with the file's name
+    lines = source.splitlines()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        else:
+            continue
+        swift = [m for m in modules if m == "swift" or m.startswith("swift.")]
+        if not swift:
+            continue
+        line = lines[node.lineno - 1].strip()
+        if isinstance(node, ast.ImportFrom) and node.module in _SWIFT_REWARD_MODULES:
+            names = ", ".join(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
+            fix = f"replace it with `from megatron_grpo.rewards import {names}`"
+        else:
+            fix = (f"megatron-grpo has no {swift[0]}; remove it (reward plugins need only "
+                   f"`{REPLACEMENT_IMPORT}`)")
+        raise ValueError(f"--external_plugins {path}:{node.lineno}: `{line}` imports ms-swift; {fix}")
+
+
 def load_plugins(paths: Iterable[str]) -> None:
     """Import each plugin file once; an import error names the file."""
     for path in paths:
@@ -88,6 +136,7 @@ def load_plugins(paths: Iterable[str]) -> None:
             continue
         if not os.path.isfile(path):
             raise ValueError(f"--external_plugins {path!r}: file not found")
+        check_no_swift_import(path)
         digest = hashlib.sha1(path.encode()).hexdigest()[:8]
         mod_name = f"megatron_grpo_plugin_{os.path.splitext(os.path.basename(path))[0]}_{digest}"
         spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -111,16 +160,38 @@ def build_reward_funcs(names: Iterable[str], config: Any = None) -> List[RewardF
                              f"registered: {registered_names()}")
         obj = REWARDS[name]
         if inspect.isclass(obj):
-            obj = obj.from_config(config) if hasattr(obj, "from_config") else obj(config)
+            if hasattr(obj, "from_config"):
+                obj = obj.from_config(config)
+            elif issubclass(obj, ORM):  # ms-swift's constructor: the flat arguments
+                obj = obj(flat_args(config))
+            else:
+                obj = obj(config)
         built.append(RewardFunc(name, obj))
     return built
 
 
-class ORM:
-    """Optional base class for class-style rewards (ms-swift's name): keeps the config."""
+def flat_args(config: Any) -> Any:
+    """ms-swift's `args` for a GRPOConfig: its options by flat name; anything else as is."""
+    to_flat = getattr(config, "to_flat", None)
+    return types.SimpleNamespace(**to_flat()) if callable(to_flat) else config
 
-    def __init__(self, config: Any = None, **kwargs: Any) -> None:
-        self.config = config
+
+class ORM:
+    """Optional base class for class-style rewards (ms-swift's name and constructor).
+
+    `build_reward_funcs` passes `args`: the run's options by flat name (`flat_args`), as
+    ms-swift plugins read them (`args.max_completion_length`); None outside a run.
+    """
+
+    def __init__(self, args: Any = None, **kwargs: Any) -> None:
+        self.args = args
 
     def __call__(self, completions: List[str], **kwargs: Any) -> List[Optional[float]]:
+        raise NotImplementedError
+
+
+class AsyncORM(ORM):
+    """ms-swift's base for rewards whose `async def __call__` waits on I/O; `score` runs it."""
+
+    async def __call__(self, completions: List[str], **kwargs: Any) -> List[Optional[float]]:
         raise NotImplementedError

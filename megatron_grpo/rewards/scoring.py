@@ -8,6 +8,8 @@ to a sample) becomes NaN, for the trainer's nan-aware weighting.
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequence, Union
@@ -40,7 +42,7 @@ def _locate(fn: Callable, completions: Sequence[str], columns: Mapping[str, Sequ
     """Index of the first sample on which `fn` alone raises, or None."""
     for i in range(len(completions)):
         try:
-            fn(list(completions[i:i + 1]), **{k: list(v[i:i + 1]) for k, v in columns.items()})
+            _call(fn, completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()})
         except Exception:
             return i
     return None
@@ -70,6 +72,18 @@ def _as_floats(name: str, out: Any, completions: Sequence[str],
     return values
 
 
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _call(fn: Callable, completions: Sequence[str], columns: Mapping[str, Sequence[Any]]) -> Any:
+    """fn(completions, **columns), awaited when fn is async (ms-swift's AsyncORM)."""
+    result = fn(list(completions), **{k: list(v) for k, v in columns.items()})
+    if inspect.isawaitable(result):
+        result = asyncio.run(_awaited(result))
+    return result
+
+
 def score(reward_funcs: Sequence[Union[RewardFunc, Callable]], completions: Sequence[str],
           columns: Optional[Mapping[str, Sequence[Any]]] = None) -> "torch.Tensor":
     """Rewards [N, F] (float32) of N completions under F reward functions.
@@ -88,7 +102,7 @@ def score(reward_funcs: Sequence[Union[RewardFunc, Callable]], completions: Sequ
     for j, rf in enumerate(reward_funcs):
         name, fn = (rf.name, rf.fn) if isinstance(rf, RewardFunc) else (getattr(rf, "__name__", repr(rf)), rf)
         try:
-            result = fn(list(completions), **columns)
+            result = _call(fn, completions, columns)
         except Exception as e:
             i = _locate(fn, completions, columns)
             where = (_sample_view(completions, columns, i) if i is not None

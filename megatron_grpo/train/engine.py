@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..algorithms import (compute_policy_loss, entropy_threshold, local_loss, merge_partials,
                           policy_metric_partials, rollout_metric_partials)
-from ..algorithms.policy_loss import loss_mask_after_overlong_filter
+from ..algorithms.policy_loss import LossTypeParams, loss_mask_after_overlong_filter
 from ..kernels import vocab_parallel_logprobs
 from ..model.builder import unwrap
 from .batch import cp_shard
@@ -66,6 +66,7 @@ class LossOptions:
     rollout_importance_sampling_threshold: float = 2.0
     temperature: float = 1.0
     log_entropy: bool = False
+    loss_params: LossTypeParams = field(default_factory=LossTypeParams)   # sapo / fipo options
     extra: dict = field(default_factory=dict)
 
 
@@ -334,7 +335,7 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
                 rollout_logps=batch.get("rollout_logps"),
                 rollout_importance_sampling_mode=opts.rollout_importance_sampling_mode,
                 rollout_importance_sampling_threshold=opts.rollout_importance_sampling_threshold,
-                **cp_kwargs)
+                loss_params=opts.loss_params, **cp_kwargs)
             if seq_sums is not None:
                 # grpo's 1/n_i needs each completion's loss tokens on every CP rank.
                 n = out.loss_mask.sum(dim=-1, keepdim=True).to(torch.float64)    # [B, 1]

@@ -71,6 +71,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     texts = [g[2] for g in gathered]
     columns = dataset.reward_columns(prompt_indices, num_generations)
     columns["completion_lengths"] = [len(g[1]) for g in gathered]
+    columns["response_token_ids"] = [list(g[1]) for g in gathered]   # ms-swift's name, for plugins
     n = len(texts)
     share = range(rank * n // world, (rank + 1) * n // world)
     rows = score(reward_funcs, [texts[i] for i in share],
