@@ -85,7 +85,8 @@ def findings(source: str, private: set) -> list:
                 id(node) not in docstrings:
             words = [node.value]
         found += [f"{line}: uses {w}" for w in words if w in private]
-        if isinstance(node, ast.Compare) and any(map(_is_type_name, [node.left, *node.comparators])):
+        if isinstance(node, ast.Compare) and \
+                any(map(_is_type_name, [node.left, *node.comparators])):
             found.append(f"{line}: tests a class by its name")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                 node.func.attr in ("startswith", "endswith") and _is_type_name(node.func.value):

@@ -181,13 +181,14 @@ def _probe_gemm(module: torch.nn.Module, param: torch.Tensor, in_f: int) -> torc
     exactly (each output is 1.0 * w plus exact zeros), so what is checked is what
     the kernels use, not a parameter they may no longer read.
     """
+    gemm = compat.packed_gemm(module)
     cols = []
     block = max(1, min(in_f, 256))
     for k0 in range(0, in_f, block):
         k1 = min(in_f, k0 + block)
         eye = torch.zeros(k1 - k0, in_f, dtype=param.dtype)
         eye[torch.arange(k1 - k0), torch.arange(k0, k1)] = 1
-        cols.append(compat.packed_gemm(module)(eye, param, None).t())                    # [out, k1-k0]
+        cols.append(gemm(eye, param, None).t())                               # [out, k1-k0]
     return torch.cat(cols, dim=1)
 
 
