@@ -300,8 +300,7 @@ def train(cfg) -> None:
     if rank == 0:
         print(f"[megatron-grpo] done: {step} steps; metrics in {out_dir}/metrics.jsonl"
               + (f", curve {png}" if png else ""), flush=True)
-    if hasattr(engine, "close"):
-        engine.close()
+    engine.close()
 
 
 def _before_generation(cfg, policy, engine) -> None:

@@ -90,8 +90,11 @@ def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
     from megatron_grpo.rollout.verify import StreamFingerprints, WeightSyncError, check_weight_sync
     from megatron_grpo.rollout.weights import load_weight_stream, sleep, wake_up
 
+    from megatron_grpo.rollout.engine import RolloutEngine
+
     seen = {}
     engine = ColocateEngine(model_dir, **engine_kwargs())
+    seen["is_rollout_engine"] = isinstance(engine, RolloutEngine) and engine.tp_size == 1
     seen["generate"] = [c.__dict__ for c in engine.generate(PROMPTS)]
     seen["texts"] = [engine.tokenizer.decode(c["token_ids"]) for c in seen["generate"]]
     # A budget no completion can finish in: every completion truncated.
@@ -173,6 +176,7 @@ def test_colocated_engine_samples_syncs_and_verifies(models, eager):
                                    left_out, changed), timeout=240,
                              env={"MG_EAGER_RELOAD": eager})
 
+    assert seen["is_rollout_engine"]   # the Protocol the trainer uses (test_rollout_engine.py)
     # generate: n samples per prompt, in prompt order, with every field filled in.
     gen = seen["generate"]
     assert [c["prompt_index"] for c in gen] == [0, 0, 1, 1, 2, 2]

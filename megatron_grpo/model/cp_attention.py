@@ -90,13 +90,12 @@ def _rope_positions_on_cpu() -> None:
 
     `get_pos_emb_on_this_cp_rank` builds its index with `pin_memory=True`, which a
     CPU-only torch refuses. The replacement selects the same chunks (r, 2*cp-1-r).
-    Megatron modules imported the function by name, so each reference is replaced.
+    Megatron modules imported the function by name, so each reference is replaced
+    (platform/compat/megatron.py).
     """
-    import sys
+    from ..platform.compat import megatron as compat
 
-    from megatron.core.models.common.embeddings import rope_utils
-
-    if getattr(rope_utils.get_pos_emb_on_this_cp_rank, "_cpu_safe", False):
+    if getattr(compat.rope_cp_slicing(), "_cpu_safe", False):
         return
 
     def pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group) -> Tensor:
@@ -107,11 +106,7 @@ def _rope_positions_on_cpu() -> None:
         return pos_emb.index_select(seq_dim, idx)
 
     pos_emb_on_this_cp_rank._cpu_safe = True
-    original = rope_utils.get_pos_emb_on_this_cp_rank
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("megatron.core") and \
-                getattr(mod, "get_pos_emb_on_this_cp_rank", None) is original:
-            mod.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    compat.set_rope_cp_slicing(pos_emb_on_this_cp_rank)
 
 
 class ContextParallelDotProductAttention(MegatronModule):

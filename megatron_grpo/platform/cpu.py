@@ -121,8 +121,7 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer import utils as tutils
+    from .compat import megatron as compat
 
     def get_rng_state(device="cuda", clone=False, graph_safe=False):
         state = torch.get_rng_state()
@@ -131,21 +130,13 @@ def _patch_megatron() -> None:
     def set_rng_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
-    mrandom._get_cuda_rng_state = get_rng_state
-    mrandom._set_cuda_rng_state = set_rng_state
+    compat.set_cuda_rng_state_functions(get_rng_state, set_rng_state)
 
     @functools.lru_cache(maxsize=32)
     def causal_mask(sq: int) -> torch.Tensor:
         return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
-    tutils.get_default_causal_mask = causal_mask
-    # Modules that imported the function by name keep their own reference.
-    import sys
-
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("megatron.core") and \
-                getattr(mod, "get_default_causal_mask", None) is not None and mod is not tutils:
-            mod.get_default_causal_mask = causal_mask
+    compat.set_default_causal_mask(causal_mask)
 
 
 class _DropRngContextWarning(logging.Filter):
@@ -166,8 +157,9 @@ def install() -> bool:
             return True
         _patch_torch_cuda()
         _patch_megatron()
-        logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
-            _DropRngContextWarning())
+        from .compat.megatron import RNG_LOGGER
+
+        logging.getLogger(RNG_LOGGER).addFilter(_DropRngContextWarning())
         _CudaToCpuMode().__enter__()  # stays active for the life of the process
         _INSTALLED = True
     return True

@@ -1,6 +1,7 @@
 """Rollout on vLLM: the colocated engine, server mode and its client, weight sync,
 and the check that vLLM holds the trainer's weights.
 
+    engine.py     RolloutEngine: the Protocol both samplers implement (the trainer's view)
     colocate.py   ColocateEngine: vllm.LLM inside each training rank (external_launcher)
     weights.py    load_weight_stream (bucket by bucket, in place), sleep / wake_up
     verify.py     per-tensor fingerprints on both sides; check_weight_sync
@@ -14,11 +15,12 @@ engine starts, and the package imports where vLLM is not installed.
 """
 from .client import RolloutClient, RolloutServerError
 from .colocate import ColocateEngine, Completion, SamplingOptions, vllm_tp_groups
+from .engine import RolloutEngine
 from .verify import StreamFingerprints, WeightSyncError, check_weight_sync, fingerprint
 from .weights import load_weight_stream, sleep, wake_up
 
 __all__ = [
-    "ColocateEngine", "Completion", "SamplingOptions", "vllm_tp_groups",
+    "RolloutEngine", "ColocateEngine", "Completion", "SamplingOptions", "vllm_tp_groups",
     "RolloutClient", "RolloutServerError",
     "StreamFingerprints", "WeightSyncError", "check_weight_sync", "fingerprint",
     "load_weight_stream", "sleep", "wake_up",

@@ -32,7 +32,10 @@ class RolloutServerError(RuntimeError):
 
 
 class RolloutClient:
-    """HTTP client of one rollout server."""
+    """HTTP client of one rollout server (a rollout.engine.RolloutEngine)."""
+
+    # Every rank talks to the server on its own: no rank has to join another's generate().
+    tp_size = 1
 
     def __init__(self, vllm_server_host: str = "127.0.0.1", vllm_server_port: int = 8000,
                  vllm_server_base_url: Optional[str] = None, vllm_server_timeout: float = 240.0,
@@ -185,9 +188,13 @@ class RolloutClient:
     def sleep(self, level: int) -> None:
         """Server mode never sleeps (the server has its own devices): a no-op."""
 
-    def wake_up(self, tags=None) -> None:
+    def wake_up(self, tags: Optional[List[str]] = None) -> None:
         """See sleep()."""
 
     def weight_fingerprints(self) -> List[List[dict]]:
         """Fingerprint pieces, one list per vLLM engine (data-parallel replica)."""
         return self._request("GET", "/weight_fingerprints")["engines"]
+
+    def close(self) -> None:
+        """Nothing to release (each request opens its own connection); the server
+        outlives the run."""

@@ -36,6 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from ..platform.compat import vllm as compat
 from .kv_cache import kv_cache_engine_kwargs, parse_size
 from .worker_ext import WORKER_EXTENSION
 
@@ -99,7 +100,8 @@ class SamplingOptions:
 
 
 class ColocateEngine:
-    """vllm.LLM in this rank, sharing the torch.distributed world with the trainer."""
+    """vllm.LLM in this rank, sharing the torch.distributed world with the trainer
+    (a rollout.engine.RolloutEngine; `tp_size`: the ranks of its vLLM TP group)."""
 
     def __init__(self, model: str, *, vllm_tensor_parallel_size: int = 1,
                  vllm_gpu_memory_utilization: float = 0.9, vllm_max_model_len: Optional[int] = None,
@@ -137,6 +139,7 @@ class ColocateEngine:
 
         # The engine core must live in this process (external_launcher insists anyway).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        compat.check_version()   # an untested vLLM fails here, not inside a worker
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -177,7 +180,7 @@ class ColocateEngine:
         """
         llm, self.llm = self.llm, None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            compat.shutdown_llm(llm)
 
     # ------------------------------------------------------------------ TP-group plumbing
     def _in_tp_group(self, items: Sequence[Any], run: Callable[[List[Any]], List[Any]]) -> List[Any]:
@@ -254,7 +257,7 @@ class ColocateEngine:
         return self._in_tp_group(pairs, run)
 
     # ------------------------------------------------------------------ engine plumbing
-    # The interface weights.py and verify.py drive (the server client has the same).
+    # The interface weights.py and verify.py drive (rollout.engine.RolloutEngine).
     def begin_weight_update(self) -> None:
         self.llm.collective_rpc("mg_begin_weight_update")
 

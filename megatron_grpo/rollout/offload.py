@@ -53,6 +53,8 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
+from ..platform.compat import megatron as compat
+
 _STATE_ATTR = "_mg_offload_state"
 
 
@@ -150,15 +152,6 @@ def is_offloaded(obj) -> bool:
 
 
 # --------------------------------------------------------------------------- model
-def _grad_buffers(chunk) -> List[torch.Tensor]:
-    """grad_data of Megatron DDP's buffers (instance attributes: `buffers` on a plain
-    nn.Module is a method, hence vars())."""
-    attrs = vars(chunk)
-    buffers = list(attrs.get("buffers", []) or []) + \
-        list(attrs.get("expert_parallel_buffers", []) or [])
-    return [b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None]
-
-
 def offload_model(chunks: Sequence[torch.nn.Module]) -> int:
     """Move this rank's model chunks (DDP-wrapped or not) off the device.
 
@@ -171,7 +164,7 @@ def offload_model(chunks: Sequence[torch.nn.Module]) -> int:
     for chunk in chunks:
         params = list(chunk.parameters())
         keep = params + list(torch.nn.Module.buffers(chunk))
-        drop = _grad_buffers(chunk) + [getattr(p, "main_grad", None) for p in params] + \
+        drop = compat.ddp_grad_buffers(chunk) + [getattr(p, "main_grad", None) for p in params] + \
             [p.grad for p in params]
         freed += _offload(chunk, keep, drop, "the model chunk")
     return freed
@@ -183,22 +176,6 @@ def onload_model(chunks: Sequence[torch.nn.Module]) -> int:
 
 
 # --------------------------------------------------------------------------- optimizer
-def _torch_optimizers(optimizer) -> List[torch.optim.Optimizer]:
-    """The torch optimizers inside a Megatron optimizer (chained or not), or itself."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is not None:
-        return [o for c in chained for o in _torch_optimizers(c)]
-    inner = getattr(optimizer, "optimizer", None)
-    if getattr(optimizer, "is_stub_optimizer", False) or inner is None:
-        return []  # a rank with no parameters in this group (e.g. an empty PP stage group)
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"offload_optimizer: {type(optimizer).__name__}.optimizer is a "
-                        f"{type(inner).__name__}, not a torch.optim.Optimizer")
-    return [inner]
-
-
 def _owned(t: torch.Tensor) -> bool:
     """An optimizer-owned main copy: not a model parameter, not a view of one."""
     return not isinstance(t, torch.nn.Parameter) and t._base is None
@@ -206,7 +183,7 @@ def _owned(t: torch.Tensor) -> bool:
 
 def _optimizer_tensors(optimizer):
     keep, drop = [], []
-    for inner in _torch_optimizers(optimizer):
+    for inner in compat.torch_optimizers(optimizer):
         for per_param in inner.state.values():
             keep += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
         for group in inner.param_groups:

@@ -33,9 +33,10 @@ matrices. The eager loaders are removed again at the end (`finish`), so vLLM's o
 Memory: as with vLLM's reload, at most the layers in progress are held twice (one
 layer at a time when the tensors arrive in layer order).
 
-vLLM-version specific (the private helpers of reload/layerwise.py in vllm 0.32);
-`supported()` says whether they are there, and the worker falls back to vLLM's
-buffering reload (with the clone) when they are not, or when MG_EAGER_RELOAD=0.
+vLLM-version specific (the private helpers of reload/layerwise.py in vllm 0.32, each
+reached through platform/compat/vllm.py); `supported()` says whether they are there, and
+the worker falls back to vLLM's buffering reload (with the clone) when they are not, or
+when MG_EAGER_RELOAD=0.
 """
 from __future__ import annotations
 
@@ -44,29 +45,11 @@ from typing import Iterable, Sequence, Tuple
 
 import torch
 
-_LOADER_NAME = "online_process_loader"  # vLLM unwraps loaders by this name
+from ..platform.compat import vllm as compat
 
 
 def supported() -> bool:
-    try:
-        from vllm.model_executor.model_loader.reload import layerwise, meta, utils
-
-        return all(hasattr(layerwise, n) for n in (
-            "LAYERWISE_INFO", "get_layerwise_info", "_layerwise_process",
-            "_get_original_loader", "_place_kernel_tensors",
-            "initialize_layerwise_reload", "finalize_layerwise_reload")) and \
-            all(hasattr(meta, n) for n in ("materialize_layer", "get_numel_loaded",
-                                           "SKIP_LOAD_TENSORS", "SKIP_TENSORS")) and \
-            all(hasattr(utils, n) for n in ("get_layer_tensors", "get_layer_size"))
-    except ImportError:
-        return False
-
-
-# Layers whose processing may be re-run on their live tensors once new checkpoint-format
-# values are in them: none (nothing to process), or these unquantized methods, whose
-# processing is a function of the current weights (on CPU, packing a copy for the GEMM;
-# on GPU, nothing) and which _reprocess_tied already re-runs for the same reason.
-_DIRECT_METHODS = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
+    return compat.reload_helpers_present()
 
 
 def begin(model: torch.nn.Module) -> tuple:
@@ -80,39 +63,35 @@ def begin(model: torch.nn.Module) -> tuple:
     that covers norms, the embedding and an LM head (the embedding-like weights keep
     their shape; the linear layers' weights are emptied by the oneDNN packing and take
     the eager path). Returns (direct layers, eager layers) for finish()."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        _get_original_loader, _place_kernel_tensors, get_layerwise_info,
-        initialize_layerwise_reload)
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
-    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
-
-    initialize_layerwise_reload(model)
+    compat.begin_layerwise_reload(model)
+    skip_load = compat.skip_load_tensors()
     direct, eager = [], []
     for layer in model.modules():
-        info = get_layerwise_info(layer)
-        if not info.can_load() or is_deferred_attention_layer(layer):
+        info = compat.layer_reload_info(layer)
+        if not info.can_load() or compat.is_deferred_attention_layer(layer):
             continue
         if _can_go_direct(layer, info):
-            _place_kernel_tensors(layer, info)
-            for tensor in get_layer_tensors(layer).values():
-                tensor.weight_loader = _get_original_loader(tensor)
+            compat.place_kernel_tensors(layer, info)
+            for tensor in compat.layer_tensors(layer).values():
+                tensor.weight_loader = compat.original_weight_loader(tensor)
             info.reset()  # vLLM's finalize leaves it alone
             direct.append(layer)
             continue
-        for name, tensor in get_layer_tensors(layer).items():
-            if name not in SKIP_LOAD_TENSORS:
-                tensor.weight_loader = _eager_loader(layer, name, _get_original_loader(tensor))
+        for name, tensor in compat.layer_tensors(layer).items():
+            if name not in skip_load:
+                tensor.weight_loader = _eager_loader(layer, name,
+                                                     compat.original_weight_loader(tensor))
         eager.append(layer)
     return direct, eager
 
 
 def _can_go_direct(layer: torch.nn.Module, info) -> bool:
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
+    # Processing that may be re-run on the live tensors once new checkpoint-format values
+    # are in them: none (nothing to process), or vLLM's unquantized linear / embedding
+    # method, a function of the current weights (on CPU, packing a copy for the GEMM; on
+    # GPU, nothing) that _reprocess_tied already re-runs for the same reason.
     method = getattr(layer, "quant_method", None)
-    if method is not None and (not isinstance(method, QuantizeMethodBase)
-                               or type(method).__name__ not in _DIRECT_METHODS):
+    if method is not None and not compat.reprocessable_in_place(method):
         return False
     if info.kernel_tensors is None:
         return False
@@ -120,9 +99,8 @@ def _can_go_direct(layer: torch.nn.Module, info) -> bool:
     recorded = {**info.restore_metadata[0], **info.restore_metadata[1]}
     # Tensors vLLM never puts on meta (bias, ...) are live either way; the rest must
     # match what the checkpoint format says, one to one.
-    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
-
-    live = {k: v for k, v in live.items() if k not in SKIP_TENSORS}
+    skip = compat.skip_tensors()
+    live = {k: v for k, v in live.items() if k not in skip}
     if live.keys() != recorded.keys():
         return False
     for name, meta in recorded.items():
@@ -145,12 +123,7 @@ def _eager_loader(layer: torch.nn.Module, param_name: str, original):
 
 
 def _make_eager_loader(layer: torch.nn.Module, param_name: str, original):
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        _layerwise_process, get_layerwise_info)
-    from vllm.model_executor.model_loader.reload.meta import get_numel_loaded, materialize_layer
-    from vllm.model_executor.model_loader.reload.utils import get_layer_size
-
-    info = get_layerwise_info(layer)  # one object per layer for its lifetime (reset in place)
+    info = compat.layer_reload_info(layer)  # one object per layer for its lifetime (reset in place)
     signature = inspect.signature(original)
 
     def online_process_loader(*args, **kwargs):
@@ -161,21 +134,20 @@ def _make_eager_loader(layer: torch.nn.Module, param_name: str, original):
         # The layer's checkpoint-format tensors, fresh (uninitialised) on the device,
         # exactly what vLLM's replay loads into (only tensors still on meta: a no-op
         # after the first call); then its size, as vLLM counts it at every call.
-        materialize_layer(layer, info)
-        info.load_numel_total = get_layer_size(layer)
+        compat.materialize_layer(layer, info)
+        info.load_numel_total = compat.layer_size(layer)
         # The caller may hold the layer's meta tensor (its params dict predates the
         # materialisation): load into the layer's current one.
         bound.arguments["param"] = getattr(layer, param_name)
-        numel, ret = get_numel_loaded(original, bound)
+        numel, ret = compat.numel_loaded(original, bound)
         info.load_numel += numel
         if info.load_numel >= info.load_numel_total:
-            _layerwise_process(layer, info)  # nothing buffered: process and copy back
+            compat.process_layer(layer, info)  # nothing buffered: process and copy back
         return ret
 
-    online_process_loader.__wrapped__ = original  # how vLLM finds the original loader
-    online_process_loader.__name__ = _LOADER_NAME
-    online_process_loader._mg_eager = True
-    return online_process_loader
+    loader = compat.as_reload_loader(online_process_loader, original)
+    loader._mg_eager = True
+    return loader
 
 
 def load(model: torch.nn.Module, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> None:
@@ -191,14 +163,11 @@ def detach_buffered(model: torch.nn.Module, named_tensors: Iterable[Tuple[str, t
     should a weight loader adopt its input instead of copying it, the tensors of a
     layer still in progress. Both are rare; the check is cheap (the storages of the
     bucket against those of unfinished layers)."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
-
     storages = {_storage(t) for _, t in named_tensors}
     storages.discard(None)
     if not storages:
         return
-    for layer, info in list(LAYERWISE_INFO.items()):
+    for layer, info in compat.layer_reload_infos():
         if not info.can_load() or info.load_numel <= 0:
             continue
         for _, bound in info.loaded_weights:
@@ -206,7 +175,7 @@ def detach_buffered(model: torch.nn.Module, named_tensors: Iterable[Tuple[str, t
                 if key != "param" and isinstance(value, torch.Tensor) and \
                         _storage(value) in storages:
                     bound.arguments[key] = value.clone()
-        for name, tensor in get_layer_tensors(layer).items():
+        for name, tensor in compat.layer_tensors(layer).items():
             if _storage(tensor) in storages:
                 setattr(layer, name, _adopt_copy(tensor))
 
@@ -235,30 +204,20 @@ def finish(model: torch.nn.Module, model_config, layers: tuple) -> set:
     layer's and vLLM's recorded meta tensors (which it registers again at the next
     reload, and whose loaders it does not re-wrap when they already look wrapped), so
     that a later reload by vLLM itself (`reload_weights`) runs vLLM's own loaders."""
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        _get_original_loader, finalize_layerwise_reload, get_layerwise_info)
-    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
-
     direct, eager = layers
     try:
-        finalize_layerwise_reload(model, model_config)
+        compat.finish_layerwise_reload(model, model_config)
         done = set()
         for layer in direct:
-            method = getattr(layer, "quant_method", None)
-            if method is None:
+            if getattr(layer, "quant_method", None) is None:
                 continue
-            # What vLLM's _layerwise_process does around the processing call.
-            if hasattr(layer, "_already_called_process_weights_after_loading"):
-                delattr(layer, "_already_called_process_weights_after_loading")
-            method.process_weights_after_loading(layer)
-            if hasattr(layer, "update_param_tp_status"):
-                layer.update_param_tp_status()
+            compat.reprocess_weights(layer)   # what vLLM's per-layer step does around it
             done.add(id(layer))
         return done
     finally:
         for layer in eager:
-            params, buffers = get_layerwise_info(layer).restore_metadata
-            for tensor in [*get_layer_tensors(layer).values(), *params.values(),
+            params, buffers = compat.layer_reload_info(layer).restore_metadata
+            for tensor in [*compat.layer_tensors(layer).values(), *params.values(),
                            *buffers.values()]:
                 if getattr(getattr(tensor, "weight_loader", None), "_mg_eager", False):
-                    tensor.weight_loader = _get_original_loader(tensor)
+                    tensor.weight_loader = compat.original_weight_loader(tensor)

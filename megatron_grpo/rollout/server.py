@@ -33,6 +33,8 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
+from ..platform.compat import vllm as compat
+
 API_KEY_ENV = "MEGATRON_ROLLOUT_API_KEY"
 
 
@@ -80,17 +82,13 @@ def vllm_cli_args(cfg, on_cpu: Optional[bool] = None) -> list:
 
 def build_vllm_namespace(cfg):
     """vLLM's serve arguments (its own parser and validation), plus vllm_engine_kwargs."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = make_arg_parser(FlexibleArgumentParser(prog="megatron rollout"))
-    args = parser.parse_args(vllm_cli_args(cfg))
+    args = compat.parse_serve_args(vllm_cli_args(cfg), prog="megatron rollout")
     for key, value in (cfg.vllm_engine_kwargs or {}).items():
         dest = key.replace("-", "_")
         if not hasattr(args, dest):
             raise ValueError(f"--vllm_engine_kwargs: {key!r} is not a vLLM engine argument")
         setattr(args, dest, value)
-    validate_parsed_serve_args(args)
+    compat.validate_serve_args(args)
     return args
 
 
@@ -108,11 +106,7 @@ def make_router(engine, api_key: Optional[str]):
 
     async def rpc_all(method: str, *args):
         """collective_rpc on every engine (each DP replica); results per engine."""
-        core = getattr(engine, "engine_core", None)
-        call_all = getattr(core, "call_utility_all_async", None)
-        if call_all is not None and engine.vllm_config.parallel_config.data_parallel_size > 1:
-            return await call_all("collective_rpc", method, None, args, None)
-        return [await engine.collective_rpc(method, args=args)]
+        return await compat.collective_rpc_all_engines(engine, method, *args)
 
     @router.post("/update_weights/begin")
     async def begin(request: Request):
@@ -163,23 +157,14 @@ def make_router(engine, api_key: Optional[str]):
 
 async def serve(cfg) -> None:
     """Start vLLM's engine and API server with the trainer's routes; run until stopped."""
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
-
     args = build_vllm_namespace(cfg)
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
     # Bind first: a port already in use fails before minutes of engine start-up.
-    _, sock = setup_server(args, reuse_port=False)
-    async with build_async_engine_client(args) as engine:
-        tasks = await engine.get_supported_tasks()
-        app = build_app(args, tasks, engine.model_config)
-        await init_app_state(engine, app.state, args, tasks)
+    sock = compat.bind_server_socket(args)
+    async with compat.engine_client(args) as engine:
+        app = await compat.build_openai_app(args, engine)
         app.include_router(make_router(engine, api_key))
-        shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port,
-                                    log_level=args.uvicorn_log_level,
-                                    access_log=not args.disable_uvicorn_access_log)
+        shutdown = await compat.serve_app(app, sock, args)
     try:
         await shutdown
     finally:

