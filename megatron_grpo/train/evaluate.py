@@ -170,8 +170,11 @@ def build_evaluator(cfg, dataset, **kwargs) -> Optional[Evaluator]:
         from ..data import drop_long_prompts
 
         tok, render = kwargs["tokenizer"], kwargs["render"]
-        dataset, dropped = drop_long_prompts(dataset, lambda m: len(tok(
-            render(tok, m), add_special_tokens=False)["input_ids"]), cfg.data.max_length)
+        try:
+            dataset, dropped = drop_long_prompts(dataset, lambda m: len(tok(
+                render(tok, m), add_special_tokens=False)["input_ids"]), cfg.data.max_length)
+        except ValueError as e:    # its message is about --dataset
+            raise ValueError(str(e).replace("prompt of --dataset", "validation prompt")) from None
         if dropped and dist.get_rank() == 0:
             print(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} validation "
                   f"prompts longer than --max_length {cfg.data.max_length}; {len(dataset)} left",

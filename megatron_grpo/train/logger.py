@@ -120,7 +120,7 @@ class RunLogger:
         return plot_metrics(self.metrics_path, os.path.join(self.output_dir, "reward_curve.png"))
 
 
-def plot_metrics(metrics_path: str, png_path: str, keys=("reward", "loss", "kl",
+def plot_metrics(metrics_path: str, png_path: str, keys=("reward", "eval/reward", "loss", "kl",
                                                          "completions/mean_length")):
     if not os.path.isfile(metrics_path):
         return None
