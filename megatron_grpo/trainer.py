@@ -281,7 +281,8 @@ def train(cfg) -> None:
                     sync_weights(policy, engine, cfg, is_server)   # 7: vLLM gets the update
                     metrics["timing/sync"] = time.perf_counter() - t0
                 if evaluator:    # held-out prompts, every eval_steps steps and after the last
-                    metrics.update(evaluator.maybe_evaluate(step, vllm_fresh="timing/sync" in metrics))
+                    fresh = "timing/sync" in metrics            # vLLM holds this step's weights
+                    metrics.update(evaluator.maybe_evaluate(step, vllm_fresh=fresh))
                 now = time.perf_counter()
                 metrics["timing/step"], t_last = now - t_last, now
                 logger.log(step, metrics)

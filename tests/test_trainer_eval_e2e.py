@@ -60,7 +60,6 @@ def test_colocate_split_eval_every_step_with_sleep_and_offload(tiny, tmp_path):
     a rollout (vLLM synced for it, then put back to sleep), step 2 right after the rollout's
     sync (vLLM stays awake for the next generation), step 3 is the last."""
     from megatron_grpo.data import load_prompt_dataset, split_validation
-    from megatron_grpo.data.split import prompt_key
 
     out = str(tmp_path / "run")
     r = _run(_argv(tiny, out, split_dataset_ratio=0.05, eval_steps=1, num_generations_eval=2,

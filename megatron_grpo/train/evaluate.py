@@ -70,8 +70,8 @@ class _WithGenerations:
 
 
 def _concat(parts: List[GenerationBatch]) -> GenerationBatch:
-    return GenerationBatch([s for p in parts for s in p.samples], [t for p in parts for t in p.texts],
-                           [q for p in parts for q in p.prompts],
+    return GenerationBatch([s for p in parts for s in p.samples],
+                           [t for p in parts for t in p.texts], [q for p in parts for q in p.prompts],
                            torch.cat([p.rewards_per_func for p in parts], dim=0))
 
 
