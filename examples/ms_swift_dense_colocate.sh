@@ -14,7 +14,8 @@
 #   --attention_backend      auto (flash needs Transformer Engine on a GPU)
 #   --bf16                   false on CPU
 #   --padding_free true      not supported yet (padding-free packing): left out
-#   --eval_steps 1000        not supported yet (evaluation): left out
+#   --eval_steps 1000        kept: as in ms-swift, without --val_dataset/--split_dataset_ratio
+#                            nothing is evaluated (a warning says so)
 #   --finetune --no_save_optim --no_save_rng   left out until they are wired (checkpoints)
 #   --report_to wandb        none here (REPORT_TO=wandb to log to wandb)
 set -euo pipefail
@@ -75,6 +76,7 @@ $MEGATRON rlhf \
     --log_completions true \
     --report_to "${REPORT_TO:-none}" \
     --train_iters 2 \
+    --eval_steps 1000 \
     --save_steps 1000 \
     --output_dir "$OUTPUT_DIR" \
     "$@"

@@ -44,18 +44,18 @@ def _rlhf(argv: list[str]) -> int:
     cfg, problems = build_config(argv, world_size)   # parser + option + world checks, no torch
     if env_problem:
         problems.add(env_problem)
-    dataset = None
+    dataset = val_dataset = None
     if (not launch.in_torchrun() or cfg.training.dry_run) and \
-            not problems.names_any(("dataset", "columns", "system")):
-        # Read the dataset once here, so that a file without a prompt column fails now,
+            not problems.names_any(("dataset", "columns", "system", "val_dataset",
+                                    "split_dataset_ratio")):
+        # Read the datasets once here, so that a file without a prompt column fails now,
         # not after every rank has built its model.
-        from .data import load_prompt_dataset
+        from .data import load_datasets
 
         with problems.section():
-            dataset = load_prompt_dataset(cfg.data.dataset, seed=cfg.training.seed,
-                                          system=cfg.data.system, columns=cfg.data.columns)
+            dataset, val_dataset = load_datasets(cfg.data, cfg.evaluation, seed=cfg.training.seed)
     if cfg.training.dry_run and not problems:
-        return _dry_run(cfg, spec, dataset, problems)
+        return _dry_run(cfg, spec, dataset, val_dataset, problems)
     problems.raise_if_any()
     if spec.world_size > 1 and not launch.in_torchrun():
         return launch.relaunch("rlhf", argv, spec)
@@ -67,7 +67,7 @@ def _rlhf(argv: list[str]) -> int:
     return 0
 
 
-def _dry_run(cfg, spec, dataset, problems) -> int:
+def _dry_run(cfg, spec, dataset, val_dataset, problems) -> int:
     """The checks that need the model's config (torch, Megatron's config class; no model is
     built, no process started), then the plan."""
     from .config import validate_world
@@ -83,7 +83,8 @@ def _dry_run(cfg, spec, dataset, problems) -> int:
     plan = validate_world(cfg, spec.world_size)
     print(format_plan(cfg, plan, model, nproc_per_node=spec.nproc_per_node, nnodes=spec.nnodes,
                       num_prompts=len(dataset), num_files=len(cfg.data.dataset),
-                      reward_columns=sorted(dataset.columns)))
+                      reward_columns=sorted(dataset.columns),
+                      num_val_prompts=len(val_dataset) if val_dataset is not None else None))
     return 0
 
 

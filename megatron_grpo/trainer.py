@@ -22,6 +22,7 @@ from .train import (LossOptions, forward_logprobs, micro_batches, reduce_partial
                     step_entropy_threshold)
 from .train.batch import collate, split_completion_values
 from .train.engine import is_last_stage, train_micro_batches
+from .train.evaluate import build_evaluator
 from .model.kv_replication import sync_replicated_kv_grads
 from .train.logger import RunLogger
 from .train.rollout_step import (all_gather_objects, collect_rollouts, finish_batch,
@@ -147,7 +148,7 @@ def _sink_names(log) -> dict:
 def train(cfg) -> None:
     from transformers import AutoTokenizer
 
-    from .data import PromptSampler, load_prompt_dataset, render_prompt
+    from .data import PromptSampler, load_datasets, render_prompt
     from .rewards import build_reward_funcs, load_plugins
 
     g, t = cfg.grpo, cfg.training
@@ -158,8 +159,7 @@ def train(cfg) -> None:
     from megatron.core import parallel_state as ps
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    dataset = load_prompt_dataset(cfg.data.dataset, seed=t.seed, system=cfg.data.system,
-                                  columns=cfg.data.columns)
+    dataset, val_dataset = load_datasets(cfg.data, cfg.evaluation, seed=t.seed)   # val: or None
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.model)
     render_prompt = functools.partial(render_prompt, enable_thinking=cfg.data.enable_thinking)
     if cfg.data.max_length and cfg.data.truncation_strategy == "delete":
@@ -197,6 +197,11 @@ def train(cfg) -> None:
                        logging_steps=cfg.logging.logging_steps,
                        log_completions=cfg.logging.log_completions, enabled=rank == 0,
                        start_step=step, **_sink_names(cfg.logging))
+    evaluator = build_evaluator(cfg, val_dataset, engine=engine, tokenizer=tokenizer,
+                                render=render_prompt, reward_funcs=reward_funcs,
+                                reward_names=reward_names, policy=policy, total_steps=steps,
+                                sync=lambda: sync_weights(policy, engine, cfg, is_server),
+                                logger=logger)
     vocab = policy.args.vocab_size
     per_step = g.generation_batch_size // g.steps_per_generation    # = global_batch_size
     mbs = t.micro_batch_size
@@ -278,6 +283,9 @@ def train(cfg) -> None:
                     t0 = time.perf_counter()
                     sync_weights(policy, engine, cfg, is_server)   # 7: vLLM gets the update
                     metrics["timing/sync"] = time.perf_counter() - t0
+                if evaluator:    # held-out prompts, every eval_steps steps and after the last
+                    fresh = "timing/sync" in metrics            # vLLM holds this step's weights
+                    metrics.update(evaluator.maybe_evaluate(step, vllm_fresh=fresh))
                 now = time.perf_counter()
                 metrics["timing/step"], t_last = now - t_last, now
                 logger.log(step, metrics)

@@ -18,8 +18,8 @@ from dataclasses import InitVar, asdict, dataclass, field, fields
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .errors import ConfigError, Problems
-from .groups import (ALIASES, GROUPS, DataOptions, GRPOOptions, LoggingOptions, ModelOptions,
-                     ParallelOptions, RewardOptions, RolloutOptions, TrainingOptions)
+from .groups import (ALIASES, GROUPS, DataOptions, EvalOptions, GRPOOptions, LoggingOptions,
+                     ModelOptions, ParallelOptions, RewardOptions, RolloutOptions, TrainingOptions)
 from .parse import collect_values, convert, field_table, format_help
 from .rollout_server import RolloutServerConfig, parse_rollout_args
 from .validate import WORLD_OPTIONS, WorldPlan, finalize, valid_num_generations, validate_world
@@ -39,6 +39,7 @@ class GRPOConfig:
     grpo: GRPOOptions = field(default_factory=GRPOOptions)
     reward: RewardOptions = field(default_factory=RewardOptions)
     rollout: RolloutOptions = field(default_factory=RolloutOptions)
+    evaluation: EvalOptions = field(default_factory=EvalOptions)
     logging: LoggingOptions = field(default_factory=LoggingOptions)
     # Where finalize records its problems; None: raise them (one ConfigError) at once.
     problems: InitVar[Optional[Problems]] = None

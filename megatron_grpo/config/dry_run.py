@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
 
 if TYPE_CHECKING:
     from . import GRPOConfig
@@ -65,8 +65,10 @@ def _count(n: float, what: str, plural: str = "") -> str:
 
 
 def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, nproc_per_node: int,
-                nnodes: int, num_prompts: int, num_files: int, reward_columns: List[str]) -> str:
-    """The resolved plan of a run, one line per stage."""
+                nnodes: int, num_prompts: int, num_files: int, reward_columns: List[str],
+                num_val_prompts: Optional[int] = None) -> str:
+    """The resolved plan of a run, one line per stage. num_prompts: training prompts (after
+    a --split_dataset_ratio split); num_val_prompts: validation prompts, None without."""
     from ..train.setup import total_steps
 
     p, t, g, v = cfg.parallel, cfg.training, cfg.grpo, cfg.rollout
@@ -89,7 +91,9 @@ def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, npro
         f"  model      {cfg.model.model}: {model.family} ({model.architecture}), "
         f"{model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads, "
         f"{model.num_kv_heads} kv heads, vocab {model.vocab_size}, {model.dtype}",
-        f"  dataset    {_count(num_prompts, 'prompt')} from {_count(num_files, 'file')}; "
+        f"  dataset    {_count(num_prompts, 'prompt')} from {_count(num_files, 'file')}"
+        + (f" ({num_val_prompts} more held out for evaluation)" if num_val_prompts is not None
+           and not cfg.evaluation.val_dataset else "") + "; "
         f"reward columns: {', '.join(reward_columns) or 'none'}",
         f"  world      {_count(plan.world_size, 'process', 'processes')} = NPROC_PER_NODE {nproc_per_node} x "
         f"NNODES {nnodes}",
@@ -109,7 +113,30 @@ def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, npro
         f"{_count(steps, 'optimizer step')} in all"
         + (f" (train_iters), {_count(math.ceil(steps / per_rollout), 'rollout')}"
            if t.train_iters else f" ({t.num_train_epochs:g} epochs)"),
+        f"  eval       {_eval_line(cfg, steps, num_val_prompts)}",
         f"  outputs    {cfg.logging.output_dir} (metrics.jsonl"
         + "".join(f", {s}" for s in cfg.logging.report_to) + ")",
     ]
     return "\n".join(lines)
+
+
+def _eval_line(cfg: "GRPOConfig", steps: int, num_val_prompts: Optional[int]) -> str:
+    """When and on what the run evaluates (train/evaluate.py)."""
+    e, t = cfg.evaluation, cfg.training
+    if num_val_prompts is None:
+        return "off (no --val_dataset or --split_dataset_ratio)"
+    if e.eval_iters == 0:
+        return "off (--eval_iters 0)"
+    source = (f"--val_dataset, {_count(len(e.val_dataset), 'file')}" if e.val_dataset else
+              f"held out of --dataset by --split_dataset_ratio {e.split_dataset_ratio:g}, never "
+              "trained on")
+    if e.eval_iters < 0:
+        which = f"all {_count(num_val_prompts, 'validation prompt')} ({source})"
+    else:
+        per = max(1, t.global_batch_size // e.num_generations_eval) * e.eval_iters
+        which = (f"{_count(per, 'prompt')} of {num_val_prompts} validation prompts ({source}), "
+                 f"eval_iters {e.eval_iters}")
+    count = steps // e.eval_steps + (1 if steps % e.eval_steps else 0)
+    return (f"every {_count(e.eval_steps, 'optimizer step')} and after the last "
+            f"({_count(count, 'evaluation')}): {which} x {e.num_generations_eval} completions "
+            "(num_generations_eval), logged as eval/*")

@@ -306,6 +306,36 @@ class RolloutOptions(_Group):
 
 
 @dataclass
+class EvalOptions(_Group):
+    """Evaluation on held-out prompts (train/evaluate.py), as Megatron-SWIFT's GRPO."""
+    eval_steps: Optional[int] = opt(
+        None, "Evaluate every N optimizer steps, and after the last one, when there is a "
+              "validation set (--val_dataset or --split_dataset_ratio): the current weights "
+              "sample num_generations_eval completions per held-out prompt, the reward functions "
+              "score them, eval/* metrics are logged. None: save_steps (ms-swift). Without a "
+              "validation set nothing is evaluated (a warning). ms-swift 3.x's --eval_interval "
+              "is accepted too.")
+    eval_iters: int = opt(
+        -1, "Size of each evaluation: -1 the whole validation set, the same prompts every time; "
+            "N > 0 N batches of global_batch_size completions (global_batch_size / "
+            "num_generations_eval prompts each), continuing through the validation set from one "
+            "evaluation to the next (ms-swift's); 0 no evaluation.")
+    val_dataset: List[str] = opt(help="Validation prompts: local .jsonl/.json/.parquet files read "
+                                      "like --dataset (#N suffix, --columns, --system). Takes "
+                                      "precedence over split_dataset_ratio (ms-swift).",
+                                 factory=list)
+    split_dataset_ratio: float = opt(
+        0.0, "Hold out this fraction of --dataset's distinct prompts (at least one) as the "
+             "validation set, in [0, 1): drawn with --seed (the last ones with --dataset_shuffle "
+             "false). Held-out prompts are never trained on. 0: no split.")
+    val_dataset_shuffle: bool = opt(False, "Shuffle --val_dataset's rows with --seed when it is "
+                                           "loaded (ms-swift's option; the order matters with "
+                                           "eval_iters > 0).")
+    num_generations_eval: Optional[int] = opt(None, "Completions per validation prompt. None: "
+                                                    "num_generations.")
+
+
+@dataclass
 class LoggingOptions(_Group):
     """Outputs: metrics, completions, checkpoints, resume."""
     output_dir: Optional[str] = opt(None, "Where metrics, completions, checkpoints and the final "
@@ -341,6 +371,7 @@ GROUPS = {
     "grpo": GRPOOptions,
     "reward": RewardOptions,
     "rollout": RolloutOptions,
+    "evaluation": EvalOptions,
     "logging": LoggingOptions,
 }
 
@@ -357,4 +388,5 @@ ALIASES = {
     "train_type": "tuner_type",
     "custom_register_path": "external_plugins",     # ms-swift 3.x
     "num_workers": "dataloader_num_workers",        # ms-swift 3.x (Megatron-LM)
+    "eval_interval": "eval_steps",                  # ms-swift 3.x (Megatron-LM)
 }

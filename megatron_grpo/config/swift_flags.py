@@ -220,10 +220,8 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         padding_free mlp_padding_free packing packing_length packing_num_proc packing_strategy
         sequence_packing_scheduler
     """,
-    "evaluation": """
-        eval_steps eval_iters eval_interval val_dataset cached_val_dataset split_dataset_ratio
-        val_dataset_shuffle num_generations_eval metric_for_best_model greater_is_better
-        log_validation_ppl_to_tensorboard
+    "best-checkpoint selection and validation perplexity (evaluation logs eval/* rewards)": """
+        metric_for_best_model greater_is_better log_validation_ppl_to_tensorboard
     """,
     "parameter freezing": """
         freeze_llm freeze_parameters freeze_parameters_regex freeze_parameters_ratio
@@ -333,7 +331,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         use_hf hub_token download_mode model_name model_author custom_dataset_info
     """,
     "dataset options": """
-        cached_dataset data_seed streaming interleave_prob stopping_strategy
+        cached_dataset cached_val_dataset data_seed streaming interleave_prob stopping_strategy
         shuffle_buffer_size strict remove_unused_columns disable_auto_column_mapping
         lazy_tokenize load_data_args data_sharding no_data_sharding group_by_length
         train_dataloader_shuffle dataloader_type

@@ -64,7 +64,7 @@ def finalize(cfg: "GRPOConfig", problems: Optional[Problems] = None) -> None:
     `problems`; without it they are raised together as one ConfigError."""
     p = Problems() if problems is None else problems
     for check in (_check_model, _check_model_options, _check_data, _check_training, _check_parallel, _check_batches,
-                  _check_loss, _check_rewards, _check_rollout, _check_logging):
+                  _check_loss, _check_rewards, _check_rollout, _check_logging, _check_eval):
         with p.section():
             check(cfg, p)
     if problems is None:
@@ -89,8 +89,14 @@ def _check_model(cfg: "GRPOConfig", p: Problems) -> None:
 _HUB_ID = re.compile(r"^(?:hf::|ms::)?[\w.-]+/[\w.-]+(?::[\w.-]+)?$")
 
 
-def _dataset_problem(spec: str, path: str) -> Optional[str]:
-    """Why `path` (of `--dataset spec`) cannot be read, or None."""
+def _dataset_problem(spec: str, path: str, option: str = "dataset") -> Optional[str]:
+    """Why `path` (of `--dataset spec`, or of `--{option} spec`) cannot be read, or None."""
+    problem = _dataset_file_problem(spec, path)
+    return problem if option == "dataset" or problem is None else \
+        problem.replace("--dataset ", f"--{option} ", 1)
+
+
+def _dataset_file_problem(spec: str, path: str) -> Optional[str]:
     if os.path.isfile(path):
         if not path.lower().endswith(DATASET_SUFFIXES):
             return (f"--dataset {spec!r}: unsupported file type; allowed: "
@@ -450,6 +456,56 @@ def _check_logging(cfg: "GRPOConfig", p: Problems) -> None:
             p.require(os.path.isdir(log.resume),
                       f"--resume {log.resume!r}: checkpoint folder not found. Valid values: a "
                       "checkpoint folder, true/auto (newest checkpoint in output_dir), or false")
+
+
+def _check_eval(cfg: "GRPOConfig", p: Problems) -> None:
+    """--eval_steps / --eval_iters with a validation set, as ms-swift's Megatron arguments."""
+    from megatron_grpo.data.loading import parse_dataset_spec
+
+    e, g, t = cfg.evaluation, cfg.grpo, cfg.training
+    ratio_ok = p.require(0 <= e.split_dataset_ratio < 1,
+                         f"--split_dataset_ratio {e.split_dataset_ratio} is not valid: it must be in "
+                         "[0, 1) (the fraction of --dataset's prompts held out for evaluation). "
+                         "Fix: e.g. --split_dataset_ratio 0.05, or --val_dataset FILE")
+    for spec in e.val_dataset:
+        try:
+            path, _ = parse_dataset_spec(spec, option="--val_dataset")
+        except ValueError as err:
+            p.add(str(err))
+            continue
+        problem = _dataset_problem(spec, path, option="val_dataset")
+        if problem:
+            p.add(problem)
+    if e.val_dataset and e.split_dataset_ratio > 0:
+        # ms-swift: a --val_dataset replaces the split.
+        logger.warning("--split_dataset_ratio %s has no effect with --val_dataset (it is the "
+                       "validation set); setting it to 0", e.split_dataset_ratio)
+        e.split_dataset_ratio = 0.0
+    steps_ok = e.eval_steps is None or _positive(p, "eval_steps", e.eval_steps)
+    p.require(e.eval_iters >= -1,
+              f"--eval_iters {e.eval_iters} is not valid: -1 (the whole validation set), 0 (no "
+              "evaluation) or a number of batches >= 1")
+    if e.num_generations_eval is None:
+        e.num_generations_eval = g.num_generations
+    elif _positive(p, "num_generations_eval", e.num_generations_eval) and e.eval_iters > 0:
+        p.require(e.num_generations_eval <= t.global_batch_size,
+                  f"--num_generations_eval {e.num_generations_eval} is larger than "
+                  f"--global_batch_size {t.global_batch_size}: with --eval_iters {e.eval_iters} an "
+                  "evaluation batch is global_batch_size completions, so not one whole prompt. "
+                  "Fix: lower num_generations_eval, or --eval_iters -1 (the whole validation set)")
+    has_val = bool(e.val_dataset) or (ratio_ok and e.split_dataset_ratio > 0)
+    if e.eval_steps is not None and steps_ok and not has_val and e.eval_iters != 0:
+        # ms-swift runs such a script without evaluating (its examples pass --eval_steps alone).
+        logger.warning("--eval_steps %s: no validation set, so nothing is evaluated. To evaluate, "
+                       "add --val_dataset FILE or --split_dataset_ratio R (e.g. 0.05)", e.eval_steps)
+    if e.eval_steps is None:
+        e.eval_steps = cfg.logging.save_steps      # ms-swift's default
+
+
+def evaluates(cfg: "GRPOConfig") -> bool:
+    """Whether the run evaluates: a validation set and eval_iters != 0."""
+    e = cfg.evaluation
+    return bool(e.val_dataset or e.split_dataset_ratio > 0) and e.eval_iters != 0
 
 
 @dataclass

@@ -6,12 +6,14 @@
                             shuffle=cfg.data.dataset_shuffle)
     idx = sampler.next_batch(); prompts = [render_prompt(tok, ds.messages[i]) for i in idx]
     columns = ds.reward_columns(idx, num_generations)       # for rewards.score
+    train, val = load_datasets(cfg.data, cfg.evaluation, seed=cfg.training.seed)  # val: or None
 """
 import os
 
 from .loading import (PROMPT_COLUMNS, PromptDataset, drop_long_prompts, load_prompt_dataset,
                       parse_dataset_spec, read_rows, sample_indices)
 from .sampler import PromptSampler, shard
+from .split import load_datasets, split_validation
 from .template import render_prompt
 
 BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
@@ -27,5 +29,5 @@ def builtin_dataset(name: str) -> str:
 
 
 __all__ = ["PROMPT_COLUMNS", "PromptDataset", "PromptSampler", "builtin_dataset", "drop_long_prompts",
-           "load_prompt_dataset", "parse_dataset_spec", "read_rows", "render_prompt",
-           "sample_indices", "shard", "BUILTIN_DIR"]
+           "load_datasets", "load_prompt_dataset", "parse_dataset_spec", "read_rows", "render_prompt",
+           "sample_indices", "shard", "split_validation", "BUILTIN_DIR"]

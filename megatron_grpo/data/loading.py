@@ -28,21 +28,23 @@ _ROLES = {"system", "user", "assistant", "tool"}
 _TEXT_COLUMNS = ("question", "problem", "instruction", "input", "text")  # for the error's hint
 
 
-def parse_dataset_spec(spec: str) -> Tuple[str, Optional[int]]:
-    """'data.jsonl#100' -> ('data.jsonl', 100); 'data.jsonl' -> ('data.jsonl', None)."""
+def parse_dataset_spec(spec: str, option: str = "--dataset") -> Tuple[str, Optional[int]]:
+    """'data.jsonl#100' -> ('data.jsonl', 100); 'data.jsonl' -> ('data.jsonl', None).
+    `option`: the flag named in errors (--dataset, --val_dataset)."""
     path, sep, suffix = spec.rpartition("#")
     if not sep:
         return spec, None
     if not suffix.isdigit() or int(suffix) < 1:
-        raise ValueError(f"--dataset {spec!r}: the #N suffix must be a positive number of rows, "
+        raise ValueError(f"{option} {spec!r}: the #N suffix must be a positive number of rows, "
                          f"got {suffix!r}. Fix: e.g. {path}#100")
     return path, int(suffix)
 
 
-def read_rows(path: str) -> List[Dict[str, Any]]:
-    """All rows of a .jsonl, .json (list of objects, or object of columns) or .parquet file."""
+def read_rows(path: str, option: str = "--dataset") -> List[Dict[str, Any]]:
+    """All rows of a .jsonl, .json (list of objects, or object of columns) or .parquet file.
+    `option`: the flag named in errors."""
     if not os.path.isfile(path):
-        raise ValueError(f"--dataset {path!r}: file not found (datasets are not downloaded: a hub "
+        raise ValueError(f"{option} {path!r}: file not found (datasets are not downloaded: a hub "
                          "id is not fetched). Fix: pass a local .jsonl/.json/.parquet file, "
                          "optionally with a #N suffix to sample N rows")
     lower = path.lower()
@@ -55,34 +57,34 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"--dataset {path!r} line {lineno} is not valid JSON: {e}") from None
+                    raise ValueError(f"{option} {path!r} line {lineno} is not valid JSON: {e}") from None
     elif lower.endswith(".json"):
         with open(path, encoding="utf-8") as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--dataset {path!r} is not valid JSON: {e}. (A file of one "
+                raise ValueError(f"{option} {path!r} is not valid JSON: {e}. (A file of one "
                                  "object per line should be named .jsonl)") from None
         if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
             lengths = {len(v) for v in data.values()}
             if len(lengths) != 1:
-                raise ValueError(f"--dataset {path!r}: its columns have different lengths {sorted(lengths)}")
+                raise ValueError(f"{option} {path!r}: its columns have different lengths {sorted(lengths)}")
             keys = list(data)
             rows = [dict(zip(keys, values)) for values in zip(*data.values())]
         elif isinstance(data, list):
             rows = data
         else:
-            raise ValueError(f"--dataset {path!r}: expected a list of objects or an object of "
+            raise ValueError(f"{option} {path!r}: expected a list of objects or an object of "
                              f"column lists, got {type(data).__name__}")
     elif lower.endswith(".parquet"):
         rows = _read_parquet(path)
     else:
-        raise ValueError(f"--dataset {path!r}: unsupported file type; allowed: .jsonl, .json, .parquet")
+        raise ValueError(f"{option} {path!r}: unsupported file type; allowed: .jsonl, .json, .parquet")
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise ValueError(f"--dataset {path!r} row {i} is a {type(row).__name__}, not an object")
+            raise ValueError(f"{option} {path!r} row {i} is a {type(row).__name__}, not an object")
     if not rows:
-        raise ValueError(f"--dataset {path!r} has no rows")
+        raise ValueError(f"{option} {path!r} has no rows")
     return rows
 
 
@@ -163,14 +165,16 @@ class PromptDataset:
 
 
 def load_prompt_dataset(specs: Sequence[str], seed: int = 42, system: Optional[str] = None,
-                        columns: Optional[Dict[str, str]] = None) -> PromptDataset:
-    """Load, rename (`columns`), `#N`-sample and convert every file of `--dataset`."""
+                        columns: Optional[Dict[str, str]] = None,
+                        option: str = "--dataset") -> PromptDataset:
+    """Load, rename (`columns`), `#N`-sample and convert every file of `--dataset` (or of
+    the flag `option` names, e.g. --val_dataset)."""
     messages: List[List[Dict[str, str]]] = []
     extra: List[Dict[str, Any]] = []
     sources: List[str] = []
     for spec in specs:
-        path, n = parse_dataset_spec(spec)
-        rows = read_rows(path)
+        path, n = parse_dataset_spec(spec, option)
+        rows = read_rows(path, option)
         if columns:
             rows = [{columns.get(k, k): v for k, v in row.items()} for row in rows]
         for i, row in enumerate(rows):
@@ -178,12 +182,12 @@ def load_prompt_dataset(specs: Sequence[str], seed: int = 42, system: Optional[s
                 found = sorted(set().union(*(r.keys() for r in rows)))
                 hint = next((c for c in _TEXT_COLUMNS if c in found), found[0] if found else "question")
                 raise ValueError(
-                    f"--dataset {spec!r}: no prompt column in {path!r} (row {i}); expected one of "
+                    f"{option} {spec!r}: no prompt column in {path!r} (row {i}); expected one of "
                     f"{list(PROMPT_COLUMNS)}, found columns {found}. Fix: rename the prompt's "
                     f"column, e.g. --columns '{{\"{hint}\": \"query\"}}'")
         for i in sample_indices(len(rows), n, seed):
             row = rows[i]
-            messages.append(_to_messages(row, system, f"--dataset {spec!r} row {i}"))
+            messages.append(_to_messages(row, system, f"{option} {spec!r} row {i}"))
             extra.append({k: v for k, v in row.items() if k not in _CONSUMED})
             sources.append(path)
     names = sorted(set().union(*(e.keys() for e in extra))) if extra else []

@@ -1,5 +1,6 @@
-"""Run outputs on the main rank: metrics.jsonl, completions.jsonl, a progress bar,
-tensorboard (when asked) and, at the end, a reward-curve PNG."""
+"""Run outputs on the main rank: metrics.jsonl, completions.jsonl (eval_completions.jsonl
+for evaluations), a progress bar, tensorboard (when asked) and, at the end, a reward-curve
+PNG."""
 from __future__ import annotations
 
 import json
@@ -42,7 +43,8 @@ class RunLogger:
         self.completions_path = os.path.join(output_dir, "completions.jsonl")
         # On resume, rows of steps after the checkpoint were lost with the crash and
         # will be redone: drop them so that every step appears once.
-        for path in (self.metrics_path, self.completions_path):
+        for path in (self.metrics_path, self.completions_path,
+                     os.path.join(output_dir, "eval_completions.jsonl")):
             _truncate_after(path, start_step)
         if "tensorboard" in (report_to or ()):
             from torch.utils.tensorboard import SummaryWriter
@@ -90,10 +92,14 @@ class RunLogger:
             self.bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in short.items()})
             self.bar.write(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in short.items()))
 
-    def completions(self, step: int, prompts, texts, rewards, reward_names, extra=None) -> None:
+    def completions(self, step: int, prompts, texts, rewards, reward_names, extra=None,
+                    file=None) -> None:
+        """One row per completion (with --log_completions); `file`: another file of
+        output_dir than completions.jsonl (evaluations: eval_completions.jsonl)."""
         if not (self.enabled and self.log_completions):
             return
-        with open(self.completions_path, "a") as f:
+        path = os.path.join(self.output_dir, file) if file else self.completions_path
+        with open(path, "a") as f:
             for i, (p, c) in enumerate(zip(prompts, texts)):
                 row = {"step": step, "prompt": p, "completion": c}
                 row.update({name: _clean(rewards[i][j]) for j, name in enumerate(reward_names)})
@@ -114,7 +120,7 @@ class RunLogger:
         return plot_metrics(self.metrics_path, os.path.join(self.output_dir, "reward_curve.png"))
 
 
-def plot_metrics(metrics_path: str, png_path: str, keys=("reward", "loss", "kl",
+def plot_metrics(metrics_path: str, png_path: str, keys=("reward", "eval/reward", "loss", "kl",
                                                          "completions/mean_length")):
     if not os.path.isfile(metrics_path):
         return None

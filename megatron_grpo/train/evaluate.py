@@ -1,0 +1,215 @@
+"""Evaluation on held-out prompts: `--eval_steps` with `--val_dataset` or `--split_dataset_ratio`.
+
+What Megatron-SWIFT's GRPO does (ms-swift 3602360a: trainers/base.py `evaluate`,
+callbacks/default_flow.py, grpo_trainer.py in eval mode), and so what this does:
+  - when: every `eval_steps` optimizer steps and after the last step, if there is a
+    validation set and eval_iters != 0 (eval_steps defaults to save_steps);
+  - what: the current policy (vLLM holds the weights of the step just taken) samples
+    `num_generations_eval` completions per validation prompt with the training sampling
+    settings (temperature, top_p, top_k: sampled, not greedy), and the reward functions
+    score them;
+  - which prompts: eval_iters batches of global_batch_size completions, the validation
+    set walked in order and continued from one evaluation to the next; here eval_iters
+    -1 (the default) takes the whole validation set every time, so that successive
+    evaluations compare the same prompts;
+  - metrics: ms-swift's reward metrics under eval/: eval/reward, eval/reward_std,
+    eval/frac_reward_zero_std, eval/rewards/{name}/mean|std, and
+    eval/completions/mean_length|min_length|max_length|clipped_ratio.
+Left out on purpose: ms-swift also runs the GRPO loss forward-only on the evaluation
+batch (eval/loss, clip ratios); on freshly sampled completions the ratio is 1 and the
+loss says nothing the rewards do not. The eval reward has no KL term (kl_in_reward).
+
+Every rank holds the whole scored evaluation batch (train/rollout_step.py gathers
+completions and rewards), so every rank computes the same metrics.
+
+    evaluator = Evaluator(cfg, val_dataset, ...)            # None-safe: build_evaluator
+    metrics.update(evaluator.maybe_evaluate(step, vllm_fresh=...))
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..algorithms import reward_metrics
+from .rollout_step import GenerationBatch, generate_and_score
+
+
+def should_evaluate(step: int, eval_steps: int, total_steps: int) -> bool:
+    """ms-swift's rule: every eval_steps steps, and after the last one."""
+    return step % eval_steps == 0 or step >= total_steps
+
+
+def evaluation_prompts(num_prompts: int, step: int, *, eval_steps: int, eval_iters: int,
+                       prompts_per_iter: int) -> List[int]:
+    """Validation prompt indices of the evaluation after optimizer step `step`.
+
+    eval_iters -1: all of them. eval_iters N > 0: N * prompts_per_iter indices, continuing
+    cyclically after the previous evaluations' (those at the multiples of eval_steps before
+    `step`), so the sequence is a pure function of the step and survives a resume.
+    """
+    if eval_iters < 0:
+        return list(range(num_prompts))
+    count = eval_iters * prompts_per_iter
+    earlier = step // eval_steps - (1 if step % eval_steps == 0 else 0)
+    start = earlier * count
+    return [(start + i) % num_prompts for i in range(count)]
+
+
+class _WithGenerations:
+    """An engine whose `generate` samples n completions per prompt (num_generations_eval)."""
+
+    def __init__(self, engine, n: int) -> None:
+        self.engine, self.n = engine, n
+        self.tp_size = getattr(engine, "tp_size", 1)
+
+    def generate(self, prompt_ids):
+        return self.engine.generate(prompt_ids, num_generations=self.n)
+
+
+def _concat(parts: List[GenerationBatch]) -> GenerationBatch:
+    return GenerationBatch([s for p in parts for s in p.samples],
+                           [t for p in parts for t in p.texts], [q for p in parts for q in p.prompts],
+                           torch.cat([p.rewards_per_func for p in parts], dim=0))
+
+
+def evaluation_metrics(batch: GenerationBatch, num_generations: int, reward_names, *,
+                       reward_weights=None, scale_rewards="group") -> dict:
+    """eval/* metrics of a scored evaluation batch (num_generations completions per prompt,
+    contiguous): ms-swift's reward metrics and the completion lengths."""
+    per_func = batch.rewards_per_func.double()                              # [N, F]
+    weights = torch.ones(per_func.shape[1], dtype=torch.float64) if reward_weights is None \
+        else torch.as_tensor(reward_weights, dtype=torch.float64)
+    rewards = (per_func * weights).nansum(dim=1)                            # [N]
+    metrics = reward_metrics(rewards, per_func, num_generations, scale_rewards, reward_names)
+    lengths = torch.tensor([len(s.completion_ids) for s in batch.samples], dtype=torch.float64)
+    metrics.update({
+        "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": sum(s.truncated for s in batch.samples) / len(batch.samples),
+    })
+    return {f"eval/{k}": float(v) for k, v in metrics.items()}
+
+
+class Evaluator:
+    """Runs the evaluation phase of the loop; holds what it needs from the run.
+
+    sync: streams the policy's weights into vLLM (trainer.sync_weights), for an evaluation
+    on a step that did not sync. logger: the RunLogger (eval completions with
+    --log_completions go to eval_completions.jsonl).
+    """
+
+    def __init__(self, cfg, dataset, *, engine, tokenizer, render, reward_funcs, reward_names,
+                 policy, total_steps: int, sync: Callable[[], object], logger) -> None:
+        e, g = cfg.evaluation, cfg.grpo
+        self.cfg, self.dataset, self.policy, self.engine = cfg, dataset, policy, engine
+        self.tokenizer, self.render = tokenizer, render
+        self.reward_funcs, self.reward_names = reward_funcs, list(reward_names)
+        self.total_steps, self.sync, self.logger = total_steps, sync, logger
+        self.n = e.num_generations_eval
+        # Prompts per engine call: a generation batch's worth of completions.
+        self.chunk = max(1, g.generation_batch_size // self.n)
+        self.prompts_per_iter = max(1, cfg.training.global_batch_size // self.n)
+
+    def maybe_evaluate(self, step: int, *, vllm_fresh: bool) -> dict:
+        """eval/* metrics after optimizer step `step` ({} when this step does not evaluate).
+
+        vllm_fresh: vLLM received this step's weights (the loop synced; the next thing it
+        does is generate, so vLLM stays awake). Otherwise vLLM is synced here first and put
+        back to sleep afterwards, as the loop left it.
+        """
+        e = self.cfg.evaluation
+        if not should_evaluate(step, e.eval_steps, self.total_steps):
+            return {}
+        t0 = time.perf_counter()
+        if not vllm_fresh:
+            self.sync()
+        index = evaluation_prompts(len(self.dataset), step, eval_steps=e.eval_steps,
+                                   eval_iters=e.eval_iters, prompts_per_iter=self.prompts_per_iter)
+        _hand_over_to_vllm(self.cfg, self.policy)
+        try:
+            batch = _concat([self._generate(index[i:i + self.chunk])
+                             for i in range(0, len(index), self.chunk)])
+        finally:
+            _take_back(self.cfg, self.policy, self.engine, keep_awake=vllm_fresh)
+        metrics = evaluation_metrics(batch, self.n, self.reward_names,
+                                     reward_weights=self.cfg.reward.reward_weights,
+                                     scale_rewards=self.cfg.grpo.scale_rewards)
+        metrics["timing/eval"] = time.perf_counter() - t0
+        self._log(step, index, batch, metrics)
+        return metrics
+
+    def _generate(self, prompt_indices: List[int]) -> GenerationBatch:
+        return generate_and_score(
+            engine=_WithGenerations(self.engine, self.n), tokenizer=self.tokenizer,
+            dataset=self.dataset, prompt_indices=prompt_indices, reward_funcs=self.reward_funcs,
+            num_generations=self.n, render=self.render,
+            max_prompt_length=self.cfg.data.max_length)
+
+    def _log(self, step: int, index: List[int], batch: GenerationBatch, metrics: dict) -> None:
+        rows = [i for i in index for _ in range(self.n)]
+        extra = {"prompt_index": rows}
+        for name, values in self.dataset.columns.items():   # e.g. solution, as in training
+            extra[name] = [values[i] for i in rows]
+        self.logger.completions(step, batch.prompts, batch.texts, batch.rewards_per_func.tolist(),
+                                self.reward_names, extra=extra, file="eval_completions.jsonl")
+        if dist.get_rank() == 0:
+            shown = ", ".join(f"{k[5:]}={metrics[k]:.4g}" for k in
+                              ["eval/reward", "eval/reward_std", "eval/completions/mean_length"])
+            print(f"[megatron-grpo] eval at step {step}: {len(index)} prompts x {self.n}: {shown}",
+                  flush=True)
+
+
+def build_evaluator(cfg, dataset, **kwargs) -> Optional[Evaluator]:
+    """An Evaluator, or None when the run does not evaluate (no validation set, eval_iters 0)."""
+    if dataset is None or cfg.evaluation.eval_iters == 0:
+        return None
+    if cfg.data.max_length and cfg.data.truncation_strategy == "delete":
+        from ..data import drop_long_prompts
+
+        tok, render = kwargs["tokenizer"], kwargs["render"]
+        try:
+            dataset, dropped = drop_long_prompts(dataset, lambda m: len(tok(
+                render(tok, m), add_special_tokens=False)["input_ids"]), cfg.data.max_length)
+        except ValueError as e:    # its message is about --dataset
+            raise ValueError(str(e).replace("prompt of --dataset", "validation prompt")) from None
+        if dropped and dist.get_rank() == 0:
+            print(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} validation "
+                  f"prompts longer than --max_length {cfg.data.max_length}; {len(dataset)} left",
+                  flush=True)
+    return Evaluator(cfg, dataset, **kwargs)
+
+
+# ---- memory hand-over around the evaluation's generation (colocate mode) --------------------
+# As the loop's own hand-over (trainer._before_generation / _after_generation), except that
+# after an evaluation on a step that synced vLLM stays awake: the loop generates next.
+
+def _hand_over_to_vllm(cfg, policy) -> None:
+    from ..rollout.offload import offload_model, offload_optimizer
+
+    r = cfg.rollout
+    if policy.staging is not None and policy.staging.device.type != "cpu":
+        policy.staging = None
+    if r.vllm_mode != "colocate":
+        return
+    if r.offload_model:
+        offload_model(policy.chunks)
+    if r.offload_optimizer:
+        offload_optimizer(policy.optimizer)
+
+
+def _take_back(cfg, policy, engine, *, keep_awake: bool) -> None:
+    from ..rollout.offload import onload_model, onload_optimizer
+    from ..rollout.weights import sleep
+
+    r = cfg.rollout
+    if r.vllm_mode != "colocate":
+        return
+    if not keep_awake:
+        sleep(engine, r.sleep_level)
+    if r.offload_optimizer:
+        onload_optimizer(policy.optimizer)
+    if r.offload_model:
+        onload_model(policy.chunks)
