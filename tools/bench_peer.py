@@ -358,6 +358,7 @@ def summarize(run: SideRun, warmup: int) -> dict:
     rows = run.rows[warmup:] if len(run.rows) > warmup else run.rows
     gen_s = sum(r["generate"] for r in rows)
     out = {"steps": len(run.rows), "wall_s": run.wall_s, "startup_s": run.startup_s,
+           "load": run.info.get("load"),
            "step_s": statistics.median(r["step_s"] for r in rows),
            "gen_tokens_per_s": sum(r["tokens"] for r in rows) / gen_s if gen_s > 0 else math.nan}
     for p in PHASES:
@@ -392,9 +393,11 @@ def format_summary(side: str, rnd: int, s: dict) -> str:
     reward = (f"{s['reward'][1]:.3f} -> {s['reward'][2]:.3f} (k={s['reward'][0]})"
               if "reward" in s else "n/a")
     split = " ".join(f"{p} {s[p]:.3f}" for p in PHASES)
+    load = (f" | load avg {s['load'][0]:.1f} -> {s['load'][1]:.1f}"
+            if s.get("load") else "")
     return (f"  {side:<4} round {rnd}: median step {s['step_s']:.3f} s | wall {s['wall_s']:.1f} s "
             f"| start-up {s['startup_s']:.1f} s | {s['steps']} steps | split (median s) {split} "
-            f"| gen {s['gen_tokens_per_s']:.0f} tok/s | reward first k -> last k {reward}")
+            f"| gen {s['gen_tokens_per_s']:.0f} tok/s | reward first k -> last k {reward}{load}")
 
 
 # --------------------------------------------------------------------------- running
@@ -421,6 +424,7 @@ def run_ours(shape: Shape, model_dir: str, work: str, extra: list[str], nproc: i
           flush=True)
     metrics = os.path.join(out, "metrics.jsonl")
     seen: dict = {}
+    load0 = os.getloadavg()[0]
     t0 = time.time()
     with open(os.path.join(work, "ours.log"), "w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -434,7 +438,8 @@ def run_ours(shape: Shape, model_dir: str, work: str, extra: list[str], nproc: i
                          "(--keep DIR keeps it)")
     rows = [json.loads(line) for line in open(metrics)]
     startup = seen.get("t", t0) - t0 - rows[0]["timing/step"]
-    return SideRun(ours_rows(rows, completions_per_generation), wall, startup)
+    return SideRun(ours_rows(rows, completions_per_generation), wall, startup,
+                   {"load": (load0, os.getloadavg()[0])})
 
 
 def venv_python(venv: str) -> str:
@@ -468,6 +473,7 @@ def run_trl(venv: str, spec: dict, work: str) -> tuple[SideRun, dict]:
     cmd = [venv_python(venv), os.path.join(ROOT, "tools", "peer_trl_grpo.py"), path]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
     print(f"[bench_peer] trl: {' '.join(cmd)}", flush=True)
+    load0 = os.getloadavg()[0]
     t0 = time.time()
     with open(os.path.join(work, "trl.log"), "w") as log:
         rc = subprocess.call(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -479,7 +485,8 @@ def run_trl(venv: str, spec: dict, work: str) -> tuple[SideRun, dict]:
         res = json.load(f)
     cpg = spec["grpo_config"]["per_device_train_batch_size"] * \
         spec["grpo_config"]["steps_per_generation"]
-    return SideRun(trl_rows(res["rows"], cpg), wall, res["t_first_step_begin"] - t0), res
+    return SideRun(trl_rows(res["rows"], cpg), wall, res["t_first_step_begin"] - t0,
+                   {"load": (load0, os.getloadavg()[0])}), res
 
 
 def build_model(shape: Shape, work: str) -> str:
