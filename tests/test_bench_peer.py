@@ -156,3 +156,38 @@ def test_ratios_take_medians_over_rounds_and_line_format():
                                              "wall_ratio=2.000 gen_tokens_per_s_ratio=2.000")
     r = bp.ratios(ours, [dict(trl[0], gen_tokens_per_s=math.nan)])
     assert math.isnan(r["gen_tokens_per_s_ratio"])
+
+
+def test_two_optimizer_steps_per_generation(model_dir):
+    flat, spg = resolved("quickstart", model_dir, "--generation_batch_size", "64")
+    assert spg == 2
+    c = bp.trl_config(flat, "/out")
+    # 64 completions per generation in micro-batches of 8; 4 of them per optimizer step.
+    assert (c["steps_per_generation"], c["gradient_accumulation_steps"]) == (8, 4)
+    ours, trl = bp.ours_settings(flat, 2, spg), bp.trl_settings(c, threads=2)
+    assert ours["steps_per_generation"] == trl["steps_per_generation"] == "2"
+    assert "steps_per_generation" not in _keys(bp.settings_differ(ours, trl))
+    assert bp.trl_spec(flat, spg, "/w", 2)["generation_batches"] == 16   # ceil(30 / 2) + 1
+
+
+def test_profile_step_table_ranks_by_self_and_cumulative_time():
+    import cProfile
+    import pstats
+
+    from tools.profile_step import cprofile_table
+
+    def leaf():
+        return sum(i * i for i in range(20000))
+
+    def parent():
+        return [leaf() for _ in range(3)]
+
+    prof = cProfile.Profile()
+    prof.runcall(parent)
+    lines = cprofile_table(pstats.Stats(prof), top=3).splitlines()
+    assert lines[0].endswith("(by self time)") and lines[4].endswith("(by cumulative time)")
+    assert len(lines) == 8
+    # The caller is among the top by cumulative time (its list comprehension and leaf can
+    # nearly tie with it); paths are shortened to the repository's.
+    assert any("parent (tests/test_bench_peer.py" in x for x in lines[5:8])
+    assert any("genexpr" in x or "leaf" in x for x in lines[1:4])    # the work, by self time

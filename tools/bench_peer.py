@@ -236,6 +236,7 @@ def ours_settings(flat: dict, nproc: int, steps_per_generation: int) -> dict:
         accumulation=flat["global_batch_size"] // (mbs * dp),
         completions_per_step=flat["global_batch_size"],
         completions_per_generation=flat["generation_batch_size"],
+        steps_per_generation=steps_per_generation,
         num_generations=flat["num_generations"],
         max_completion_length=flat["max_completion_length"],
         temperature=flat["temperature"], top_p=flat["top_p"],
@@ -280,6 +281,7 @@ def trl_settings(args: dict, threads: int) -> dict:
     common = dict(
         micro_batch=mbs, accumulation=ga, completions_per_step=mbs * ga,
         completions_per_generation=mbs * args["steps_per_generation"],
+        steps_per_generation=args["steps_per_generation"] // ga,
         num_generations=args["num_generations"],
         max_completion_length=args["max_completion_length"],
         temperature=args["temperature"], top_p=args["top_p"],
