@@ -191,3 +191,10 @@ def test_profile_step_table_ranks_by_self_and_cumulative_time():
     # nearly tie with it); paths are shortened to the repository's.
     assert any("parent (tests/test_bench_peer.py" in x for x in lines[5:8])
     assert any("genexpr" in x or "leaf" in x for x in lines[1:4])    # the work, by self time
+
+
+def test_trl_venv_never_clears_a_folder_that_is_not_a_venv(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="--trl-venv .* not a virtual environment"):
+        bp.ensure_trl_venv(str(tmp_path))
+    assert (tmp_path / "keep.txt").read_text() == "mine"

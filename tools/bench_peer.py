@@ -457,10 +457,14 @@ def ensure_trl_venv(venv: str) -> dict:
         r = subprocess.run([py, "-c", probe], capture_output=True, text=True)
         if r.returncode == 0:
             return json.loads(r.stdout.strip().splitlines()[-1])
+    if os.path.isdir(venv) and os.listdir(venv) \
+            and not os.path.exists(os.path.join(venv, "pyvenv.cfg")):
+        raise SystemExit(f"--trl-venv {venv!r} is a folder that is not a virtual environment; "
+                         "pass a new path or an existing venv (it is never cleared)")
     print(f"[bench_peer] installing trl=={TRL_VERSION} and torch=={TORCH_VERSION} into {venv} "
           "(first use; a few minutes)", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(venv)), exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     subprocess.run([py, "-m", "pip", "install", "--quiet", f"torch=={TORCH_VERSION}",
                     f"trl=={TRL_VERSION}"], check=True)
     r = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True)
