@@ -313,13 +313,13 @@ def _any_rank(flag: bool) -> bool:
 
 
 def _sharded_state_dict(chunks, optimizer, scheduler, is_loading: bool,
-                        optim_sharding_type: str) -> dict:
+                        optim_sharding_type: str, extra_metadata: Optional[dict] = None) -> dict:
     # Megatron's own key names: "model" for one chunk, "model{i}" per virtual stage.
     # Keys inside are global (layer numbers offset by stage), so the dict structure
     # need not match between save and load.
     metadata = {"distrib_optim_sharding_type": optim_sharding_type,
                 # New-style keys without a "chained_{i}." prefix where that is possible.
-                "chained_optim_avoid_prefix": True}
+                "chained_optim_avoid_prefix": True, **(extra_metadata or {})}
     sd: dict[str, Any] = {}
     if len(chunks) == 1:
         sd["model"] = unwrap(chunks[0]).sharded_state_dict(metadata=dict(metadata))
@@ -457,8 +457,14 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
         raise ValueError(f"{path} holds no LR scheduler state; pass scheduler=None")
     from megatron.core import dist_checkpointing
 
-    sd = _sharded_state_dict(chunks, optimizer, None, True, meta["optim_sharding_type"])
-    loaded = dist_checkpointing.load(sd, os.path.join(path, "dist"))
+    from .model.kv_replication import checkpoint_load_metadata
+
+    dist_dir = os.path.join(path, "dist")
+    # Replicated kv heads saved by an older version load only at their own TP (ValueError).
+    qkv_metadata = checkpoint_load_metadata(dist_dir, chunks, path)
+    sd = _sharded_state_dict(chunks, optimizer, None, True, meta["optim_sharding_type"],
+                             qkv_metadata)
+    loaded = dist_checkpointing.load(sd, dist_dir)
     if len(chunks) == 1:
         unwrap(chunks[0]).load_state_dict(loaded["model"])
     else:
