@@ -6,7 +6,8 @@
     megatron export --to_hf true --mcore_model MCORE_DIR --output_dir HF_OUT
 
 --to_mcore: HF safetensors -> the bridge's load -> a Megatron distributed checkpoint
-(`dist_checkpointing`, so it loads under any other TP/PP/VPP), plus the HF config and
+(`dist_checkpointing`, so it loads under any other TP/PP/VPP, kv heads fewer than TP
+included: model/kv_replication.py), plus the HF config and
 tokenizer files in `MCORE_DIR/hf_config/` (what --to_hf needs to rebuild the model).
 --to_hf: the distributed checkpoint loaded at this run's TP/PP -> the bridge's export
 stream -> safetensors shards (rank 0 writes) plus the config and tokenizer files.

@@ -12,7 +12,8 @@ Layout of `out/checkpoint-{step}/` (`out/latest` names the newest committed one)
     dist/             Megatron distributed checkpoint: model ("model", or "model0", ...
                       per virtual stage), optimizer, LR scheduler. Tensors are stored by
                       global name and offset: weights and (default sharding) optimizer
-                      state load under another TP / PP / VPP / DP.
+                      state load under another TP / PP / VPP / DP, also with fewer kv
+                      heads than TP (saved unreplicated: model/kv_replication.py).
     rank_00000.pt ..  per global rank: RNG states and `extra_state`. Restored only under
                       the saving layout (RNG streams belong to a rank); otherwise rank 0's
                       `extra_state` is returned and the RNG is left alone.

@@ -80,7 +80,7 @@ def test_tp2_pp2_checkpoint_exports_on_one_process(hf_model, tmp_path):
 
 
 # ---------------------------------------------------------------- load: TP1 -> TP2
-def _logits_and_loss(rank, world, hf, mcore, save):
+def _logits_and_loss(rank, world, hf, mcore, save, save_metadata=None):
     """Build at TP=world, load the HF weights and save (save=True) or load `mcore`; the
     HF-vocab logits [B, S, V] and the token-mean cross-entropy of one fixed batch."""
     from megatron.core import dist_checkpointing
@@ -99,7 +99,7 @@ def _logits_and_loss(rank, world, hf, mcore, save):
         if rank == 0:
             os.makedirs(mcore)
         torch.distributed.barrier()
-        dist_checkpointing.save(_sharded_state_dict(chunks), mcore)
+        dist_checkpointing.save(_sharded_state_dict(chunks, save_metadata), mcore)
     else:
         meta = checkpoint_load_metadata(mcore, chunks, mcore)
         state = dist_checkpointing.load(_sharded_state_dict(chunks, meta), mcore)
@@ -217,7 +217,32 @@ def _legacy_checkpoint(path, layers, groups, heads=4, head_dim=16, hidden=64):
               torch.zeros(layers, rows, hidden)}, checkpoint_id=str(path), no_dist=True)
 
 
+def _load_error(rank, world, hf, mcore):
+    try:
+        _logits_and_loss(rank, world, hf, mcore, False)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
 def test_legacy_replicated_checkpoint_loads_at_its_own_tp_only(hf_model, tmp_path):
+    """The replicated layout of older versions (written here with the legacy flag) loads
+    at the TP that wrote it and is refused, naming that TP, at another one."""
+    from megatron_grpo.model.kv_replication import LEGACY_QKV_METADATA_KEY
+
+    mcore = str(tmp_path / "legacy")
+    (saved_logits, _, _), _ = run_distributed(
+        _logits_and_loss, 2, args=(str(hf_model), mcore, True, {LEGACY_QKV_METADATA_KEY: True}),
+        timeout=300)
+    for logits, _, meta in run_distributed(_logits_and_loss, 2,
+                                           args=(str(hf_model), mcore, False), timeout=300):
+        assert meta == {LEGACY_QKV_METADATA_KEY: True}
+        torch.testing.assert_close(logits, saved_logits, atol=0, rtol=0)
+    error, = run_distributed(_load_error, 1, args=(str(hf_model), mcore), timeout=300)
+    assert "saved by an older version at tensor parallel size 2" in error, error
+
+
+def test_legacy_replicated_checkpoint_refused_before_start_up(hf_model, tmp_path):
     from bridge.convert import check_args
 
     mcore = tmp_path / "mcore"
