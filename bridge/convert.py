@@ -6,7 +6,8 @@
     megatron export --to_hf true --mcore_model MCORE_DIR --output_dir HF_OUT
 
 --to_mcore: HF safetensors -> the bridge's load -> a Megatron distributed checkpoint
-(`dist_checkpointing`, so it loads under any other TP/PP/VPP), plus the HF config and
+(`dist_checkpointing`, so it loads under any other TP/PP/VPP, kv heads fewer than TP
+included: model/kv_replication.py), plus the HF config and
 tokenizer files in `MCORE_DIR/hf_config/` (what --to_hf needs to rebuild the model).
 --to_hf: the distributed checkpoint loaded at this run's TP/PP -> the bridge's export
 stream -> safetensors shards (rank 0 writes) plus the config and tokenizer files.
@@ -92,7 +93,7 @@ def check_args(argv: list[str], world_size: int) -> ConvertArgs:
     if not src or not os.path.isdir(src):
         raise ValueError(f"{src_flag} {src!r}: not a folder; it must name the checkpoint to convert")
     if a.to_hf:
-        _check_query_groups(a)               # resolves the source: raises naming what is missing
+        _check_qkv_layout(a)                 # resolves the source: raises naming what is missing
     if a.context_parallel_size < 1:
         raise ValueError(f"--context_parallel_size {a.context_parallel_size} must be >= 1")
     if a.context_parallel_size > 1 and a.test_convert_precision:
@@ -157,23 +158,19 @@ def mcore_source(path: str) -> McoreSource:
     return McoreSource(path, hf_dir, saved_tp, None, path)
 
 
-def _check_query_groups(a: ConvertArgs) -> None:
-    """With fewer kv heads than TP, Megatron runs with `tp` query groups holding kv replicas
-    (model/config.py): the saved layout then depends on the TP it was saved at."""
+def _check_qkv_layout(a: ConvertArgs) -> None:
+    """A checkpoint loads at any TP, except one an older version wrote with fewer kv heads
+    than TP (a replicated, TP-dependent layout): that one only at the TP that wrote it."""
+    from megatron_grpo.model.kv_replication import legacy_replicated_layout, saved_query_groups
+
     src = mcore_source(a.mcore_model)
-    saved_tp = src.saved_tp
-    if saved_tp is None:
-        return
     with open(os.path.join(src.hf_dir, "config.json")) as f:
         hf = json.load(f)
-    kv = hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    groups = lambda tp: max(kv, tp)  # noqa: E731 - Megatron's num_query_groups at that TP
-    if groups(saved_tp) != groups(a.tensor_model_parallel_size):
-        raise ValueError(
-            f"--tensor_model_parallel_size {a.tensor_model_parallel_size}: {a.mcore_model!r} was "
-            f"saved at tensor parallel size {saved_tp} with the model's {kv} kv heads replicated "
-            f"to {groups(saved_tp)} query groups, a layout that only loads at a tensor parallel "
-            f"size giving the same number of groups; use --tensor_model_parallel_size {saved_tp}")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    legacy_replicated_layout(saved_query_groups(src.dist_dir, heads, head_dim), heads=heads,
+                             kv_heads=hf.get("num_key_value_heads") or heads,
+                             tp=a.tensor_model_parallel_size, where=repr(a.mcore_model))
 
 
 def copy_hf_side_files(src: str, dst: str) -> None:
@@ -190,12 +187,13 @@ def _default_dtype(hf_config: dict) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
 
 
-def _sharded_state_dict(chunks) -> dict:
+def _sharded_state_dict(chunks, metadata: dict | None = None) -> dict:
     from .params import unwrap
 
     if len(chunks) == 1:
-        return {"model": unwrap(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        return {"model": unwrap(chunks[0]).sharded_state_dict(metadata=dict(metadata or {}))}
+    return {f"model{i}": unwrap(c).sharded_state_dict(metadata=dict(metadata or {}))
+            for i, c in enumerate(chunks)}
 
 
 def _finish(tmp: str, out: str) -> None:
@@ -368,7 +366,10 @@ def main(argv: list[str]) -> int:
 
         if rank == 0:
             print(f"megatron export: reading {src.path}", flush=True)
-        state = dist_checkpointing.load(_sharded_state_dict(chunks), src.dist_dir)
+        from megatron_grpo.model.kv_replication import checkpoint_load_metadata
+
+        metadata = checkpoint_load_metadata(src.dist_dir, chunks, repr(a.mcore_model))
+        state = dist_checkpointing.load(_sharded_state_dict(chunks, metadata), src.dist_dir)
         from .params import unwrap
 
         for i, chunk in enumerate(chunks):

@@ -12,7 +12,8 @@ Layout of `out/checkpoint-{step}/` (`out/latest` names the newest committed one)
     dist/             Megatron distributed checkpoint: model ("model", or "model0", ...
                       per virtual stage), optimizer, LR scheduler. Tensors are stored by
                       global name and offset: weights and (default sharding) optimizer
-                      state load under another TP / PP / VPP / DP.
+                      state load under another TP / PP / VPP / DP, also with fewer kv
+                      heads than TP (saved unreplicated: model/kv_replication.py).
     rank_00000.pt ..  per global rank: RNG states and `extra_state`. Restored only under
                       the saving layout (RNG streams belong to a rank); otherwise rank 0's
                       `extra_state` is returned and the RNG is left alone.
@@ -313,13 +314,13 @@ def _any_rank(flag: bool) -> bool:
 
 
 def _sharded_state_dict(chunks, optimizer, scheduler, is_loading: bool,
-                        optim_sharding_type: str) -> dict:
+                        optim_sharding_type: str, extra_metadata: Optional[dict] = None) -> dict:
     # Megatron's own key names: "model" for one chunk, "model{i}" per virtual stage.
     # Keys inside are global (layer numbers offset by stage), so the dict structure
     # need not match between save and load.
     metadata = {"distrib_optim_sharding_type": optim_sharding_type,
                 # New-style keys without a "chained_{i}." prefix where that is possible.
-                "chained_optim_avoid_prefix": True}
+                "chained_optim_avoid_prefix": True, **(extra_metadata or {})}
     sd: dict[str, Any] = {}
     if len(chunks) == 1:
         sd["model"] = unwrap(chunks[0]).sharded_state_dict(metadata=dict(metadata))
@@ -457,8 +458,14 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
         raise ValueError(f"{path} holds no LR scheduler state; pass scheduler=None")
     from megatron.core import dist_checkpointing
 
-    sd = _sharded_state_dict(chunks, optimizer, None, True, meta["optim_sharding_type"])
-    loaded = dist_checkpointing.load(sd, os.path.join(path, "dist"))
+    from .model.kv_replication import checkpoint_load_metadata
+
+    dist_dir = os.path.join(path, "dist")
+    # Replicated kv heads saved by an older version load only at their own TP (ValueError).
+    qkv_metadata = checkpoint_load_metadata(dist_dir, chunks, path)
+    sd = _sharded_state_dict(chunks, optimizer, None, True, meta["optim_sharding_type"],
+                             qkv_metadata)
+    loaded = dist_checkpointing.load(sd, dist_dir)
     if len(chunks) == 1:
         unwrap(chunks[0]).load_state_dict(loaded["model"])
     else:

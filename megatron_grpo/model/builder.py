@@ -98,6 +98,10 @@ def build_model(config, args: ModelArgs, use_te: bool | None = None,
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
+    # Replicated kv heads are saved in the TP-independent HF-grouped layout.
+    from .kv_replication import install_grouped_qkv_checkpointing
+
+    install_grouped_qkv_checkpointing(chunks, config, args)
     if wrap_with_ddp:
         chunks = wrap_ddp(config, chunks)
     return chunks
