@@ -1,8 +1,10 @@
-"""Context-parallel core attention for Megatron's local (non-Transformer-Engine) layer spec.
+"""Core attention of the project's own for Megatron's local (non-Transformer-Engine) layer
+spec: context parallelism and packed sequences.
 
-Megatron-Core's `DotProductAttention` refuses context parallelism and Transformer
-Engine (whose attention does CP) exists only on GPUs. This module takes the
-local attention's place when --context_parallel_size > 1 without TE.
+Megatron-Core's `DotProductAttention` refuses context parallelism and packed sequences
+(`packed_seq_params`), and Transformer Engine (whose attention does both) exists only on
+GPUs. This module takes the local attention's place when --context_parallel_size > 1
+or --padding_free true without TE.
 
 Layout (see `data/cp_split.py`): the sequence, padded to a multiple of 2*cp, is cut
 into 2*cp chunks and CP rank r holds chunks r and 2*cp-1-r, in that order. Megatron's
@@ -17,13 +19,25 @@ sequence order: softmax and the weighted sum over keys do not depend on the key
 order, only the mask needs each key's global position. Memory is O(s) for K/V and
 O(s/cp * s) for the scores per head.
 
+Packed sequences (THD: `packed_seq_params.qkv_format == "thd"`, query [t, np, hn]): the
+t tokens are sequences one after the other, boundaries at cu_seqlens (the padded ones
+when given: that is the layout). The mask is block-diagonal causal: a token sees the
+earlier tokens of its own sequence only. Rather than one [t, t] score matrix mostly
+masked, each sequence is attended on its own (cost sum_i n_i^2, not (sum_i n_i)^2).
+Under CP every sequence is split in 2*cp chunks (`cp_split.packed_local_positions`):
+rank q holds sequence i at local offsets [cu_i / cp, cu_(i+1) / cp), so after the
+all-gather sequence i's keys are those slices of every rank's block, rank-major, the
+same arrangement as one unpacked sequence of length cu_(i+1) - cu_i. RoPE restarts at 0
+in every sequence: Megatron's `apply_rotary_pos_emb` does that from the same cu_seqlens
+(`_apply_rotary_pos_emb_thd`), on the local spec as on TE's.
+
 Backward: the all-gather's adjoint is a reduce-scatter (every rank's queries
 contribute to the gradient of every rank's keys; rank r keeps the sum for its own
 rows). The rest is autograd through plain tensor math, so the gradient is exact.
 
 Supported: causal self-attention, GQA, attention_dropout 0 (these families), no
 attention mask argument (right padding needs none under a causal mask; padded
-positions are dropped by the loss mask), no packed sequences.
+positions are dropped by the loss mask).
 """
 from __future__ import annotations
 
@@ -115,10 +129,12 @@ def _rope_positions_on_cpu() -> None:
 
 
 class ContextParallelDotProductAttention(MegatronModule):
-    """Drop-in for Megatron's `DotProductAttention` (same constructor and forward) under CP.
+    """Drop-in for Megatron's `DotProductAttention` (same constructor and forward) under CP
+    and/or with packed sequences.
 
     forward: query [sq, b, np, hn], key/value [sq, b, ng, hn] (this rank's chunks)
-    -> context [sq, b, np * hn]. Also correct for cp = 1 (plain causal attention).
+    -> context [sq, b, np * hn]; with packed_seq_params (THD) query [t, np, hn] -> [t, np * hn].
+    Also correct for cp = 1 (plain causal attention).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
@@ -163,33 +179,71 @@ class ContextParallelDotProductAttention(MegatronModule):
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 attention_mask: Optional[Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[Tensor] = None, packed_seq_params=None) -> Tensor:
-        if packed_seq_params is not None:
-            raise ValueError(f"packed sequences (packed_seq_params) are not supported by "
-                             f"{_HINT}; pad the batch to [b, s] and split it with "
-                             "data.cp_split.shard_batch, or use Transformer Engine on GPU")
         if attention_bias is not None:
             raise ValueError(f"attention_bias is not supported by {_HINT}")
         if attention_mask is not None:
             raise ValueError(f"an explicit attention_mask is not supported by {_HINT}: pass "
                              "None (the causal mask is built from global positions; right "
                              "padding is dropped by the loss mask)")
-        if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
+        if attn_mask_type is not None and attn_mask_type not in (AttnMaskType.causal,
+                                                                 AttnMaskType.padding_causal):
             raise ValueError(f"attention mask type {attn_mask_type.name} is not supported by "
                              f"{_HINT}; valid: causal")
-        sq, b, np_, hn = query.shape
         cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        cp_rank = dist.get_rank(self.cp_group) if cp_size > 1 else 0
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params, cp_size, cp_rank)
+        sq = query.shape[0]
         if cp_size > 1 and sq % 2 != 0:
             raise ValueError(f"local sequence length {sq} is odd: under context parallelism "
                              "each rank holds two equal chunks; split the batch with "
                              "data.cp_split.shard_batch (it pads to a multiple of 2*cp)")
-        hv = value.shape[-1]
         if cp_size > 1:
-            # One collective for K and V: [sq, b, ng, hn + hv] -> [cp * sq, ...].
-            kv = _GatherSequence.apply(torch.cat([key, value], dim=-1), self.cp_group)
-            key, value = kv.split([hn, hv], dim=-1)
-            cp_rank = dist.get_rank(self.cp_group)
-        else:
-            cp_rank = 0
+            key, value = self._gather_kv(key, value)
+        mask = _causal_mask(sq, cp_size, cp_rank, str(query.device))
+        return self._attend(query, key, value, mask)
+
+    def _gather_kv(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V of every CP rank, rank-major along dim 0: one collective for both."""
+        hn = key.shape[-1]
+        kv = _GatherSequence.apply(torch.cat([key, value], dim=-1), self.cp_group)
+        return kv.split([hn, value.shape[-1]], dim=-1)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, params, cp_size: int,
+                cp_rank: int) -> Tensor:
+        """THD: query [t, np, hn], key/value [t, ng, h*] (this rank's tokens of every packed
+        sequence) -> [t, np * hv], each sequence attending causally to itself only."""
+        if getattr(params, "qkv_format", "thd") != "thd":
+            raise ValueError(f"packed_seq_params.qkv_format {params.qkv_format!r} is not "
+                             f"supported by {_HINT}; valid: 'thd'")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
+            else params.cu_seqlens_q
+        bounds = [int(c) // cp_size for c in cu.tolist()]       # this rank's offsets
+        t = query.shape[0]
+        if bounds[-1] != t:
+            raise ValueError(f"packed sequences end at {bounds[-1] * cp_size} (cu_seqlens) but "
+                             f"this rank holds {t} tokens x cp {cp_size}; pack with "
+                             "train.packing.pack_micro_batch")
+        if cp_size > 1:
+            key, value = self._gather_kv(key, value)             # [cp * t, ng, h*]
+        outs = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi == lo:
+                continue
+            if cp_size > 1:     # sequence i's slice of every rank's block, rank-major
+                k = torch.cat([key[r * t + lo:r * t + hi] for r in range(cp_size)])
+                v = torch.cat([value[r * t + lo:r * t + hi] for r in range(cp_size)])
+            else:
+                k, v = key[lo:hi], value[lo:hi]
+            mask = _causal_mask(hi - lo, cp_size, cp_rank, str(query.device))
+            outs.append(self._attend(query[lo:hi, None], k[:, None], v[:, None], mask)[:, 0])
+        return torch.cat(outs)                                   # [t, np * hv]
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor) -> Tensor:
+        """query [sq, b, np, hn], key/value [sk, b, ng, h*], mask [sq, sk] (True: hidden)
+        -> context [sq, b, np * hv]."""
+        sq, b, np_, hn = query.shape
+        hv = value.shape[-1]
         # GQA: query head i reads kv group i // (np / ng), as Megatron's repeat_interleave.
         rep = np_ // key.shape[2]
         if rep > 1:
@@ -200,7 +254,6 @@ class ContextParallelDotProductAttention(MegatronModule):
         v = value.permute(1, 2, 0, 3)                   # [b, np, sk, hv]
         # Scale q before the product (fp16/bf16 headroom), softmax in fp32.
         scores = torch.matmul(q * self.softmax_scale, k).float()   # [b, np, sq, sk]
-        mask = _causal_mask(sq, cp_size, cp_rank, str(scores.device))
         # Every query sees at least itself, so no row is fully masked.
         scores = scores.masked_fill(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
