@@ -218,6 +218,9 @@ class ContextParallelDotProductAttention(MegatronModule):
                              f"supported by {_HINT}; valid: 'thd'")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
             else params.cu_seqlens_q
+        if cu is None:
+            raise ValueError(f"packed sequences without boundaries: packed_seq_params needs "
+                             f"cu_seqlens_q (or cu_seqlens_q_padded) for {_HINT}")
         bounds = [int(c) // cp_size for c in cu.tolist()]       # this rank's offsets
         t = query.shape[0]
         if bounds[-1] != t:
