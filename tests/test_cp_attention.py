@@ -49,7 +49,8 @@ def _body(rank, world):
     for name, t in zip("qkv", local):
         result["d" + name] = gather_from_cp(t.grad, dim=0)
 
-    result.update(_packed(attn, rank, world))
+    for i, lengths in enumerate(PACKED):
+        result.update(_packed(attn, rank, world, lengths, f"packed{i}"))
     errors = {}
     for name, call in {
         "packed": lambda: attn(*local, None, packed_seq_params=PackedSeqParams(qkv_format="thd")),
@@ -66,8 +67,8 @@ def _body(rank, world):
     return result, errors
 
 
-def _packed(attn, rank, world):
-    """Packed sequences (THD) of lengths PACKED, each split in 2*cp chunks: this rank's
+def _packed(attn, rank, world, lengths, tag):
+    """Packed sequences (THD) of `lengths`, each split in 2*cp chunks: this rank's
     output and q/k/v gradients, gathered back into the packed order."""
     import torch.distributed as dist
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -75,12 +76,12 @@ def _packed(attn, rank, world):
     from megatron_grpo.data.cp_split import packed_local_positions
 
     g = torch.Generator().manual_seed(1)
-    t = sum(PACKED)
+    t = sum(lengths)
     q, k, v = (torch.randn(t, n, HN, generator=g) for n in (NP, NG, NG))
     w = torch.randn(t, NP * HN, generator=g)
-    cu = torch.tensor([0] + torch.tensor(PACKED).cumsum(0).tolist(), dtype=torch.int32)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=max(PACKED), max_seqlen_kv=max(PACKED))
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
     every = [packed_local_positions(cu.tolist(), world, r) for r in range(world)]
     local = [x[every[rank]].clone().requires_grad_() for x in (q, k, v)]
     out = attn(*local, None, packed_seq_params=params)                 # [t / cp, np * hn]
@@ -93,11 +94,13 @@ def _packed(attn, rank, world):
         for idx, part in zip(every, parts):
             full[idx] = part
         return full
-    return {"packed_out": gather(out), **{f"packed_d{n}": gather(x.grad)
+    return {f"{tag}_out": gather(out), **{f"{tag}_d{n}": gather(x.grad)
                                           for n, x in zip("qkv", local)}}
 
 
-PACKED = [8, 4, 12]       # sequence lengths, multiples of 2*cp
+# Sequence lengths (multiples of 2*cp): close ones are attended as one batch of rows,
+# far-apart ones one by one (model/cp_attention.py `_packed`); both paths are checked.
+PACKED = [[8, 4, 12], [4, 4, 4, 24]]
 
 
 def test_cp2_matches_float64_reference():
@@ -114,21 +117,22 @@ def test_cp2_matches_float64_reference():
             torch.testing.assert_close(got[name].double(), tensor, atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
     # Packed: every sequence attends causally to itself only (float64, one by one).
-    g = torch.Generator().manual_seed(1)
-    t = sum(PACKED)
-    q, k, v = (torch.randn(t, n, HN, generator=g).double().requires_grad_()
-               for n in (NP, NG, NG))
-    w = torch.randn(t, NP * HN, generator=g).double()
-    bounds = [0] + torch.tensor(PACKED).cumsum(0).tolist()
-    ref = torch.cat([_reference(q[a:b, None], k[a:b, None], v[a:b, None])[:, 0]
-                     for a, b in zip(bounds[:-1], bounds[1:])])
-    (ref * w).sum().backward()
-    want = {"packed_out": ref.detach(), "packed_dq": q.grad, "packed_dk": k.grad,
-            "packed_dv": v.grad}
-    for rank, (got, _) in enumerate(results):
-        for name, tensor in want.items():
-            torch.testing.assert_close(got[name].double(), tensor, atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+    for i, lengths in enumerate(PACKED):
+        g = torch.Generator().manual_seed(1)
+        t = sum(lengths)
+        q, k, v = (torch.randn(t, n, HN, generator=g).double().requires_grad_()
+                   for n in (NP, NG, NG))
+        w = torch.randn(t, NP * HN, generator=g).double()
+        bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
+        ref = torch.cat([_reference(q[a:b, None], k[a:b, None], v[a:b, None])[:, 0]
+                         for a, b in zip(bounds[:-1], bounds[1:])])
+        (ref * w).sum().backward()
+        want = {"out": ref.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        for rank, (got, _) in enumerate(results):
+            for name, tensor in want.items():
+                torch.testing.assert_close(got[f"packed{i}_{name}"].double(), tensor,
+                                           atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"rank {rank} packed{i} {name}: {m}")
     errors = results[0][1]
     assert "cu_seqlens" in errors["packed"]
     assert "attention_mask" in errors["mask"]

@@ -23,7 +23,9 @@ Packed sequences (THD: `packed_seq_params.qkv_format == "thd"`, query [t, np, hn
 t tokens are sequences one after the other, boundaries at cu_seqlens (the padded ones
 when given: that is the layout). The mask is block-diagonal causal: a token sees the
 earlier tokens of its own sequence only. Rather than one [t, t] score matrix mostly
-masked, each sequence is attended on its own (cost sum_i n_i^2, not (sum_i n_i)^2).
+masked ((sum_i n_i)^2), the n sequences are attended as a batch of rows (`_packed_plan`:
+n * max_i n_i^2, one product) or, when their lengths are far apart, one by one
+(sum_i n_i^2, a Python loop per layer); the choice changes only speed.
 Under CP every sequence is split in 2*cp chunks (`cp_split.packed_local_positions`):
 rank q holds sequence i at local offsets [cu_i / cp, cu_(i+1) / cp), so after the
 all-gather sequence i's keys are those slices of every rank's block, rank-major, the
@@ -97,6 +99,38 @@ def _causal_mask(local_len: int, cp_size: int, cp_rank: int, device: str) -> Ten
     q_pos = local_positions(total, cp_size, cp_rank)                          # [sq]
     k_pos = torch.cat([local_positions(total, cp_size, r) for r in range(cp_size)])  # [sk]
     return (k_pos.unsqueeze(0) > q_pos.unsqueeze(1)).to(device)
+
+
+@lru_cache(maxsize=64)
+def _packed_plan(cu: tuple, cp_size: int, cp_rank: int, device: str):
+    """Index plan that attends n packed sequences as one batch of n rows.
+
+    cu: padded boundaries of the whole packed row (every rank's tokens). Returns
+    q_idx [n, lq] (this rank's tokens of sequence i, into its [t] tokens), k_idx [n, lk]
+    (sequence i's keys; under CP into the rank-major gathered [cp * t]), mask [n, lq, lk]
+    (True: hidden: a later position, or a slot past the sequence) and q_valid [n, lq].
+    Attention cost n * lq * lk (lq = max length / cp, lk = max length): one batched
+    product instead of a Python loop over the sequences of every layer. Slots past a
+    sequence's end read token 0 and see every key (no all -inf row); they are dropped.
+    """
+    t = cu[-1] // cp_size
+    spans = [(a, b - a) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    longest = max(m for _, m in spans)
+    n, lq = len(spans), longest // cp_size
+    q_idx = torch.zeros((n, lq), dtype=torch.long)
+    q_pos = torch.zeros((n, lq), dtype=torch.long)
+    q_valid = torch.zeros((n, lq), dtype=torch.bool)
+    k_idx = torch.zeros((n, longest), dtype=torch.long)
+    k_pos = torch.full((n, longest), longest, dtype=torch.long)       # past every query
+    for i, (start, m) in enumerate(spans):
+        k, lo = m // cp_size, start // cp_size
+        q_idx[i, :k] = lo + torch.arange(k)
+        q_pos[i, :k] = local_positions(m, cp_size, cp_rank)
+        q_valid[i, :k] = True
+        k_idx[i, :m] = torch.cat([r * t + lo + torch.arange(k) for r in range(cp_size)])
+        k_pos[i, :m] = torch.cat([local_positions(m, cp_size, r) for r in range(cp_size)])
+    mask = (k_pos.unsqueeze(1) > q_pos.unsqueeze(2)) & q_valid.unsqueeze(2)
+    return q_idx.to(device), k_idx.to(device), mask.to(device), q_valid.to(device)
 
 
 def _rope_positions_on_cpu() -> None:
@@ -221,30 +255,44 @@ class ContextParallelDotProductAttention(MegatronModule):
         if cu is None:
             raise ValueError(f"packed sequences without boundaries: packed_seq_params needs "
                              f"cu_seqlens_q (or cu_seqlens_q_padded) for {_HINT}")
-        bounds = [int(c) // cp_size for c in cu.tolist()]       # this rank's offsets
         t = query.shape[0]
-        if bounds[-1] != t:
-            raise ValueError(f"packed sequences end at {bounds[-1] * cp_size} (cu_seqlens) but "
-                             f"this rank holds {t} tokens x cp {cp_size}; pack with "
+        cu = tuple(int(c) for c in cu.tolist())
+        if cu[-1] != t * cp_size:
+            raise ValueError(f"packed sequences end at {cu[-1]} (cu_seqlens) but this rank "
+                             f"holds {t} tokens x cp {cp_size}; pack with "
                              "train.packing.pack_micro_batch")
         if cp_size > 1:
             key, value = self._gather_kv(key, value)             # [cp * t, ng, h*]
+        lengths = [b - a for a, b in zip(cu[:-1], cu[1:]) if b > a]
+        if len(lengths) * max(lengths) ** 2 > 2 * sum(m * m for m in lengths):
+            # Lengths far apart: a batch would mostly score padding; sequence by sequence
+            # costs sum_i m_i^2 (plus Python per sequence, small next to long sequences).
+            return self._packed_loop(query, key, value, cu, cp_size, cp_rank)
+        q_idx, k_idx, mask, q_valid = _packed_plan(cu, cp_size, cp_rank, str(query.device))
+        # [n, lq | lk, heads, h*] -> the [s, b, ...] layout of _attend, b = the sequences
+        out = self._attend(query[q_idx].transpose(0, 1), key[k_idx].transpose(0, 1),
+                           value[k_idx].transpose(0, 1), mask.unsqueeze(1))
+        return out.transpose(0, 1)[q_valid]                     # [t, np * hv], local order
+
+    def _packed_loop(self, query: Tensor, key: Tensor, value: Tensor, cu: tuple, cp_size: int,
+                     cp_rank: int) -> Tensor:
+        """`_packed` one sequence at a time: sequence i's queries are this rank's tokens
+        [cu_i / cp, cu_(i+1) / cp), its keys that slice of every rank's block, rank-major."""
+        t = query.shape[0]
         outs = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
+        for start, end in zip(cu[:-1], cu[1:]):
+            lo, hi = start // cp_size, end // cp_size
             if hi == lo:
                 continue
-            if cp_size > 1:     # sequence i's slice of every rank's block, rank-major
-                k = torch.cat([key[r * t + lo:r * t + hi] for r in range(cp_size)])
-                v = torch.cat([value[r * t + lo:r * t + hi] for r in range(cp_size)])
-            else:
-                k, v = key[lo:hi], value[lo:hi]
+            k = torch.cat([key[r * t + lo:r * t + hi] for r in range(cp_size)])
+            v = torch.cat([value[r * t + lo:r * t + hi] for r in range(cp_size)])
             mask = _causal_mask(hi - lo, cp_size, cp_rank, str(query.device))
             outs.append(self._attend(query[lo:hi, None], k[:, None], v[:, None], mask)[:, 0])
         return torch.cat(outs)                                   # [t, np * hv]
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor) -> Tensor:
-        """query [sq, b, np, hn], key/value [sk, b, ng, h*], mask [sq, sk] (True: hidden)
-        -> context [sq, b, np * hv]."""
+        """query [sq, b, np, hn], key/value [sk, b, ng, h*], mask broadcastable to
+        [b, np, sq, sk] (True: hidden) -> context [sq, b, np * hv]."""
         sq, b, np_, hn = query.shape
         hv = value.shape[-1]
         # GQA: query head i reads kv group i // (np / ng), as Megatron's repeat_interleave.

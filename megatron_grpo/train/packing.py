@@ -13,8 +13,9 @@ Lengths. Under CP each sequence is padded to m_i, a multiple of 2*cp, and split 
 2*cp chunks (Megatron's THD convention, data/cp_split.py); m_i = n_i otherwise. The
 packed length sum_i m_i is then padded up to `total_length` (every micro-batch of one
 pipeline schedule call needs the same length: the p2p buffers) and to a multiple of
-2*cp*sp (sp: the TP size under sequence parallelism). That padding is one more
-sequence, a filler, which attends to itself only and whose outputs are dropped.
+2*cp*sp (sp: the TP size under sequence parallelism). That padding is a filler: one or
+more sequences no longer than the longest real one, attending to themselves only, their
+outputs dropped.
 
 What `pack_micro_batch` returns for CP rank r (all of it from the padded batch):
 
@@ -90,7 +91,11 @@ def pack_micro_batch(batch: dict, *, cp_size: int = 1, cp_rank: int = 0, sp_size
     real_total = sum(padded)
     total = _round_up(max(real_total, total_length or 0), step * sp_size)
     filler = total - real_total
-    segments, real = padded + ([filler] if filler else []), lengths + ([filler] if filler else [])
+    # The filler as pieces no longer than the longest sequence: attention cost and RoPE
+    # length stay those of the real sequences (each piece a multiple of 2*cp too).
+    longest = max(padded)
+    fill = [longest] * (filler // longest) + ([filler % longest] if filler % longest else [])
+    segments, real = padded + fill, lengths + fill
     cu = [0] + torch.tensor(segments).cumsum(0).tolist()
     cu_real = [0] + torch.tensor(real).cumsum(0).tolist()
     # Widen the padded batch so that a pad column exists past every sequence: CP padding
