@@ -134,7 +134,12 @@ def pack_micro_batch(batch: dict, *, cp_size: int = 1, cp_rank: int = 0, sp_size
 
 
 def packed_seq_params(batch: dict):
-    """Megatron's PackedSeqParams (THD) of a packed micro-batch (tensors on its device)."""
+    """Megatron's PackedSeqParams (THD) of a packed micro-batch (tensors on its device).
+
+    On CPU our core attention reads the padded boundaries (model/cp_attention.py). On GPU
+    Transformer Engine's attention takes all of it as is (Megatron turns the causal mask
+    into padding_causal for thd; under CP TE wants each sequence padded to 2*cp, as here):
+    written for it but NOT yet run on a GPU."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     m = int(batch["max_seqlen"])
