@@ -138,8 +138,9 @@ def _phase(world, tp, pp, cp, sp):
         out.append({"logps": logps, "cases": cases})
     masks = [b["completion_mask"] for b in batches]
     return {"padded": out[0], "packed": out[1], "masks": masks,
-            "where": f"tp={tp} pp={pp} cp={cp} sp={sp}, rank {ps.get_pipeline_model_parallel_rank()}"
-                     f"/{ps.get_tensor_model_parallel_rank()}/{ps.get_context_parallel_rank()}"}
+            "where": f"tp={tp} pp={pp} cp={cp} sp={sp}, rank (pp/tp/cp) "
+                     f"{ps.get_pipeline_model_parallel_rank()}/"
+                     f"{ps.get_tensor_model_parallel_rank()}/{ps.get_context_parallel_rank()}"}
 
 
 def _phases(rank, world, runs):

@@ -91,7 +91,8 @@ def main() -> None:
     from megatron_grpo.algorithms import count_partials, loss_normalizer
     from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
     from megatron_grpo.platform import ParallelDims, init_parallel
-    from megatron_grpo.train import LossOptions, forward_logprobs, micro_batches, train_micro_batches
+    from megatron_grpo.train import (LossOptions, forward_logprobs, micro_batches,
+                                     train_micro_batches)
     from megatron_grpo.train.batch import collate
 
     init_parallel(ParallelDims(world_size=1))
@@ -124,7 +125,8 @@ def main() -> None:
         del chunks
     pad_fraction = 1.0 - real / padded_tokens
     print(f"[bench_packing] {len(samples)} samples, {len(batches)} micro-batches of "
-          f"{a.micro_batch_size}, lengths {min(lengths)}..{longest} (mean {real / len(samples):.0f})"
+          f"{a.micro_batch_size}, lengths {min(lengths)}..{longest} "
+          f"(mean {real / len(samples):.0f})"
           f", model hidden {a.hidden} x {a.layers} layers, vocab {a.vocab}, {a.threads} thread(s)"
           f", {a.clock} clock, best of {a.iters}")
     print(f"{'':8} {'train s':>9} {'train tok/s':>12} {'forward s':>10} {'fwd tok/s':>10}")
