@@ -35,7 +35,8 @@ def test_tables_name_only_ms_swift_flags_and_no_implemented_one():
 @pytest.mark.parametrize("flag, feature", [
     ("moe_permute_fusion", "MoE, issue 16"), ("lora_rank", "LoRA, issue 15"),
     ("multi_turn_scheduler", "multi-turn, issue 17"), ("vit_lr", "vision-language, issue 18"),
-    ("padding_free", "padding-free packing"), ("fp8_format", "fp8/fp4 training"),
+    ("packing", "packing samples into fixed-length bins across the dataset (--padding_free "
+                "true packs each micro-batch)"), ("fp8_format", "fp8/fp4 training"),
     ("metric_for_best_model", "best-checkpoint selection and validation perplexity "
                               "(evaluation logs eval/* rewards)")])
 def test_unsupported_flag_one_line(model_dir, flag, feature):
@@ -44,10 +45,10 @@ def test_unsupported_flag_one_line(model_dir, flag, feature):
 
 
 def test_unsupported_flags_collected_with_others(model_dir):
-    message = error_of(args(model_dir, "--padding_free", "true", "--fp8_format", "e4m3",
+    message = error_of(args(model_dir, "--mlp_padding_free", "true", "--fp8_format", "e4m3",
                             "--lerning_rate", "1e-6", "--epsilon", "x"))
     assert message.startswith("4 problems")
-    assert "--padding_free is an ms-swift option not supported yet (padding-free packing)" in message
+    assert "--mlp_padding_free is an ms-swift option not supported yet (padding-free MLP" in message
     assert "--fp8_format is an ms-swift option not supported yet (fp8/fp4 training)" in message
     assert "Did you mean: --learning_rate" in message and "--epsilon 'x'" in message
 

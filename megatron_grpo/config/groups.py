@@ -156,6 +156,12 @@ class TrainingOptions(_Group):
         help="selective recompute: the parts of each layer to recompute (ms-swift's default "
              "core_attn). The MoE ones (moe, moe_act, shared_experts) come with MoE, issue 16.",
         factory=lambda: ["core_attn"])
+    padding_free: bool = opt(
+        False, "Pack each micro-batch's completions one after the other without padding "
+               "(Megatron's packed sequences, THD with cu_seqlens): no compute on pad tokens; "
+               "the same loss and gradients as padded micro-batches, under TP, PP and CP. "
+               "ms-swift defaults to true; false here until the Transformer Engine (GPU) path "
+               "has run on a GPU (on CPU the project's own attention keeps sequences apart).")
     tuner_type: Literal["full", "lora"] = opt(
         "full", "full: train every parameter (the only one implemented); lora is not supported yet "
                 "(issue 15). ms-swift's old name --train_type is accepted too.")

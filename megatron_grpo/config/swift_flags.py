@@ -216,10 +216,12 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         vit_attn_impl vit_lr aligner_lr max_pixels norm_bbox vllm_limit_mm_per_prompt
         vllm_mm_processor_cache_gb language_model_only mrope_interleaved mrope_section
     """,
-    "padding-free packing": """
-        padding_free mlp_padding_free packing packing_length packing_num_proc packing_strategy
-        sequence_packing_scheduler
+    "packing samples into fixed-length bins across the dataset (--padding_free true packs "
+    "each micro-batch)": """
+        packing packing_length packing_num_proc packing_strategy sequence_packing_scheduler
     """,
+    "padding-free MLP of padded batches (--padding_free true removes the padding "
+    "everywhere)": "mlp_padding_free",
     "best-checkpoint selection and validation perplexity (evaluation logs eval/* rewards)": """
         metric_for_best_model greater_is_better log_validation_ppl_to_tensorboard
     """,

@@ -20,7 +20,15 @@ split moves whole positions, so position t keeps its own label wherever it lands
 Tensors are padded on the right with `pad_value` (0 by default; position ids get
 their own global positions), and `CPShard.valid` marks the padding as invalid:
 every per-token loss must multiply by it (or by a loss mask that is 0 there).
-Packed (THD) sequences are not handled: the local CP attention does not support them.
+
+Packed sequences (THD, `--padding_free true`): several sequences one after the other in
+one row of T tokens, sequence i at [cu[i], cu[i+1]) of the padded offsets `cu`. Under CP
+Megatron's convention (Transformer Engine's, and our local attention's) pads EACH
+sequence to a multiple of 2*cp and splits each one as above: rank r holds chunks r and
+2*cp-1-r of every sequence, sequence after sequence (`packed_local_positions`).
+
+    cu = [0, 4, 12], cp=2:  seq 0 [a0..a3], seq 1 [b0..b7]
+    rank 0: a0 a3 | b0 b1 b6 b7        rank 1: a1 a2 | b2 b3 b4 b5
 """
 from __future__ import annotations
 
@@ -74,6 +82,23 @@ def local_positions(padded_len: int, cp_size: int, cp_rank: int) -> torch.Tensor
                          f"--context_parallel_size = {2 * cp_size}; pad it first "
                          "(padded_length / shard_batch do)")
     return _positions(padded_len, cp_size, cp_rank).clone()   # the cached one stays intact
+
+
+def packed_local_positions(cu_seqlens_padded: Sequence[int], cp_size: int,
+                           cp_rank: int) -> torch.Tensor:
+    """Indices into the packed row [T] of the tokens CP rank `cp_rank` holds, in its order
+    ([T / cp]): for every sequence i, its own load-balanced chunks (`local_positions`)
+    shifted by its offset cu_seqlens_padded[i]. Every sequence length must be a multiple
+    of 2*cp (cp > 1)."""
+    _check_cp(cp_size, cp_rank)
+    cu = [int(c) for c in cu_seqlens_padded]
+    parts = []
+    for start, end in zip(cu[:-1], cu[1:]):
+        if cp_size > 1 and (end - start) % (2 * cp_size):
+            raise ValueError(f"packed sequence [{start}, {end}) has length {end - start}, not a "
+                             f"multiple of 2 * --context_parallel_size = {2 * cp_size}")
+        parts.append(start + local_positions(end - start, cp_size, cp_rank))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def pad_sequence(x: torch.Tensor, padded_len: int, dim: int = 1, value=0) -> torch.Tensor:
@@ -135,6 +160,25 @@ def gather_from_cp(local: torch.Tensor, seq_len: Optional[int] = None, dim: int 
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local, group=group)
     return unsplit(parts, seq_len, dim)
+
+
+def gather_rows_from_cp(local: torch.Tensor, positions: torch.Tensor, seq_len: int,
+                        group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Packed CP (train/packing.py): every rank's row view [b, L] -> [b, seq_len] in
+    sequence order (no autograd). positions [cp, b, L]: each rank's position of each slot
+    in the row (unused slots point past seq_len and are dropped)."""
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    local = local.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    positions = positions.to(local.device)
+    out = local.new_zeros((local.shape[0], max(int(positions.max()) + 1, seq_len)))
+    for part, pos in zip(parts, positions):
+        out.scatter_(1, pos, part)
+    return out[:, :seq_len]
 
 
 @dataclass

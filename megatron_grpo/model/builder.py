@@ -30,8 +30,11 @@ def use_transformer_engine() -> bool:
     return HAVE_TE and torch.cuda.is_available()
 
 
-def layer_spec(config, use_te: bool | None = None):
-    """The block spec: Transformer Engine's layers on GPU, Megatron's local ones elsewhere."""
+def layer_spec(config, use_te: bool | None = None, padding_free: bool = False):
+    """The block spec: Transformer Engine's layers on GPU, Megatron's local ones elsewhere.
+
+    padding_free: the model will read packed sequences (PackedSeqParams, THD). TE's
+    attention takes them as they are; the local spec needs our core attention."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (TransformerBlock,
@@ -55,8 +58,9 @@ def layer_spec(config, use_te: bool | None = None):
             # module (no sequence_parallel tag) would be wrong only under SP; ours is fine.
             attn.q_layernorm = RMSNorm
             attn.k_layernorm = RMSNorm
-        if config.context_parallel_size > 1:
-            # Megatron's local attention refuses CP; ours exchanges K/V across the CP group.
+        if config.context_parallel_size > 1 or padding_free:
+            # Megatron's local attention refuses CP and packed sequences; ours exchanges
+            # K/V across the CP group and keeps packed sequences apart.
             from .cp_attention import ContextParallelDotProductAttention
 
             attn.core_attention = ContextParallelDotProductAttention
@@ -65,8 +69,13 @@ def layer_spec(config, use_te: bool | None = None):
 
 
 def build_model(config, args: ModelArgs, use_te: bool | None = None,
-                wrap_with_ddp: bool = False) -> list:
-    """GPTModel chunks of this rank: one, or one per virtual stage under VPP."""
+                wrap_with_ddp: bool = False, padding_free: bool = False) -> list:
+    """GPTModel chunks of this rank: one, or one per virtual stage under VPP.
+
+    padding_free (--padding_free): the chunks are built for packed micro-batches and
+    carry `padding_free = True`, which train/engine.py reads to pack every micro-batch
+    it feeds them (train/packing.py): the layout is a property of the model built for it,
+    so the model and its inputs cannot disagree."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -74,7 +83,7 @@ def build_model(config, args: ModelArgs, use_te: bool | None = None,
                                                              TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
-    layer, final_norm = layer_spec(config, use_te)
+    layer, final_norm = layer_spec(config, use_te, padding_free)
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -95,6 +104,7 @@ def build_model(config, args: ModelArgs, use_te: bool | None = None,
             rotary_base=args.rotary_base,
             vp_stage=stage,
         )
+        model.padding_free = bool(padding_free)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

@@ -36,7 +36,8 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
     """Pad a micro-batch. Returns a dict of tensors, all [B, S] unless noted.
 
     input_ids, position_ids, targets: int64; completion_mask: bool (targets that are
-    completion tokens); advantages [B]; truncated [B] bool; old_logps / ref_logps /
+    completion tokens); advantages [B]; truncated [B] bool; lengths [B] int64 (model
+    tokens of each row, the rest is padding: what packing keeps); old_logps / ref_logps /
     rollout_logps (float32, 0 outside completions) when every sample has them.
     """
     lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
@@ -69,6 +70,7 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
         "completion_mask": mask,
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "truncated": torch.tensor([s.truncated for s in samples], dtype=torch.bool),
+        "lengths": torch.tensor(lengths, dtype=torch.long),
     }
     out.update(per_token)
     return out

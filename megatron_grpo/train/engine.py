@@ -30,6 +30,14 @@ every CP rank and reduced over DP only.
 The last pipeline stage runs GPTModel up to its final norm only (`_hidden_only`); the
 fused vocab-parallel kernel turns hidden states into log-probs and entropy without
 materialising logits.
+
+Packed micro-batches (`--padding_free true`: chunks built with `padding_free`). Each
+padded micro-batch is packed here (train/packing.py) into [1, T] tokens and
+PackedSeqParams (under CP: this rank's chunks of every sequence); the kernel's
+log-probs and entropy on the packed tokens are put back into the row view [B, L] (the
+padded layout for cp=1, a CP shard's layout under CP) and the loss below runs on that
+unchanged, so every factor above holds as it is. The schedule sees micro-batches of
+size 1 and length T; under PP every micro-batch of one call is packed to the same T.
 """
 from __future__ import annotations
 
@@ -46,6 +54,7 @@ from ..algorithms.policy_loss import LossTypeParams, loss_mask_after_overlong_fi
 from ..kernels import vocab_parallel_logprobs
 from ..model.builder import unwrap
 from .batch import cp_shard
+from .packing import pack_micro_batch, packed_length, packed_seq_params, to_rows
 
 
 @dataclass
@@ -151,26 +160,49 @@ def cp_sequence_sums():
     return lambda partial: _SumOverCP.apply(partial, group)
 
 
+def padding_free(chunks) -> bool:
+    """Whether the chunks were built for packed micro-batches (model.build_model)."""
+    return bool(getattr(unwrap(chunks[0]), "padding_free", False))
+
+
 def _cp_micro_batches(chunks, micro_batches: list[dict]) -> list[dict]:
-    """Each micro-batch as this CP rank's chunks (unchanged without CP)."""
+    """Each micro-batch as this rank feeds it to the model: packed (padding_free), this
+    CP rank's chunks, or unchanged."""
     from megatron.core import parallel_state as ps
 
     cp = ps.get_context_parallel_world_size()
-    if cp == 1:
-        return micro_batches
     # Under sequence parallelism each CP rank's tokens are split again over TP.
     sp = (ps.get_tensor_model_parallel_world_size()
           if unwrap(chunks[0]).config.sequence_parallel else 1)
     rank = ps.get_context_parallel_rank()
+    if padding_free(chunks):
+        # One length for every micro-batch of the call under PP (the p2p buffers).
+        common = max(packed_length(mb, cp, sp) for mb in micro_batches) \
+            if ps.get_pipeline_model_parallel_world_size() > 1 else None
+        return [pack_micro_batch(mb, cp_size=cp, cp_rank=rank, sp_size=sp, total_length=common)
+                for mb in micro_batches]
+    if cp == 1:
+        return micro_batches
     return [cp_shard(mb, cp, rank, sp) for mb in micro_batches]
 
 
-def _gather_cp(local: Optional[torch.Tensor], batch: dict) -> Optional[torch.Tensor]:
-    """[b, S_pad/cp] of each CP rank -> [b, S] in sequence order (no autograd); as is
-    without CP."""
-    from ..data.cp_split import gather_from_cp
+def _model_forward(model, batch: dict) -> torch.Tensor:
+    """GPTModel up to the final norm on a micro-batch, packed or not."""
+    kwargs = {"packed_seq_params": packed_seq_params(batch)} if "cu_seqlens" in batch else {}
+    with _hidden_only(model):
+        return model(batch["input_ids"], batch["position_ids"], None, **kwargs)
 
-    if local is None or "seq_len" not in batch:
+
+def _gather_cp(local: Optional[torch.Tensor], batch: dict) -> Optional[torch.Tensor]:
+    """[b, S_pad/cp] of each CP rank (or a packed micro-batch's row view) -> [b, S] in
+    sequence order (no autograd); as is without CP."""
+    from ..data.cp_split import gather_from_cp, gather_rows_from_cp
+
+    if local is None:
+        return local
+    if "row_positions_all" in batch:
+        return gather_rows_from_cp(local, batch["row_positions_all"], batch["seq_len"])
+    if "seq_len" not in batch or "row_index" in batch:
         return local
     return gather_from_cp(local, seq_len=batch["seq_len"])
 
@@ -195,7 +227,8 @@ def _run_schedule(chunks, micro_batches: list[dict], forward_step, forward_only:
                       for k, v in mb.items()} for mb in micro_batches]
     seq = max(mb["input_ids"].shape[1] for mb in micro_batches)
     mbs = micro_batches[0]["input_ids"].shape[0]
-    if any(mb["input_ids"].shape[1] != seq for mb in micro_batches):
+    if ps.get_pipeline_model_parallel_world_size() > 1 and \
+            any(mb["input_ids"].shape[1] != seq for mb in micro_batches):
         # The pipeline's p2p buffers are sized by seq_length; keep every micro-batch equal.
         raise ValueError("all micro-batches of one schedule call must have the same length; "
                          "collate them with a common pad length")
@@ -227,13 +260,13 @@ def forward_logprobs(chunks, micro_batches: list[dict], *, temperature: float, v
     """
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        with _hidden_only(model):
-            hidden = model(batch["input_ids"], batch["position_ids"], None)
+        hidden = _model_forward(model, batch)
 
         def loss_fn(h):
             logp, ent = _logprobs_from_hidden(model, h, batch["targets"], temperature=temperature,
                                               vocab_size=vocab_size,
                                               compute_entropy=compute_entropy)
+            logp, ent = to_rows(logp, batch), to_rows(ent, batch)     # packed -> [b, s]
             zero = h.new_zeros(())
             return zero, {"logps": _gather_cp(logp, batch), "entropy": _gather_cp(ent, batch)}
         return hidden, loss_fn
@@ -309,13 +342,13 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        with _hidden_only(model):
-            hidden = model(batch["input_ids"], batch["position_ids"], None)
+        hidden = _model_forward(model, batch)
 
         def loss_fn(h):
             logp, ent = _logprobs_from_hidden(model, h, batch["targets"],
                                               temperature=opts.temperature,
                                               vocab_size=vocab_size, compute_entropy=need_entropy)
+            logp, ent = to_rows(logp, batch), to_rows(ent, batch)   # packed -> the row view
             cp_kwargs, coef_kwargs = {}, {}
             if opts.top_entropy_quantile < 1.0 and entropy_threshold_value is not None:
                 cp_kwargs["entropy_threshold_value"] = entropy_threshold_value

@@ -62,7 +62,7 @@ def build_chunks(cfg, load_weights: bool = True):
                        recompute_num_layers=t.recompute_num_layers,
                        recompute_modules=t.recompute_modules),
         attention_backend=cfg.model.attention_backend)
-    chunks = build_model(config, args)
+    chunks = build_model(config, args, padding_free=t.padding_free)
     if load_weights:
         load_hf_weights(chunks, config, args, cfg.model.model)
     return config, args, chunks
