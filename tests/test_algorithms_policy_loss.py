@@ -440,7 +440,7 @@ def test_loss_type_options_reach_the_loss(tmp_path):
     import json
 
     from megatron_grpo.config import parse_rlhf_args
-    from megatron_grpo.trainer import _loss_options
+    from megatron_grpo.train.setup import loss_options as _loss_options
     from tests.test_config_parse import COUNTDOWN
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))

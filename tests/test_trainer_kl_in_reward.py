@@ -1,6 +1,6 @@
 """kl_in_reward: the sequence KL that the trainer takes off each sample's reward.
 
-`trainer.fill_logps` + `trainer.reward_kl_values` run on real Megatron models (DP=2 and
+`train.rollout_step.fill_logps` + `reward_kl_values` run on real Megatron models (DP=2 and
 PP=2 on 2 gloo ranks, a policy and a reference with different weights) and must give,
 on every rank and in the generation batch's order, sum over the completion of
 log p_policy - log p_ref, as HF transformers computes it in float64.
@@ -42,7 +42,7 @@ def _body(rank, world, policy_dir, ref_dir, tp, pp):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.platform import ParallelDims, init_parallel
-    from megatron_grpo.trainer import fill_logps, reward_kl_values
+    from megatron_grpo.train.rollout_step import fill_logps, reward_kl_values
 
     init_parallel(ParallelDims(world_size=world, tp=tp, pp=pp), seed=0)
     args, policy = _chunks(policy_dir, tp, pp)

@@ -58,7 +58,7 @@ def _args(argv=None):
                         "--move_model_batches)")
     p.add_argument("--staging", choices=("fresh", "reuse"), default="reuse",
                    help="reuse: one bridge.BucketBuffer kept across exports (staging=; what "
-                        "the trainer's sync_weights does); fresh: the export allocates its "
+                        "rollout.sync.WeightSync does); fresh: the export allocates its "
                         "bucket buffer at every call. The same for all three paths")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--tp", type=int, default=1,

@@ -341,64 +341,88 @@ def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x))
 
 
+@dataclass(frozen=True)
+class LossConfig:
+    """The options of the per-token loss (ms-swift's names and defaults), built once per run
+    and passed whole to `compute_policy_loss`: a new loss option is a field here, its
+    config option, and its test (STYLE.md, "Options travel whole"). Checked on
+    construction, so a bad value fails before any start-up.
+    """
+    loss_type: str = "grpo"
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None              # None: epsilon
+    delta: Optional[float] = None                     # two-sided clipping cap; None: off
+    importance_sampling_level: str = "token"
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    top_entropy_quantile: float = 1.0
+    overlong_filter: bool = False
+    rollout_importance_sampling_mode: Optional[str] = None
+    rollout_importance_sampling_threshold: float = 2.0
+    loss_params: LossTypeParams = LossTypeParams()    # sapo / fipo options
+
+    def __post_init__(self) -> None:
+        check_option("loss_type", self.loss_type, LOSS_TYPES)
+        check_option("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_option("importance_sampling_level", self.importance_sampling_level,
+                     IMPORTANCE_SAMPLING_LEVELS)
+        if self.rollout_importance_sampling_mode is not None:
+            check_option("rollout_importance_sampling_mode", self.rollout_importance_sampling_mode,
+                         ROLLOUT_IS_MODES)
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile!r} must be in (0, 1]")
+
+
 def compute_policy_loss(
     logps: torch.Tensor,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
+    config: Optional[LossConfig] = None,
     *,
     old_logps: Optional[torch.Tensor] = None,
-    loss_type: str = "grpo",
-    epsilon: float = 0.2,
-    epsilon_high: Optional[float] = None,
-    delta: Optional[float] = None,
-    importance_sampling_level: str = "token",
-    beta: float = 0.0,
     ref_logps: Optional[torch.Tensor] = None,
-    kl_estimator: str = "k3",
-    kl_in_reward: bool = False,
     entropy: Optional[torch.Tensor] = None,
-    top_entropy_quantile: float = 1.0,
     entropy_threshold_value: Optional[torch.Tensor | float] = None,
     truncated: Optional[torch.Tensor] = None,
-    overlong_filter: bool = False,
     rollout_logps: Optional[torch.Tensor] = None,
-    rollout_importance_sampling_mode: Optional[str] = None,
-    rollout_importance_sampling_threshold: float = 2.0,
-    loss_params: LossTypeParams = LossTypeParams(),
     sequence_sums: Optional[SequenceSums] = None,
+    **options,
 ) -> PolicyLossOutput:
     """Per-token GRPO loss of a micro-batch (module docstring gives the formulas).
 
     logps [B, L] current policy log-probs (with grad); advantages [B] or [B, L];
     completion_mask [B, L]; old/ref/rollout logps and entropy [B, L]; truncated [B].
     Padding (completion_mask False) of every [B, L] input may hold anything, NaN/inf too.
-    `loss_params`: the options of sapo (tau_pos/tau_neg) and fipo (fipo_*).
+    `config`: the loss options (`LossConfig`, built once per run); a one-off call may give
+    them as keywords instead (`LossConfig`'s field names), not both.
     `entropy_threshold_value`: the global threshold in distributed use; None computes
     it from this call's loss tokens (under CP pass it: this rank holds part of the rows).
     `sequence_sums`: under CP, the per-row sum reduction (module docstring).
     """
-    check_option("loss_type", loss_type, LOSS_TYPES)
-    check_option("kl_estimator", kl_estimator, KL_ESTIMATORS)
-    check_option("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    if rollout_importance_sampling_mode is not None:
-        check_option("rollout_importance_sampling_mode", rollout_importance_sampling_mode, ROLLOUT_IS_MODES)
-        if rollout_logps is None:
-            raise ValueError(f"rollout_importance_sampling_mode={rollout_importance_sampling_mode!r} "
-                             "needs rollout_logps (the sampling engine's log-probs)")
-    if not 0.0 < top_entropy_quantile <= 1.0:
-        raise ValueError(f"top_entropy_quantile={top_entropy_quantile!r} must be in (0, 1]")
-    use_kl = beta != 0.0 and not kl_in_reward
+    if config is None:
+        config = LossConfig(**options)
+    elif options:
+        raise TypeError(f"compute_policy_loss: pass the loss options either as `config` or as "
+                        f"keywords, not both (got {sorted(options)})")
+    c = config
+    loss_type, beta, top_entropy_quantile = c.loss_type, c.beta, c.top_entropy_quantile
+    if c.rollout_importance_sampling_mode is not None and rollout_logps is None:
+        raise ValueError(f"rollout_importance_sampling_mode={c.rollout_importance_sampling_mode!r} "
+                         "needs rollout_logps (the sampling engine's log-probs)")
+    use_kl = beta != 0.0 and not c.kl_in_reward
     if use_kl and ref_logps is None:
         raise ValueError("beta != 0 with kl_in_reward=False needs ref_logps")
     if top_entropy_quantile < 1.0 and entropy is None:
         raise ValueError(f"top_entropy_quantile={top_entropy_quantile} needs the per-token entropy")
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    epsilon, delta = c.epsilon, c.delta
+    epsilon_high = epsilon if c.epsilon_high is None else c.epsilon_high
     if loss_type == "fipo" and sequence_sums is not None:
         raise ValueError("loss_type='fipo' is not supported with context parallelism yet (its future KL "
                          "runs along whole rows); use --context_parallel_size 1 or another loss_type")
 
     mask = completion_mask.bool()                                          # [B, L]
-    loss_mask = loss_mask_after_overlong_filter(mask, truncated, overlong_filter)
+    loss_mask = loss_mask_after_overlong_filter(mask, truncated, c.overlong_filter)
     # Padding positions of the inputs may hold anything; make them 0 so no NaN/inf reaches
     # either the loss or the gradient.
     logps = _zero_outside(logps, mask)
@@ -408,19 +432,19 @@ def compute_policy_loss(
     adv = _zero_outside(adv, mask)  # per-token advantages have padding too
 
     is_weights = None
-    if rollout_importance_sampling_mode is not None:
+    if c.rollout_importance_sampling_mode is not None:
         is_weights = rollout_is_weights(old, _zero_outside(rollout_logps.detach(), mask), mask,
-                                        rollout_importance_sampling_mode, rollout_importance_sampling_threshold,
-                                        sequence_sums)
+                                        c.rollout_importance_sampling_mode,
+                                        c.rollout_importance_sampling_threshold, sequence_sums)
 
-    log_w = log_importance_weights(logps, old, mask, importance_sampling_level,
+    log_w = log_importance_weights(logps, old, mask, c.importance_sampling_level,
                                    sequence_sums)                              # [B, L] | [B, 1]
     coef1 = torch.exp(log_w)
     per_token = LOSS_TYPES[loss_type](coef1, adv, logps, epsilon, epsilon_high, delta,
-                                      loss_params).expand_as(logps)
+                                      c.loss_params).expand_as(logps)
     fipo = None
     if loss_type == "fipo":
-        fipo = fipo_influence(logps - old, coef1, adv, loss_mask, delta, loss_params)
+        fipo = fipo_influence(logps - old, coef1, adv, loss_mask, delta, c.loss_params)
         per_token = per_token * fipo["influence_weight"]
 
     entropy_mask = threshold = None
@@ -435,7 +459,7 @@ def compute_policy_loss(
 
     per_token_kl = None
     if use_kl:
-        per_token_kl = KL_ESTIMATORS[kl_estimator](logps, _zero_outside(ref_logps.detach(), mask))
+        per_token_kl = KL_ESTIMATORS[c.kl_estimator](logps, _zero_outside(ref_logps.detach(), mask))
         per_token = per_token + beta * per_token_kl
 
     if is_weights is not None:

@@ -3,6 +3,7 @@ and the check that vLLM holds the trainer's weights.
 
     engine.py     RolloutEngine: the Protocol both samplers implement (the trainer's view)
     colocate.py   ColocateEngine: vllm.LLM inside each training rank (external_launcher)
+    sync.py       WeightSync: the trainer's weights into the engine, memory hand-over
     weights.py    load_weight_stream (bucket by bucket, in place), sleep / wake_up
     verify.py     per-tensor fingerprints on both sides; check_weight_sync
     server.py     `megatron rollout`: vLLM's OpenAI server + weight-update routes

@@ -99,37 +99,69 @@ class SamplingOptions:
             raise ValueError(f"num_generations={self.num_generations} must be >= 1")
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """How a colocated engine is built and what it samples: the rollout options of the
+    same names, read once (`train.setup.engine_settings`) and passed whole. The checks
+    that need no vLLM run on construction: a bad option fails in milliseconds."""
+    vllm_tensor_parallel_size: int = 1
+    vllm_gpu_memory_utilization: float = 0.9
+    vllm_max_model_len: Optional[int] = None
+    vllm_enforce_eager: bool = False
+    vllm_enable_prefix_caching: bool = True
+    vllm_max_num_seqs: Optional[int] = None
+    vllm_kv_cache_memory: Union[None, int, str] = None
+    # Sequences the engine holds at once (sizes the CPU KV cache); None:
+    # vllm_max_num_seqs, else one prompt's group.
+    sequences_in_flight: Optional[int] = None
+    vllm_engine_kwargs: Optional[Dict[str, Any]] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    max_completion_length: int = 512
+    num_generations: int = 1
+    seed: int = 42
+    dtype: str = "auto"
+    sleep_level: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must "
+                             "be in (0, 1] (the fraction of GPU memory; not used on CPU)")
+        parse_size(self.vllm_kv_cache_memory)
+        if self.sleep_level not in (0, 1, 2):
+            raise ValueError(f"sleep_level={self.sleep_level!r} must be 0, 1 or 2")
+        self.sampling()
+
+    def sampling(self) -> SamplingOptions:
+        return SamplingOptions(self.temperature, self.top_p, self.top_k, self.repetition_penalty,
+                               self.max_completion_length, self.num_generations)
+
+
 class ColocateEngine:
     """vllm.LLM in this rank, sharing the torch.distributed world with the trainer
-    (a rollout.engine.RolloutEngine; `tp_size`: the ranks of its vLLM TP group)."""
+    (a rollout.engine.RolloutEngine; `tp_size`: the ranks of its vLLM TP group).
 
-    def __init__(self, model: str, *, vllm_tensor_parallel_size: int = 1,
-                 vllm_gpu_memory_utilization: float = 0.9, vllm_max_model_len: Optional[int] = None,
-                 vllm_enforce_eager: bool = False, vllm_enable_prefix_caching: bool = True,
-                 vllm_max_num_seqs: Optional[int] = None,
-                 vllm_kv_cache_memory: Union[None, int, str] = None,
-                 sequences_in_flight: Optional[int] = None,
-                 vllm_engine_kwargs: Optional[Dict[str, Any]] = None,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-                 repetition_penalty: float = 1.0, max_completion_length: int = 512,
-                 num_generations: int = 1, seed: int = 42, dtype: str = "auto",
-                 sleep_level: int = 0) -> None:
+    `settings`: an `EngineSettings`; a one-off caller may give its fields as keywords
+    instead, not both."""
+
+    def __init__(self, model: str, settings: Optional[EngineSettings] = None, **options) -> None:
+        if settings is None:
+            settings = EngineSettings(**options)
+        elif options:
+            raise TypeError(f"ColocateEngine: pass either `settings` or keywords, not both "
+                            f"(got {sorted(options)})")
+        st = self.settings = settings
         # Every check that needs no vLLM runs first: a bad option fails in milliseconds.
         self.rank, self.world_size = _world()
-        groups = vllm_tp_groups(self.world_size, vllm_tensor_parallel_size)
-        if not 0 < vllm_gpu_memory_utilization <= 1:
-            raise ValueError(f"vllm_gpu_memory_utilization={vllm_gpu_memory_utilization} must be "
-                             "in (0, 1] (the fraction of GPU memory; not used on CPU)")
-        parse_size(vllm_kv_cache_memory)
-        if sleep_level not in (0, 1, 2):
-            raise ValueError(f"sleep_level={sleep_level!r} must be 0, 1 or 2")
-        self.sampling = SamplingOptions(temperature, top_p, top_k, repetition_penalty,
-                                        max_completion_length, num_generations)
-        self.tp_size = vllm_tensor_parallel_size
+        groups = vllm_tp_groups(self.world_size, st.vllm_tensor_parallel_size)
+        self.sampling = st.sampling()
+        self.tp_size = st.vllm_tensor_parallel_size
         self.group_index = self.rank // self.tp_size
         self.group_ranks = groups[self.group_index]
-        self.sleep_level = sleep_level
-        self.seed = seed + self.group_index
+        self.sleep_level = st.sleep_level
+        self.seed = st.seed + self.group_index
         self.tp_group = None
         if self.tp_size > 1:
             import torch.distributed as dist
@@ -146,28 +178,28 @@ class ColocateEngine:
         # The KV cache in bytes (kv_cache.py): on CPU never a fraction of the NUMA node.
         # Sequences in flight: the caller's figure (the trainer passes its share of the
         # generation batch), else vllm_max_num_seqs, else one prompt's group.
-        sequences = sequences_in_flight or vllm_max_num_seqs or num_generations
+        sequences = st.sequences_in_flight or st.vllm_max_num_seqs or st.num_generations
         kv_kwargs = kv_cache_engine_kwargs(
-            model, on_cpu=current_platform.is_cpu(), size=vllm_kv_cache_memory,
-            sequences=sequences, max_model_len=vllm_max_model_len,
-            tensor_parallel_size=self.tp_size, dtype=dtype, engine_kwargs=vllm_engine_kwargs)
+            model, on_cpu=current_platform.is_cpu(), size=st.vllm_kv_cache_memory,
+            sequences=sequences, max_model_len=st.vllm_max_model_len,
+            tensor_parallel_size=self.tp_size, dtype=st.dtype, engine_kwargs=st.vllm_engine_kwargs)
         kwargs: Dict[str, Any] = dict(
-            model=model, tokenizer=model, dtype=dtype, seed=self.seed,
+            model=model, tokenizer=model, dtype=st.dtype, seed=self.seed,
             tensor_parallel_size=self.tp_size,
-            gpu_memory_utilization=vllm_gpu_memory_utilization,
-            max_model_len=vllm_max_model_len, enforce_eager=vllm_enforce_eager,
-            enable_prefix_caching=vllm_enable_prefix_caching,
+            gpu_memory_utilization=st.vllm_gpu_memory_utilization,
+            max_model_len=st.vllm_max_model_len, enforce_eager=st.vllm_enforce_eager,
+            enable_prefix_caching=st.vllm_enable_prefix_caching,
             logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
             # Sleeping frees memory only where vLLM supports it (CUDA, ROCm, XPU); on CPU
             # the sleep/wake calls still run, and free nothing.
-            enable_sleep_mode=sleep_level > 0 and current_platform.is_sleep_mode_available(),
+            enable_sleep_mode=st.sleep_level > 0 and current_platform.is_sleep_mode_available(),
         )
-        if vllm_max_num_seqs is not None:
-            kwargs["max_num_seqs"] = vllm_max_num_seqs
+        if st.vllm_max_num_seqs is not None:
+            kwargs["max_num_seqs"] = st.vllm_max_num_seqs
         if self.world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(kv_kwargs)
-        kwargs.update(vllm_engine_kwargs or {})
+        kwargs.update(st.vllm_engine_kwargs or {})
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 

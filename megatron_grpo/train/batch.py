@@ -114,3 +114,40 @@ def micro_batches(samples: Sequence[Sample], micro_batch_size: int,
     length = max(longest, pad_to_length or 0)
     return [collate(samples[i:i + micro_batch_size], pad_to_length=length, **collate_kwargs)
             for i in range(0, len(samples), micro_batch_size)]
+
+
+# ---- the data-parallel layout of a generation batch ----------------------------------------
+# The batch's n samples form n / per_step optimizer steps of per_step consecutive samples;
+# DP rank r trains on every dp-th sample of each step, starting at r:
+#     sample i of rank r's share of step k  =  sample k * per_step + r + dp * i of the batch.
+# `dp_indices` is the one statement of that rule; `dp_shard` applies it, `dp_unshard` undoes it.
+
+def dp_indices(n: int, per_step: int, dp: int, dp_rank: int) -> list[list[int]]:
+    """Batch indices of DP rank `dp_rank`'s samples, one list per optimizer step."""
+    return [list(range(k * per_step + dp_rank, (k + 1) * per_step, dp))
+            for k in range(n // per_step)]
+
+
+def dp_shard(items: Sequence, per_step: int, dp: int, dp_rank: int) -> list[list]:
+    """DP rank `dp_rank`'s items of a generation batch, one list per optimizer step."""
+    return [[items[j] for j in idx] for idx in dp_indices(len(items), per_step, dp, dp_rank)]
+
+
+def dp_unshard(shards: Sequence[Sequence[Sequence]], n: int, per_step: int) -> list:
+    """Inverse of `dp_shard`: `shards[r]` is DP rank r's `dp_shard` (values in its layout)
+    -> the n values in batch order. Raises when a rank's share does not fit the layout."""
+    dp = len(shards)
+    out: list = [None] * n
+    filled = [False] * n
+    for rank, shard in enumerate(shards):
+        idx = dp_indices(n, per_step, dp, rank)
+        if [len(part) for part in shard] != [len(part) for part in idx]:
+            raise ValueError(f"DP rank {rank}'s share has {[len(p) for p in shard]} values per "
+                             f"step; the layout of {n} samples wants {[len(p) for p in idx]}")
+        for part, where in zip(shard, idx):
+            for value, j in zip(part, where):
+                out[j], filled[j] = value, True
+    if not all(filled):
+        raise ValueError(f"dp_unshard: no value for samples "
+                         f"{[j for j in range(n) if not filled[j]][:8]} of {n}")
+    return out

@@ -42,7 +42,7 @@ size 1 and length T; under PP every micro-batch of one call is packed to the sam
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -50,33 +50,21 @@ import torch.distributed as dist
 
 from ..algorithms import (compute_policy_loss, entropy_threshold, local_loss, merge_partials,
                           policy_metric_partials, rollout_metric_partials)
-from ..algorithms.policy_loss import LossTypeParams, loss_mask_after_overlong_filter
+from ..algorithms.policy_loss import LossConfig, loss_mask_after_overlong_filter
 from ..kernels import vocab_parallel_logprobs
 from ..model.builder import unwrap
 from .batch import cp_shard
 from .packing import pack_micro_batch, packed_length, packed_seq_params, to_rows
 
 
-@dataclass
-class LossOptions:
-    """The per-token loss options of the GRPO step (names as ms-swift's)."""
+@dataclass(frozen=True)
+class LossOptions(LossConfig):
+    """The loss options of the GRPO step: the loss's own (`LossConfig`, passed whole to
+    `compute_policy_loss`) plus what the Megatron glue needs around it.
+    Built once from the run's options by `train.setup.loss_options`."""
 
-    loss_type: str = "grpo"
-    epsilon: float = 0.2
-    epsilon_high: Optional[float] = None
-    delta: Optional[float] = None
-    importance_sampling_level: str = "token"
-    beta: float = 0.0
-    kl_estimator: str = "k3"
-    kl_in_reward: bool = False
-    top_entropy_quantile: float = 1.0
-    overlong_filter: bool = False
-    rollout_importance_sampling_mode: Optional[str] = None
-    rollout_importance_sampling_threshold: float = 2.0
-    temperature: float = 1.0
-    log_entropy: bool = False
-    loss_params: LossTypeParams = field(default_factory=LossTypeParams)   # sapo / fipo options
-    extra: dict = field(default_factory=dict)
+    temperature: float = 1.0        # divides the logits (the sampling temperature)
+    log_entropy: bool = False       # entropy metrics (computes the entropy)
 
 
 @contextlib.contextmanager
@@ -357,18 +345,10 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
                 if opts.top_entropy_quantile < 1.0 and entropy_threshold_value is None:
                     cp_kwargs["entropy_threshold_value"] = _cp_entropy_threshold(ent, batch, opts)
             out = compute_policy_loss(
-                logp, batch["advantages"], batch["completion_mask"],
-                old_logps=batch.get("old_logps"), loss_type=opts.loss_type,
-                epsilon=opts.epsilon, epsilon_high=opts.epsilon_high, delta=opts.delta,
-                importance_sampling_level=opts.importance_sampling_level, beta=opts.beta,
-                ref_logps=batch.get("ref_logps"), kl_estimator=opts.kl_estimator,
-                kl_in_reward=opts.kl_in_reward, entropy=ent,
-                top_entropy_quantile=opts.top_entropy_quantile,
-                truncated=batch["truncated"], overlong_filter=opts.overlong_filter,
-                rollout_logps=batch.get("rollout_logps"),
-                rollout_importance_sampling_mode=opts.rollout_importance_sampling_mode,
-                rollout_importance_sampling_threshold=opts.rollout_importance_sampling_threshold,
-                loss_params=opts.loss_params, **cp_kwargs)
+                logp, batch["advantages"], batch["completion_mask"], opts,
+                old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"), entropy=ent,
+                truncated=batch["truncated"], rollout_logps=batch.get("rollout_logps"),
+                **cp_kwargs)
             if seq_sums is not None:
                 # grpo's 1/n_i needs each completion's loss tokens on every CP rank.
                 n = out.loss_mask.sum(dim=-1, keepdim=True).to(torch.float64)    # [B, 1]

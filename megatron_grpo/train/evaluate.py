@@ -28,7 +28,7 @@ completions and rewards), so every rank computes the same metrics.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -96,15 +96,16 @@ def evaluation_metrics(batch: GenerationBatch, num_generations: int, reward_name
 class Evaluator:
     """Runs the evaluation phase of the loop; holds what it needs from the run.
 
-    sync: streams the policy's weights into vLLM (trainer.sync_weights), for an evaluation
-    on a step that did not sync. logger: the RunLogger (eval completions with
+    sync: the run's rollout.sync.WeightSync: streams the policy's weights into vLLM (for
+    an evaluation on a step that did not sync) and hands device memory over around the
+    evaluation's generation. logger: the RunLogger (eval completions with
     --log_completions go to eval_completions.jsonl).
     """
 
     def __init__(self, cfg, dataset, *, engine, tokenizer, render, reward_funcs, reward_names,
-                 policy, total_steps: int, sync: Callable[[], object], logger) -> None:
+                 total_steps: int, sync, logger) -> None:
         e, g = cfg.evaluation, cfg.grpo
-        self.cfg, self.dataset, self.policy, self.engine = cfg, dataset, policy, engine
+        self.cfg, self.dataset, self.engine = cfg, dataset, engine
         self.tokenizer, self.render = tokenizer, render
         self.reward_funcs, self.reward_names = reward_funcs, list(reward_names)
         self.total_steps, self.sync, self.logger = total_steps, sync, logger
@@ -128,12 +129,14 @@ class Evaluator:
             self.sync()
         index = evaluation_prompts(len(self.dataset), step, eval_steps=e.eval_steps,
                                    eval_iters=e.eval_iters, prompts_per_iter=self.prompts_per_iter)
-        _hand_over_to_vllm(self.cfg, self.policy)
+        # As the loop's own hand-over, except that after an evaluation on a step that
+        # synced vLLM stays awake: the loop generates next.
+        self.sync.hand_over()
         try:
             batch = _concat([self._generate(index[i:i + self.chunk])
                              for i in range(0, len(index), self.chunk)])
         finally:
-            _take_back(self.cfg, self.policy, self.engine, keep_awake=vllm_fresh)
+            self.sync.take_back(keep_awake=vllm_fresh)
         metrics = evaluation_metrics(batch, self.n, self.reward_names,
                                      reward_weights=self.cfg.reward.reward_weights,
                                      scale_rewards=self.cfg.grpo.scale_rewards)
@@ -180,36 +183,3 @@ def build_evaluator(cfg, dataset, **kwargs) -> Optional[Evaluator]:
                   f"prompts longer than --max_length {cfg.data.max_length}; {len(dataset)} left",
                   flush=True)
     return Evaluator(cfg, dataset, **kwargs)
-
-
-# ---- memory hand-over around the evaluation's generation (colocate mode) --------------------
-# As the loop's own hand-over (trainer._before_generation / _after_generation), except that
-# after an evaluation on a step that synced vLLM stays awake: the loop generates next.
-
-def _hand_over_to_vllm(cfg, policy) -> None:
-    from ..rollout.offload import offload_model, offload_optimizer
-
-    r = cfg.rollout
-    if policy.staging is not None and policy.staging.device.type != "cpu":
-        policy.staging = None
-    if r.vllm_mode != "colocate":
-        return
-    if r.offload_model:
-        offload_model(policy.chunks)
-    if r.offload_optimizer:
-        offload_optimizer(policy.optimizer)
-
-
-def _take_back(cfg, policy, engine, *, keep_awake: bool) -> None:
-    from ..rollout.offload import onload_model, onload_optimizer
-    from ..rollout.weights import sleep
-
-    r = cfg.rollout
-    if r.vllm_mode != "colocate":
-        return
-    if not keep_awake:
-        sleep(engine, r.sleep_level)
-    if r.offload_optimizer:
-        onload_optimizer(policy.optimizer)
-    if r.offload_model:
-        onload_model(policy.chunks)

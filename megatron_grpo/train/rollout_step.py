@@ -1,4 +1,6 @@
-"""Generate -> gather -> score -> advantages: one generation batch as training Samples.
+"""The rollout phase of a step (DESIGN.md steps 1-5): generate -> gather -> score ->
+old/ref log-probs -> advantages, one generation batch as training Samples
+(`rollout_phase`).
 
 Every rank ends with the SAME full list of Samples of the generation batch (prompt
 order, num_generations completions per prompt contiguous), so the ranks of one
@@ -17,9 +19,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..algorithms import compute_advantages
+from ..algorithms import compute_advantages, count_partials, sequence_kl_for_reward
 from ..rewards import score
-from .batch import Sample
+from .batch import (Sample, collate, dp_indices, dp_shard, dp_unshard, micro_batches,
+                    split_completion_values)
+from .engine import forward_logprobs, is_last_stage
 
 
 @dataclass
@@ -165,3 +169,108 @@ def finish_batch(batch: GenerationBatch, num_generations: int, *, reward_names, 
         "completions/clipped_ratio": sum(s.truncated for s in batch.samples) / len(batch.samples),
     })
     return batch
+
+
+# ---- old / reference log-probs (step 5) ------------------------------------------------------
+
+def _per_token(chunks, batches, samples, field, temperature, vocab_size):
+    """Fill samples' `field` with per-token log-probs (last pipeline stage only)."""
+    outs = forward_logprobs(chunks, batches, temperature=temperature, vocab_size=vocab_size)
+    if outs is None:
+        return
+    mbs = len(samples) // len(batches)
+    for b, (batch, out) in enumerate(zip(batches, outs)):
+        for i, values in enumerate(split_completion_values(out["logps"], batch)):
+            setattr(samples[b * mbs + i], field, values)
+
+
+def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
+               temperature: float, vocab_size: int) -> None:
+    """Old (sampling-policy) and reference log-probs of this rank's samples (`mine`: one
+    list per optimizer step), before any update of the generation batch."""
+    for part in mine:
+        batches = micro_batches(part, mbs, pad_to_length=pad)
+        if need_old:
+            _per_token(policy_chunks, batches, part, "old_logps", temperature, vocab_size)
+        if ref is not None:
+            _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
+
+
+def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int) -> torch.Tensor:
+    """The sequence KL of every sample of the generation batch ([n] float64, the same on
+    every rank), for `kl_in_reward`: sum over the completion of old - ref log-probs.
+
+    `mine` is this data rank's `batch.dp_shard` of the batch, whose old_logps / ref_logps
+    `fill_logps` set on the last pipeline stage. One rank per data rank (last stage, TP
+    and CP rank 0) contributes its values; all ranks gather them (`batch.dp_unshard`).
+    """
+    from megatron.core import parallel_state as ps
+
+    local = None
+    if is_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
+            ps.get_context_parallel_rank() == 0:
+        local = (dp_rank, [[_sequence_kl(s) for s in part] for part in mine])
+    shards = dict(x for x in all_gather_objects(local) if x is not None)
+    if len(shards) != dp:
+        missing = [j for r in range(dp) if r not in shards
+                   for idx in dp_indices(n, per_step, dp, r) for j in idx]
+        raise RuntimeError(f"kl_in_reward: no sequence KL for samples {sorted(missing)[:8]} of {n}")
+    return torch.tensor(dp_unshard([shards[r] for r in range(dp)], n, per_step),
+                        dtype=torch.float64)
+
+
+def _sequence_kl(s: Sample) -> float:
+    old, ref = s.old_logps.double()[None], s.ref_logps.double()[None]
+    return float(sequence_kl_for_reward(old, ref, torch.ones_like(old, dtype=torch.bool))[0])
+
+
+# ---- the phase ---------------------------------------------------------------------------------
+
+@dataclass
+class RolloutBatch:
+    """One generation batch, ready for its optimizer steps."""
+    gen: GenerationBatch
+    steps: list[list[Sample]]     # the whole batch's samples of each optimizer step
+    mine: list[list[Sample]]      # this DP rank's share of each step (batch.dp_shard)
+    pad: int                      # the common micro-batch length
+    gen_counts: dict              # token counts of the whole generation batch (normalisers)
+    logprobs_seconds: float       # time of the old/ref log-prob forwards
+
+
+def rollout_phase(run) -> RolloutBatch:
+    """DESIGN.md steps 1-5 for the next steps_per_generation optimizer steps: sample and
+    score (vLLM holds the device meanwhile), then old (off-policy) and reference
+    log-probs before any update of the batch, then the advantages (after the log-probs:
+    with kl_in_reward the KL is part of the reward). `run`: a train.run.Run."""
+    cfg, g = run.cfg, run.cfg.grpo
+    prompts = g.generation_batch_size // g.num_generations
+    run.sync.hand_over()
+    gen = collect_rollouts(
+        lambda: generate_and_score(
+            engine=run.engine, tokenizer=run.tokenizer, dataset=run.dataset,
+            prompt_indices=run.sampler.next_batch(), reward_funcs=run.reward_funcs,
+            num_generations=g.num_generations, render=run.render,
+            max_prompt_length=cfg.data.max_length),
+        prompts, g.num_generations, dynamic_sample=g.dynamic_sample,
+        max_resample_times=g.max_resample_times, reward_weights=cfg.reward.reward_weights)
+    run.sync.take_back()
+    samples, per_step = gen.samples, run.per_step
+    steps = [samples[k * per_step:(k + 1) * per_step] for k in range(g.steps_per_generation)]
+    mine = dp_shard(samples, per_step, run.dp, run.dp_rank)
+    pad = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
+    if run.policy.config.sequence_parallel:   # the sequence is split over TP ranks
+        tp = cfg.parallel.tensor_model_parallel_size
+        pad = -(-pad // tp) * tp
+    t0 = time.perf_counter()
+    fill_logps(run.policy.chunks, run.ref, mine, cfg.training.micro_batch_size, pad,
+               need_old=run.need_old_logps, temperature=run.loss.temperature,
+               vocab_size=run.policy.args.vocab_size)
+    kl_values = reward_kl_values(mine, len(samples), per_step, run.dp, run.dp_rank) \
+        if run.kl_in_reward else None
+    logprobs_seconds = time.perf_counter() - t0
+    gen = finish_batch(gen, g.num_generations, reward_names=run.reward_names,
+                       reward_weights=cfg.reward.reward_weights,
+                       advantage_estimator=g.advantage_estimator, scale_rewards=g.scale_rewards,
+                       kl_in_reward=bool(g.kl_in_reward), beta=g.beta, kl_values=kl_values)
+    mask = collate(samples)["completion_mask"]
+    return RolloutBatch(gen, steps, mine, pad, count_partials(mask, mask), logprobs_seconds)

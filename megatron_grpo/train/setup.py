@@ -4,14 +4,21 @@
     model = build_policy(cfg)                        # chunks (DDP), optimizer, scheduler
     ref = build_reference(cfg, model) if beta > 0    # frozen chunks, same layout
     engine = build_sampler(cfg)                      # colocated vLLM or a server client
+
+Options travel whole: `loss_options(cfg)` and `engine_settings(cfg)` read each stage's
+options once, by field name, into the frozen object that stage takes.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..algorithms import LossTypeParams
+from .engine import LossOptions
 
 
 @dataclass
@@ -21,9 +28,18 @@ class Policy:
     chunks: list         # DDP-wrapped GPTModel chunks of this rank
     optimizer: Any
     scheduler: Any
-    # The bridge's bucket buffer, reused by every weight sync (trainer.sync_weights);
-    # dropped before generation when it lives in accelerator memory.
-    staging: Any = None
+
+
+def loss_options(cfg) -> LossOptions:
+    """The loss options of the run: every `LossOptions` / `LossTypeParams` field from the
+    grpo options of the same name, the temperature from the rollout options. A bad value
+    fails here, before any start-up."""
+    g = cfg.grpo
+    names = {f.name for f in dataclasses.fields(LossOptions)} - {"loss_params", "temperature"}
+    values = {name: getattr(g, name) for name in names}
+    values["kl_in_reward"] = bool(g.kl_in_reward)          # None (unset): off
+    params = LossTypeParams(**{f.name: getattr(g, f.name) for f in dataclasses.fields(LossTypeParams)})
+    return LossOptions(**values, temperature=cfg.rollout.temperature, loss_params=params)
 
 
 def build_parallel(cfg):
@@ -131,26 +147,28 @@ def build_sampler(cfg):
                                num_generations=g.num_generations, seed=cfg.training.seed)
         client.wait_until_ready()
         return client
+    from ..rollout.colocate import ColocateEngine
+
+    return ColocateEngine(cfg.model.model, engine_settings(cfg))
+
+
+def engine_settings(cfg):
+    """The colocated engine's settings: every `EngineSettings` field from the rollout or
+    grpo option of the same name; the seed, dtype and sequences in flight derived."""
     import torch.distributed as dist
 
-    from ..rollout.colocate import ColocateEngine
+    from ..rollout.colocate import EngineSettings
     from ..rollout.kv_cache import sequences_per_engine
 
+    r, g = cfg.rollout, cfg.grpo
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return ColocateEngine(
-        cfg.model.model, vllm_tensor_parallel_size=r.vllm_tensor_parallel_size,
-        vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-        vllm_max_model_len=r.vllm_max_model_len, vllm_enforce_eager=r.vllm_enforce_eager,
-        vllm_enable_prefix_caching=r.vllm_enable_prefix_caching,
-        vllm_max_num_seqs=r.vllm_max_num_seqs, vllm_kv_cache_memory=r.vllm_kv_cache_memory,
-        sequences_in_flight=sequences_per_engine(
-            g.generation_batch_size, g.num_generations, world, r.vllm_tensor_parallel_size,
-            r.vllm_max_num_seqs),
-        vllm_engine_kwargs=r.vllm_engine_kwargs,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        repetition_penalty=r.repetition_penalty, max_completion_length=g.max_completion_length,
-        num_generations=g.num_generations, seed=cfg.training.seed,
-        dtype="bfloat16" if cfg.training.bf16 else "float32", sleep_level=r.sleep_level)
+    derived = dict(
+        seed=cfg.training.seed, dtype="bfloat16" if cfg.training.bf16 else "float32",
+        sequences_in_flight=sequences_per_engine(g.generation_batch_size, g.num_generations, world,
+                                                 r.vllm_tensor_parallel_size, r.vllm_max_num_seqs))
+    named = {f.name: getattr(r if hasattr(r, f.name) else g, f.name)
+             for f in dataclasses.fields(EngineSettings) if f.name not in derived}
+    return EngineSettings(**named, **derived)
 
 
 def seed_everything(seed: int, rank: int) -> None:

@@ -1,0 +1,106 @@
+"""The trainer's weights into the rollout engine, and device memory between the two.
+
+    sync = WeightSync(policy, engine, cfg.rollout)
+    sync.hand_over()          # colocate: trainer memory off the device, vLLM awake
+    completions = engine.generate(...)
+    sync.take_back()          # colocate: vLLM asleep, trainer memory back
+    ... optimizer steps ...
+    info = sync()             # stream the new weights into vLLM (DESIGN.md step 7)
+
+A sync streams the bridge's HF buckets (`bridge.export_hf_weights`) into the engine
+bucket by bucket. Every trainer rank iterates the stream (the export is collective);
+in server mode rank 0 alone uploads. One staging buffer (`bridge.BucketBuffer`) holds
+the buckets for every sync, since allocating it is slow; when it lives in accelerator
+memory it is dropped before vLLM generates and re-made by the next sync.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .offload import offload_model, offload_optimizer, onload_model, onload_optimizer
+from .weights import load_weight_stream, sleep, wake_up
+
+
+class WeightSync:
+    """Owns the weight stream into `engine` and the memory hand-over around generation.
+
+    policy: train.setup.Policy (chunks, config, args, optimizer); rollout: the run's
+    rollout options (vllm_mode, sleep_level, move_model_batches, offload_bridge,
+    check_weight_sync, offload_model, offload_optimizer).
+    """
+
+    def __init__(self, policy, engine, rollout) -> None:
+        self.policy, self.engine, self.opts = policy, engine, rollout
+        self.is_server = rollout.vllm_mode == "server"
+        self.staging = None     # bridge.BucketBuffer, reused by every sync
+
+    def bucket_bytes(self) -> int:
+        """move_model_batches buckets per sync (of an upper bound of the HF model's bytes:
+        every rank's TP/PP shards summed), else 512 MiB."""
+        from ..platform import device
+
+        if not self.opts.move_model_batches:
+            return 512 << 20
+        params = [p for c in self.policy.chunks for p in c.parameters()]
+        total = sum(p.numel() * p.element_size() for p in params)
+        total = torch.tensor(float(total), device=device())   # NCCL reduces device tensors only
+        dist.all_reduce(total)
+        return int(total.item() // self.opts.move_model_batches) + 1
+
+    def __call__(self) -> dict:
+        """Stream the policy's HF weights into vLLM (collective over every trainer rank);
+        with check_weight_sync, prove vLLM holds them. Returns the engine's load info."""
+        from bridge import BucketBuffer, export_hf_weights
+
+        from .verify import StreamFingerprints, check_weight_sync
+
+        r, policy = self.opts, self.policy
+        if not self.is_server:   # vLLM slept through training (sleep_level > 0): weights back first
+            wake_up(self.engine, level=r.sleep_level)
+        bucket = self.bucket_bytes()
+        if self.staging is None:
+            first = next(p for c in policy.chunks for p in c.parameters())
+            self.staging = BucketBuffer("cpu" if r.offload_bridge else first.device)
+        stream = export_hf_weights(policy.chunks, policy.config, policy.args,
+                                   bucket_size_bytes=bucket, offload_bridge=r.offload_bridge,
+                                   staging=self.staging)
+        expected = StreamFingerprints() if r.check_weight_sync else None
+        if expected is not None:
+            stream = expected.watch(stream)
+        if self.is_server and dist.get_rank() != 0:
+            for _ in stream:          # take part in the collectives; rank 0 does the upload
+                pass
+            info = {}
+        else:
+            info = load_weight_stream(self.engine, stream)
+            if expected is not None:
+                check_weight_sync(self.engine, expected.result)
+        dist.barrier()
+        return info
+
+    def hand_over(self) -> None:
+        """Before vLLM generates: free the trainer's accelerator memory for it (colocate
+        mode; vLLM is awake since the last sync)."""
+        r = self.opts
+        if self.staging is not None and self.staging.device.type != "cpu":
+            self.staging = None       # the bucket buffer: accelerator memory for vLLM
+        if self.is_server:
+            return                    # a server has its own memory
+        if r.offload_model:
+            offload_model(self.policy.chunks)
+        if r.offload_optimizer:
+            offload_optimizer(self.policy.optimizer)
+
+    def take_back(self, *, keep_awake: bool = False) -> None:
+        """After vLLM generated (colocate mode): put it to sleep (unless `keep_awake`: it
+        generates next) and bring the trainer's state back."""
+        r = self.opts
+        if self.is_server:
+            return
+        if not keep_awake:
+            sleep(self.engine, r.sleep_level)
+        if r.offload_optimizer:
+            onload_optimizer(self.policy.optimizer)
+        if r.offload_model:
+            onload_model(self.policy.chunks)

@@ -1,0 +1,193 @@
+"""A run: everything the loop's phases share, built once (`build_run`), and what the loop
+records after each optimizer step (`log_and_save`) and at the end (`finish`).
+
+    run = build_run(cfg)      # world, data, policy (+ resume), reference, rewards, vLLM, logger
+    ... the loop (trainer.py) ...
+    finish(run)               # final_hf/, the curve, vLLM shut down
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from .. import checkpoint as ckpt
+from .engine import LossOptions
+from .setup import (Policy, build_parallel, build_policy, build_reference, build_sampler,
+                    loss_options, seed_everything, total_steps)
+
+
+@dataclass
+class Run:
+    cfg: Any                     # config.GRPOConfig
+    loss: LossOptions            # the loss options, built once
+    policy: Policy               # chunks, optimizer, scheduler
+    ref: Optional[list]          # frozen reference chunks (beta != 0), else None
+    engine: Any                  # rollout.engine.RolloutEngine (colocated or a server client)
+    sync: Any                    # rollout.sync.WeightSync: weights into vLLM, memory hand-over
+    tokenizer: Any
+    render: Callable             # (tokenizer, messages) -> prompt text
+    dataset: Any                 # training prompts
+    sampler: Any                 # data.PromptSampler: the next generation batch's prompts
+    reward_funcs: list
+    reward_names: list
+    logger: Any                  # train.logger.RunLogger
+    evaluator: Any               # train.evaluate.Evaluator, or None
+    total_steps: int
+    step: int                    # optimizer steps done (the resumed one after a resume)
+    dp: int                      # data-parallel size and this rank's DP rank
+    dp_rank: int
+
+    @property
+    def per_step(self) -> int:
+        """Completions per optimizer step (= global_batch_size)."""
+        g = self.cfg.grpo
+        return g.generation_batch_size // g.steps_per_generation
+
+    @property
+    def kl_in_reward(self) -> bool:
+        return bool(self.cfg.grpo.kl_in_reward) and self.cfg.grpo.beta != 0.0
+
+    @property
+    def need_old_logps(self) -> bool:
+        """Old log-probs: off-policy steps, or kl_in_reward (the sampling policy's log-probs
+        before the first update)."""
+        g = self.cfg.grpo
+        return g.steps_per_generation > 1 or g.num_iterations > 1 or self.kl_in_reward
+
+
+def build_run(cfg) -> Run:
+    """The run's pieces, in start-up order; vLLM holds the (resumed) policy afterwards."""
+    from megatron.core import parallel_state as ps
+    from transformers import AutoTokenizer
+
+    from ..data import PromptSampler, load_datasets, render_prompt
+    from ..rewards import build_reward_funcs, load_plugins
+    from ..rollout.sync import WeightSync
+    from .evaluate import build_evaluator
+    from .logger import RunLogger
+
+    g, t, log = cfg.grpo, cfg.training, cfg.logging
+    loss = loss_options(cfg)   # first: a bad sapo/fipo option fails before any start-up
+    build_parallel(cfg)
+    seed_everything(t.seed, dist.get_rank())
+    dataset, val_dataset = load_datasets(cfg.data, cfg.evaluation, seed=t.seed)   # val: or None
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.model)
+    render = functools.partial(render_prompt, enable_thinking=cfg.data.enable_thinking)
+    dataset = _drop_long_prompts(cfg, dataset, tokenizer, render)
+    sampler = PromptSampler(len(dataset), g.generation_batch_size // g.num_generations,
+                            seed=t.seed, shuffle=cfg.data.dataset_shuffle)
+    steps = total_steps(cfg, len(dataset))
+    policy = build_policy(cfg, steps)
+    ref = build_reference(cfg) if g.beta != 0.0 else None
+    load_plugins(cfg.reward.external_plugins or [])
+    reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
+    reward_names = list(cfg.reward.reward_funcs)
+    step = 0
+    resume_from = _resume_path(log.resume, log.output_dir)
+    if resume_from:
+        state = ckpt.load_checkpoint(resume_from, policy.chunks, policy.optimizer,
+                                     policy.scheduler)
+        step = int(state["step"])
+        sampler.load_state_dict(state["sampler"])
+    engine = build_sampler(cfg)
+    sync = WeightSync(policy, engine, cfg.rollout)
+    if step > 0 or sync.is_server:   # vLLM must hold the (resumed) policy, not the HF start
+        sync()
+    logger = RunLogger(log.output_dir, steps, report_to=log.report_to,
+                       logging_steps=log.logging_steps, log_completions=log.log_completions,
+                       enabled=dist.get_rank() == 0, start_step=step,
+                       wandb_project=log.wandb_project, wandb_exp_name=log.wandb_exp_name,
+                       swanlab_project=log.swanlab_project, swanlab_exp_name=log.swanlab_exp_name)
+    evaluator = build_evaluator(cfg, val_dataset, engine=engine, tokenizer=tokenizer,
+                                render=render, reward_funcs=reward_funcs,
+                                reward_names=reward_names, total_steps=steps,
+                                sync=sync, logger=logger)
+    return Run(cfg, loss, policy, ref, engine, sync, tokenizer, render, dataset, sampler,
+               reward_funcs, reward_names, logger, evaluator, steps, step,
+               ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+
+
+def _drop_long_prompts(cfg, dataset, tokenizer, render):
+    """--truncation_strategy delete: the prompts longer than --max_length go."""
+    if not (cfg.data.max_length and cfg.data.truncation_strategy == "delete"):
+        return dataset
+    from ..data import drop_long_prompts
+
+    dataset, dropped = drop_long_prompts(dataset, lambda m: len(tokenizer(
+        render(tokenizer, m), add_special_tokens=False)["input_ids"]), cfg.data.max_length)
+    if dist.get_rank() == 0 and dropped:
+        print(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} prompts longer "
+              f"than --max_length {cfg.data.max_length}; {len(dataset)} left", flush=True)
+    return dataset
+
+
+def _resume_path(resume, out_dir: str):
+    """--resume PATH, or (unset / true / auto) the newest checkpoint in output_dir."""
+    if resume in (None, "", "auto", "true", "True", True):
+        return ckpt.find_latest_checkpoint(out_dir) if os.path.isdir(out_dir) else None
+    if resume in ("false", "False", False, "none"):
+        return None
+    if not os.path.isdir(resume):
+        raise ValueError(f"--resume {resume!r}: no such checkpoint folder")
+    return resume
+
+
+def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool) -> None:
+    """After optimizer step `run.step`: its metrics; the generation batch's completions
+    (once per batch); a checkpoint every save_steps steps and after the last."""
+    log = run.cfg.logging
+    run.logger.log(run.step, metrics)
+    if first_of_batch:
+        gen = batch.gen
+        index = [s.meta["prompt_index"] for s in gen.samples]
+        extra = {"prompt_index": index}
+        if "solution" in run.dataset.columns:    # as ms-swift's completions table
+            extra["solution"] = [run.dataset.columns["solution"][i] for i in index]
+        run.logger.completions(run.step, gen.prompts, gen.texts, gen.rewards_per_func.tolist(),
+                               run.reward_names, extra=extra)
+    if run.step % log.save_steps == 0 or run.step >= run.total_steps:
+        p = run.policy
+        ckpt.save_checkpoint(log.output_dir, run.step, p.chunks, p.optimizer, p.scheduler,
+                             {"step": run.step, "sampler": run.sampler.state_dict(),
+                              "config": run.cfg.to_flat()},
+                             save_total_limit=log.save_total_limit,
+                             hf_config_dir=run.cfg.model.model)
+
+
+def finish(run: Run) -> None:
+    """The curve, the trained model as final_hf/, vLLM shut down."""
+    out_dir = run.cfg.logging.output_dir
+    png = run.logger.close()
+    save_final_hf(run.policy, run.cfg.model.model, out_dir)
+    if dist.get_rank() == 0:
+        print(f"[megatron-grpo] done: {run.step} steps; metrics in {out_dir}/metrics.jsonl"
+              + (f", curve {png}" if png else ""), flush=True)
+    run.engine.close()
+
+
+def save_final_hf(policy: Policy, hf_source: str, out_dir: str) -> None:
+    """The trained model as an HF checkpoint in out_dir/final_hf (the bridge's one writer:
+    safetensors, an index when sharded, plus the source's config and tokenizer files).
+    Collective: every rank iterates the export; rank 0 writes, then renames atomically."""
+    from bridge import export_hf_weights
+    from bridge.convert import copy_hf_side_files, write_hf_checkpoint
+
+    final = os.path.join(out_dir, "final_hf")
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        os.makedirs(final + ".tmp", exist_ok=True)
+    stream = export_hf_weights(policy.chunks, policy.config, policy.args,
+                               bucket_size_bytes=1 << 30)
+    # 1 GiB shards: rank 0 holds one shard besides the bucket, as the export's own buffer.
+    write_hf_checkpoint(stream, final + ".tmp", max_shard_size=1 << 30, write=rank0)
+    if rank0:
+        copy_hf_side_files(hf_source, final + ".tmp")   # config, tokenizer; no weights
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(final + ".tmp", final)
+    dist.barrier()
