@@ -4,6 +4,7 @@
                     extra_state={"step": step, "sampler": sampler.state_dict()},
                     save_total_limit=cfg.save_total_limit)
     extra = resume(out, chunks, optimizer, scheduler)   # None on a fresh run
+    load_checkpoint(path, chunks, finetune=True)        # weights only: a new run from them
 
 (`resume` is find_latest_checkpoint + load_checkpoint; it also takes a checkpoint-N path.)
 
@@ -18,6 +19,13 @@ Layout of `out/checkpoint-{step}/` (`out/latest` names the newest committed one)
                       the saving layout (RNG streams belong to a rank); otherwise rank 0's
                       `extra_state` is returned and the RNG is left alone.
     checkpoint.json   written last by rank 0: step, time, layout, what is inside.
+
+ms-swift's checkpoint flags: `save_optim=False` (--no_save_optim) leaves the optimizer
+state (Adam moments) out, and a resume from such a checkpoint restarts it with a warning
+(the LR scheduler is still saved: the schedule continues); `save_rng=False` (--no_save_rng)
+leaves the RNG states out (a resume keeps the generators as they are, with a warning);
+`load_checkpoint(..., finetune=True)` (--finetune with --resume PATH) loads the weights
+only: the caller starts a new run at step 0.
 
 Atomicity. Everything is written into the hidden sibling `.checkpoint-{step}.tmp`;
 after all ranks are done (barrier) rank 0 writes checkpoint.json, fsyncs the tree,
@@ -344,7 +352,8 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
                     extra_state: Optional[dict] = None, *,
                     save_total_limit: Optional[int] = None,
                     optim_sharding_type: str = "fully_reshardable",
-                    hf_config_dir: Optional[str] = None) -> str:
+                    hf_config_dir: Optional[str] = None, save_optim: bool = True,
+                    save_rng: bool = True) -> str:
     """Write output_dir/checkpoint-{step} atomically on every rank; returns its path.
 
     chunks: this rank's model chunks (DDP-wrapped or not); optimizer: Megatron's
@@ -354,7 +363,9 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
     the oldest (never the one just written). hf_config_dir: the HF model the run
     started from; its config and tokenizer files (not its weights) are copied into
     `hf_config/`, so that `megatron export --to_hf --mcore_model checkpoint-N` can
-    convert the checkpoint on its own. Collective: call on all ranks.
+    convert the checkpoint on its own. save_optim / save_rng False: leave the optimizer
+    state / the RNG states out (--no_save_optim / --no_save_rng; module docstring).
+    Collective: call on all ranks.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -379,13 +390,17 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
     started = time.time()
     # A never-stepped optimizer has no per-parameter state to save, and loading it
     # would need state that is not there. Fresh is fresh: record it and load nothing.
+    # "not_saved": --no_save_optim (a resume restarts the optimizer state).
     optim_status = None
-    if optimizer is not None:
+    if optimizer is not None and not save_optim:
+        optim_status = "not_saved"
+    elif optimizer is not None:
         optim_status = "saved" if _any_rank(_optimizer_has_state(optimizer)) else "fresh"
     sd = _sharded_state_dict(chunks, optimizer if optim_status == "saved" else None,
                              scheduler, False, optim_sharding_type)
     dist_checkpointing.save(sd, os.path.join(tmp, "dist"))
-    _write_rank_state(tmp, rank, {"rng": collect_rng_state(), "extra_state": extra_state})
+    _write_rank_state(tmp, rank, {"rng": collect_rng_state() if save_rng else None,
+                                  "extra_state": extra_state})
     dist.barrier()
 
     error = None
@@ -406,7 +421,7 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
                     "save_seconds": round(time.time() - started, 3),
                     "layout": _layout(), "num_model_chunks": len(chunks),
                     "contents": {"model": True, "optimizer": optim_status,
-                                 "scheduler": scheduler is not None, "rng": True,
+                                 "scheduler": scheduler is not None, "rng": save_rng,
                                  "extra_state": sorted((extra_state or {}).keys())},
                     "optim_sharding_type": optim_sharding_type}
             _write_atomic(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1))
@@ -439,16 +454,30 @@ def _prune(output_dir: str, limit: int, keep: str) -> None:
 
 # ---------------------------------------------------------------- load
 def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
-                    load_rng: bool = True) -> Optional[dict]:
+                    load_rng: bool = True, finetune: bool = False) -> Optional[dict]:
     """Restore what save_checkpoint wrote into this rank's objects; returns extra_state.
 
     optimizer / scheduler None: not restored (e.g. weights only, for evaluation or a
     new run). The model loads under any TP/PP/VPP/DP; the per-rank RNG states and
     extra_state need the saving layout, otherwise rank 0's extra_state is returned
-    and the RNG streams are left as they are (with a warning). Collective.
+    and the RNG streams are left as they are (with a warning). A checkpoint saved
+    without optimizer state (--no_save_optim) leaves `optimizer` as it is (fresh, with
+    a warning); one saved without RNG states leaves the generators as they are.
+    finetune (ms-swift's --finetune): load the weights only, nothing else, and return
+    None: the caller starts a new run (step 0, its own optimizer, schedule, RNG and data
+    order) from them. Collective.
     """
     meta = read_metadata(path)
     contents = meta["contents"]
+    if finetune:
+        optimizer, scheduler, load_rng = None, None, False
+        logger.info("--finetune: loading the weights of %s only; the run starts at step 0",
+                    path)
+    if optimizer is not None and contents["optimizer"] == "not_saved":
+        logger.warning("checkpoint %s was saved without optimizer state (--no_save_optim): "
+                       "the optimizer restarts (Adam moments zero, its step count 0); the LR "
+                       "schedule continues", path)
+        optimizer = None
     if optimizer is not None and contents["optimizer"] is None:
         raise ValueError(f"{path} holds no optimizer state; pass optimizer=None to load "
                          "the weights only")
@@ -488,6 +517,10 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     # Our own files: full unpickling is needed for python/numpy RNG states.
     own = torch.load(_rank_file(path, rank if same_layout else 0), weights_only=False)
     if same_layout and load_rng:
-        restore_rng_state(own["rng"])
+        if own["rng"] is not None:
+            restore_rng_state(own["rng"])
+        elif rank == 0:
+            logger.warning("checkpoint %s was saved without RNG states (--no_save_rng): the "
+                           "random number generators are not restored", path)
     dist.barrier()
-    return own["extra_state"]
+    return None if finetune else own["extra_state"]

@@ -184,14 +184,14 @@ def train(cfg) -> None:
 
     step = 0
     resume_from = _resume_path(cfg.logging.resume, out_dir)
-    if resume_from:
-        state = ckpt.load_checkpoint(resume_from, policy.chunks, policy.optimizer,
-                                     policy.scheduler)
+    state = resume_from and ckpt.load_checkpoint(resume_from, policy.chunks, policy.optimizer,
+                                                 policy.scheduler, finetune=cfg.logging.finetune)
+    if state:   # None: a fresh run, or --finetune (the weights only; step 0)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
     is_server = cfg.rollout.vllm_mode == "server"
     engine = build_sampler(cfg)
-    if step > 0 or is_server:   # vLLM must hold the (resumed) policy, not the HF start
+    if resume_from or is_server:   # vLLM must hold the (resumed) policy, not the HF start
         sync_weights(policy, engine, cfg, is_server)
     logger = RunLogger(out_dir, steps, report_to=cfg.logging.report_to,
                        logging_steps=cfg.logging.logging_steps,
@@ -302,6 +302,8 @@ def train(cfg) -> None:
                                          {"step": step, "sampler": sampler.state_dict(),
                                           "config": cfg.to_flat()},
                                          save_total_limit=cfg.logging.save_total_limit,
+                                         save_optim=not cfg.logging.no_save_optim,
+                                         save_rng=not cfg.logging.no_save_rng,
                                          hf_config_dir=cfg.model.model)
     png = logger.close()
     _save_final_hf(policy, cfg, out_dir)
