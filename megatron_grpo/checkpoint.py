@@ -38,7 +38,6 @@ All ranks must see one shared file system (as for Megatron's own checkpoints).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -53,6 +52,8 @@ import torch
 import torch.distributed as dist
 
 from .model.builder import unwrap
+from .platform.compat.megatron import (adam_step_fixed_on_load,
+                                      torch_adam_distributed_optimizers, torch_optimizers)
 
 logger = logging.getLogger("megatron_grpo.checkpoint")
 
@@ -231,88 +232,35 @@ def _layout() -> dict:
             "dp": ps.get_data_parallel_world_size()}
 
 
-def _torch_adam_distopts(optimizer) -> list:
-    """The DistributedOptimizers in `optimizer` that run torch's own Adam.
-
-    Megatron-Core 0.16 handles the Adam `step` of that path (no Apex / TE fused Adam,
-    e.g. on CPU) incompletely when checkpointing; the two helpers below fill the gaps.
-    With fused Adam (GPU) the list is empty and Megatron's code runs untouched.
-    """
-    from megatron.core.optimizer import distrib_optimizer as dopt
-
-    if getattr(dopt, "HAVE_APEX_OR_TE", True):
-        return []
-    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-            if isinstance(o, dopt.DistributedOptimizer)]
-
-
 def _prime_optimizer_state(optimizer) -> None:
     """Give a never-stepped DistributedOptimizer its per-parameter state before a load.
 
     Its state_dict() reads the Adam step from the per-parameter state, which torch's
     Adam creates only at the first step (it asserts on a fresh optimizer). One step
     with zero gradients and lr = weight_decay = 0 creates that state without moving a
-    weight; the load then overwrites it in place.
+    weight; the load then overwrites it in place. Only where Megatron-Core runs torch's
+    own Adam (no Apex / TE fused Adam, e.g. on CPU); `compat.megatron.adam_step_fixed_on_load`
+    repairs the rest of that path.
     """
-    for opt in _torch_adam_distopts(optimizer):
-        inner = opt.optimizer
-        if len(inner.state) > 0:
-            continue
-        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
-        for g in inner.param_groups:
-            g["lr"], g["weight_decay"] = 0.0, 0.0
-            for p in g["params"]:
-                p.grad = torch.zeros_like(p)
-        inner.step()
-        for g, (lr, wd) in zip(inner.param_groups, saved):
-            g["lr"], g["weight_decay"] = lr, wd
-            for p in g["params"]:
-                p.grad = None
-
-
-@contextlib.contextmanager
-def _fix_adam_step_on_load(optimizer):
-    """Two repairs around DistributedOptimizer.load_state_dict on torch's Adam.
-
-    1. load_state_dict first restores `step` from the saved param groups, then its
-       per-parameter loaders copy every key of the live state: with `step` missing
-       from the loaded tensors (fully_reshardable: KeyError) or holding a placeholder
-       (dp_reshardable: the value of the state primed for loading). During the load a
-       per-instance wrapper hands the restored live `step` in, making that copy a no-op.
-    2. It gives every parameter the *same* `step` tensor; torch's foreach Adam then adds
-       1 to it once per parameter per step and the bias correction drifts (resumed runs
-       diverge from the second step on). Afterwards each parameter gets its own copy.
-    """
-    patched = []
-    for opt in _torch_adam_distopts(optimizer):
-        original = opt._set_main_param_and_optimizer_states
-
-        def setter(model_param, tensors, _opt=opt, _original=original):
-            group_index, group_order = _opt.model_param_group_index_map[model_param]
-            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
-            live = _opt.optimizer.state[main_param]
-            if "step" in live:
-                tensors = {**tensors, "step": live["step"]}
-            return _original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = setter
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states  # back to the class method
-    for opt in patched:
-        for state in opt.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
+    for opt in torch_adam_distributed_optimizers(optimizer):
+        for inner in torch_optimizers(opt):
+            if len(inner.state) > 0:
+                continue
+            saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
+            for g in inner.param_groups:
+                g["lr"], g["weight_decay"] = 0.0, 0.0
+                for p in g["params"]:
+                    p.grad = torch.zeros_like(p)
+            inner.step()
+            for g, (lr, wd) in zip(inner.param_groups, saved):
+                g["lr"], g["weight_decay"] = lr, wd
+                for p in g["params"]:
+                    p.grad = None
 
 
 def _optimizer_has_state(optimizer) -> bool:
     """Whether any per-parameter state (Adam moments) exists on this rank."""
-    return any(len(getattr(o, "optimizer", None).state) > 0
-               for o in getattr(optimizer, "chained_optimizers", [optimizer])
-               if getattr(o, "optimizer", None) is not None)
+    return any(len(o.state) > 0 for o in torch_optimizers(optimizer))
 
 
 def _any_rank(flag: bool) -> bool:
@@ -503,7 +451,7 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     if optimizer is not None:
         # no_grad: with fp32 weights the distributed optimizer's main params are views
         # of the model's leaf params, and the dp_reshardable loader copies into them.
-        with _fix_adam_step_on_load(optimizer), torch.no_grad():
+        with adam_step_fixed_on_load(optimizer), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])

@@ -20,12 +20,16 @@ What is not, by user:
 Megatron modules import such functions by name, so replacing one means replacing
 every reference in every loaded `megatron.core` module (`_rebind`).
 
+- checkpoint.py: which DistributedOptimizers run torch's own Adam
+  (`distrib_optimizer.HAVE_APEX_OR_TE`), and a per-instance wrapper of
+  `DistributedOptimizer._set_main_param_and_optimizer_states` that repairs the Adam `step`
+  on load.
+
 Verified on megatron-core 0.16.1 (Python 3.11, CPU); the range is setup.py's.
-Not here yet: megatron_grpo/checkpoint.py's DistributedOptimizer patch
-(`_set_main_param_and_optimizer_states`, `distrib_optimizer.HAVE_APEX_OR_TE`).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable, List
 
@@ -51,6 +55,10 @@ PRIVATE_NAMES = (
     # shard_float16_groups, shard_fp32_from_float16_groups)
     "megatron.core.optimizer.optimizer:MegatronOptimizer.get_main_grads_for_grad_norm",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._get_model_param_range_map",
+    # checkpoint.py (instance attributes: model_param_group_index_map, optimizer)
+    "megatron.core.optimizer.distrib_optimizer:HAVE_APEX_OR_TE",
+    "megatron.core.optimizer.distrib_optimizer:"
+    "DistributedOptimizer._set_main_param_and_optimizer_states",
 )
 RNG_LOGGER = "megatron.core.tensor_parallel.random"   # the RNG tracker's logger
 
@@ -228,3 +236,59 @@ def restrict_grad_norm(optimizer, counted: dict) -> None:
             return [piece for g in grads for piece in pieces.get(id(g), [g])]
 
         opt.get_main_grads_for_grad_norm = grads_for_norm
+
+
+
+# ------------------------------------------------------------------ checkpoint.py
+def torch_adam_distributed_optimizers(optimizer) -> List:
+    """The DistributedOptimizers in `optimizer` (chained or not) that run torch's own Adam:
+    all of them when neither Apex nor Transformer Engine is installed (0.16's
+    `distrib_optimizer.HAVE_APEX_OR_TE`, e.g. on CPU), none otherwise (fused Adam)."""
+    check_version()
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if getattr(dopt, "HAVE_APEX_OR_TE", True):
+        return []
+    return [o for o in _leaf_optimizers(optimizer) if isinstance(o, dopt.DistributedOptimizer)]
+
+
+@contextlib.contextmanager
+def adam_step_fixed_on_load(optimizer):
+    """Two repairs around DistributedOptimizer.load_state_dict on torch's Adam (0.16).
+
+    1. load_state_dict first restores `step` from the saved param groups, then its
+       per-parameter loaders (`_set_main_param_and_optimizer_states`) copy every key of
+       the live state: with `step` missing from the loaded tensors (fully_reshardable:
+       KeyError) or holding a placeholder (dp_reshardable: the value of the state primed
+       for loading). During the load a per-instance wrapper hands the restored live `step`
+       in, making that copy a no-op.
+    2. It gives every parameter the *same* `step` tensor; torch's foreach Adam then adds
+       1 to it once per parameter per step and the bias correction drifts (resumed runs
+       diverge from the second step on). Afterwards each parameter gets its own copy.
+    Nothing to do with fused Adam (Apex / Transformer Engine): Megatron's code runs as is.
+    """
+    import torch
+
+    patched = []
+    for opt in torch_adam_distributed_optimizers(optimizer):
+        original = opt._set_main_param_and_optimizer_states
+
+        def setter(model_param, tensors, _opt=opt, _original=original):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            live = _opt.optimizer.state[main_param]
+            if "step" in live:
+                tensors = {**tensors, "step": live["step"]}
+            return _original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = setter
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+    for opt in patched:
+        for state in opt.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
