@@ -4,6 +4,7 @@
                     extra_state={"step": step, "sampler": sampler.state_dict()},
                     save_total_limit=cfg.save_total_limit)
     extra = resume(out, chunks, optimizer, scheduler)   # None on a fresh run
+    load_checkpoint(path, chunks, finetune=True)        # weights only: a new run from them
 
 (`resume` is find_latest_checkpoint + load_checkpoint; it also takes a checkpoint-N path.)
 
@@ -19,6 +20,13 @@ Layout of `out/checkpoint-{step}/` (`out/latest` names the newest committed one)
                       `extra_state` is returned and the RNG is left alone.
     checkpoint.json   written last by rank 0: step, time, layout, what is inside.
 
+ms-swift's checkpoint flags: `save_optim=False` (--no_save_optim) leaves the optimizer
+state (Adam moments) out, and a resume from such a checkpoint restarts it with a warning
+(the LR scheduler is still saved: the schedule continues); `save_rng=False` (--no_save_rng)
+leaves the RNG states out (a resume keeps the generators as they are, with a warning);
+`load_checkpoint(..., finetune=True)` (--finetune with --resume PATH) loads the weights
+only: the caller starts a new run at step 0.
+
 Atomicity. Everything is written into the hidden sibling `.checkpoint-{step}.tmp`;
 after all ranks are done (barrier) rank 0 writes checkpoint.json, fsyncs the tree,
 renames the folder to its final name (an atomic rename on one file system) and
@@ -30,7 +38,6 @@ All ranks must see one shared file system (as for Megatron's own checkpoints).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -45,6 +52,8 @@ import torch
 import torch.distributed as dist
 
 from .model.builder import unwrap
+from .platform.compat.megatron import (adam_step_fixed_on_load,
+                                      torch_adam_distributed_optimizers, torch_optimizers)
 
 logger = logging.getLogger("megatron_grpo.checkpoint")
 
@@ -223,88 +232,35 @@ def _layout() -> dict:
             "dp": ps.get_data_parallel_world_size()}
 
 
-def _torch_adam_distopts(optimizer) -> list:
-    """The DistributedOptimizers in `optimizer` that run torch's own Adam.
-
-    Megatron-Core 0.16 handles the Adam `step` of that path (no Apex / TE fused Adam,
-    e.g. on CPU) incompletely when checkpointing; the two helpers below fill the gaps.
-    With fused Adam (GPU) the list is empty and Megatron's code runs untouched.
-    """
-    from megatron.core.optimizer import distrib_optimizer as dopt
-
-    if getattr(dopt, "HAVE_APEX_OR_TE", True):
-        return []
-    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-            if isinstance(o, dopt.DistributedOptimizer)]
-
-
 def _prime_optimizer_state(optimizer) -> None:
     """Give a never-stepped DistributedOptimizer its per-parameter state before a load.
 
     Its state_dict() reads the Adam step from the per-parameter state, which torch's
     Adam creates only at the first step (it asserts on a fresh optimizer). One step
     with zero gradients and lr = weight_decay = 0 creates that state without moving a
-    weight; the load then overwrites it in place.
+    weight; the load then overwrites it in place. Only where Megatron-Core runs torch's
+    own Adam (no Apex / TE fused Adam, e.g. on CPU); `compat.megatron.adam_step_fixed_on_load`
+    repairs the rest of that path.
     """
-    for opt in _torch_adam_distopts(optimizer):
-        inner = opt.optimizer
-        if len(inner.state) > 0:
-            continue
-        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
-        for g in inner.param_groups:
-            g["lr"], g["weight_decay"] = 0.0, 0.0
-            for p in g["params"]:
-                p.grad = torch.zeros_like(p)
-        inner.step()
-        for g, (lr, wd) in zip(inner.param_groups, saved):
-            g["lr"], g["weight_decay"] = lr, wd
-            for p in g["params"]:
-                p.grad = None
-
-
-@contextlib.contextmanager
-def _fix_adam_step_on_load(optimizer):
-    """Two repairs around DistributedOptimizer.load_state_dict on torch's Adam.
-
-    1. load_state_dict first restores `step` from the saved param groups, then its
-       per-parameter loaders copy every key of the live state: with `step` missing
-       from the loaded tensors (fully_reshardable: KeyError) or holding a placeholder
-       (dp_reshardable: the value of the state primed for loading). During the load a
-       per-instance wrapper hands the restored live `step` in, making that copy a no-op.
-    2. It gives every parameter the *same* `step` tensor; torch's foreach Adam then adds
-       1 to it once per parameter per step and the bias correction drifts (resumed runs
-       diverge from the second step on). Afterwards each parameter gets its own copy.
-    """
-    patched = []
-    for opt in _torch_adam_distopts(optimizer):
-        original = opt._set_main_param_and_optimizer_states
-
-        def setter(model_param, tensors, _opt=opt, _original=original):
-            group_index, group_order = _opt.model_param_group_index_map[model_param]
-            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
-            live = _opt.optimizer.state[main_param]
-            if "step" in live:
-                tensors = {**tensors, "step": live["step"]}
-            return _original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = setter
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states  # back to the class method
-    for opt in patched:
-        for state in opt.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
+    for opt in torch_adam_distributed_optimizers(optimizer):
+        for inner in torch_optimizers(opt):
+            if len(inner.state) > 0:
+                continue
+            saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
+            for g in inner.param_groups:
+                g["lr"], g["weight_decay"] = 0.0, 0.0
+                for p in g["params"]:
+                    p.grad = torch.zeros_like(p)
+            inner.step()
+            for g, (lr, wd) in zip(inner.param_groups, saved):
+                g["lr"], g["weight_decay"] = lr, wd
+                for p in g["params"]:
+                    p.grad = None
 
 
 def _optimizer_has_state(optimizer) -> bool:
     """Whether any per-parameter state (Adam moments) exists on this rank."""
-    return any(len(getattr(o, "optimizer", None).state) > 0
-               for o in getattr(optimizer, "chained_optimizers", [optimizer])
-               if getattr(o, "optimizer", None) is not None)
+    return any(len(o.state) > 0 for o in torch_optimizers(optimizer))
 
 
 def _any_rank(flag: bool) -> bool:
@@ -344,7 +300,8 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
                     extra_state: Optional[dict] = None, *,
                     save_total_limit: Optional[int] = None,
                     optim_sharding_type: str = "fully_reshardable",
-                    hf_config_dir: Optional[str] = None) -> str:
+                    hf_config_dir: Optional[str] = None, save_optim: bool = True,
+                    save_rng: bool = True) -> str:
     """Write output_dir/checkpoint-{step} atomically on every rank; returns its path.
 
     chunks: this rank's model chunks (DDP-wrapped or not); optimizer: Megatron's
@@ -354,7 +311,9 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
     the oldest (never the one just written). hf_config_dir: the HF model the run
     started from; its config and tokenizer files (not its weights) are copied into
     `hf_config/`, so that `megatron export --to_hf --mcore_model checkpoint-N` can
-    convert the checkpoint on its own. Collective: call on all ranks.
+    convert the checkpoint on its own. save_optim / save_rng False: leave the optimizer
+    state / the RNG states out (--no_save_optim / --no_save_rng; module docstring).
+    Collective: call on all ranks.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -379,13 +338,17 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
     started = time.time()
     # A never-stepped optimizer has no per-parameter state to save, and loading it
     # would need state that is not there. Fresh is fresh: record it and load nothing.
+    # "not_saved": --no_save_optim (a resume restarts the optimizer state).
     optim_status = None
-    if optimizer is not None:
+    if optimizer is not None and not save_optim:
+        optim_status = "not_saved"
+    elif optimizer is not None:
         optim_status = "saved" if _any_rank(_optimizer_has_state(optimizer)) else "fresh"
     sd = _sharded_state_dict(chunks, optimizer if optim_status == "saved" else None,
                              scheduler, False, optim_sharding_type)
     dist_checkpointing.save(sd, os.path.join(tmp, "dist"))
-    _write_rank_state(tmp, rank, {"rng": collect_rng_state(), "extra_state": extra_state})
+    _write_rank_state(tmp, rank, {"rng": collect_rng_state() if save_rng else None,
+                                  "extra_state": extra_state})
     dist.barrier()
 
     error = None
@@ -406,7 +369,7 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
                     "save_seconds": round(time.time() - started, 3),
                     "layout": _layout(), "num_model_chunks": len(chunks),
                     "contents": {"model": True, "optimizer": optim_status,
-                                 "scheduler": scheduler is not None, "rng": True,
+                                 "scheduler": scheduler is not None, "rng": save_rng,
                                  "extra_state": sorted((extra_state or {}).keys())},
                     "optim_sharding_type": optim_sharding_type}
             _write_atomic(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1))
@@ -439,16 +402,30 @@ def _prune(output_dir: str, limit: int, keep: str) -> None:
 
 # ---------------------------------------------------------------- load
 def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
-                    load_rng: bool = True) -> Optional[dict]:
+                    load_rng: bool = True, finetune: bool = False) -> Optional[dict]:
     """Restore what save_checkpoint wrote into this rank's objects; returns extra_state.
 
     optimizer / scheduler None: not restored (e.g. weights only, for evaluation or a
     new run). The model loads under any TP/PP/VPP/DP; the per-rank RNG states and
     extra_state need the saving layout, otherwise rank 0's extra_state is returned
-    and the RNG streams are left as they are (with a warning). Collective.
+    and the RNG streams are left as they are (with a warning). A checkpoint saved
+    without optimizer state (--no_save_optim) leaves `optimizer` as it is (fresh, with
+    a warning); one saved without RNG states leaves the generators as they are.
+    finetune (ms-swift's --finetune): load the weights only, nothing else, and return
+    None: the caller starts a new run (step 0, its own optimizer, schedule, RNG and data
+    order) from them. Collective.
     """
     meta = read_metadata(path)
     contents = meta["contents"]
+    if finetune:
+        optimizer, scheduler, load_rng = None, None, False
+        logger.info("--finetune: loading the weights of %s only; the run starts at step 0",
+                    path)
+    if optimizer is not None and contents["optimizer"] == "not_saved":
+        logger.warning("checkpoint %s was saved without optimizer state (--no_save_optim): "
+                       "the optimizer restarts (Adam moments zero, its step count 0); the LR "
+                       "schedule continues", path)
+        optimizer = None
     if optimizer is not None and contents["optimizer"] is None:
         raise ValueError(f"{path} holds no optimizer state; pass optimizer=None to load "
                          "the weights only")
@@ -474,7 +451,7 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     if optimizer is not None:
         # no_grad: with fp32 weights the distributed optimizer's main params are views
         # of the model's leaf params, and the dp_reshardable loader copies into them.
-        with _fix_adam_step_on_load(optimizer), torch.no_grad():
+        with adam_step_fixed_on_load(optimizer), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
@@ -488,6 +465,10 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     # Our own files: full unpickling is needed for python/numpy RNG states.
     own = torch.load(_rank_file(path, rank if same_layout else 0), weights_only=False)
     if same_layout and load_rng:
-        restore_rng_state(own["rng"])
+        if own["rng"] is not None:
+            restore_rng_state(own["rng"])
+        elif rank == 0:
+            logger.warning("checkpoint %s was saved without RNG states (--no_save_rng): the "
+                           "random number generators are not restored", path)
     dist.barrier()
-    return own["extra_state"]
+    return None if finetune else own["extra_state"]

@@ -1,4 +1,5 @@
-"""Checkpoint folders: a crash mid-save, save_total_limit, `latest`, RNG round trips."""
+"""Checkpoint folders: a crash mid-save, save_total_limit, `latest`, RNG round trips, and
+ms-swift's --no_save_optim / --no_save_rng / --finetune (what is on disk, what a load does)."""
 import json
 import os
 import random
@@ -216,3 +217,104 @@ def test_save_total_limit_removes_oldest_only(single_rank):
     meta = single_rank["meta"]
     assert meta["step"] == 4 and meta["layout"]["world_size"] == 1
     assert meta["contents"]["optimizer"] is None and meta["contents"]["extra_state"] == ["step"]
+
+
+# ---------------------------------------------------------------- --no_save_optim / _rng / --finetune
+def _stepped(seed):
+    """A one-rank model, distributed optimizer and scheduler after one step."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_grpo.model import wrap_ddp
+    from tests.mcore_utils import TINY_QWEN2, fixed_batches, run_schedule
+
+    config, _, chunks = setup(1, tp=1, seed=seed)
+    chunks = wrap_ddp(config, chunks, use_distributed_optimizer=True)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3,
+                                                 bf16=False, use_distributed_optimizer=True),
+                                 chunks)
+    sched = OptimizerParamScheduler(opt, init_lr=1e-2, max_lr=1e-2, min_lr=1e-3,
+                                    lr_warmup_steps=0, lr_decay_steps=10,
+                                    lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                    wd_incr_steps=10, wd_incr_style="constant")
+    run_schedule(chunks, fixed_batches(1, 2, 8, TINY_QWEN2["vocab_size"]), 8, 2)
+    opt.step()
+    sched.step(increment=1)
+    return chunks, opt, sched
+
+
+def _dist_keys(path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(os.path.join(path, "dist")).read_metadata().state_dict_metadata)
+
+
+def _save_flags_run(rank, world, out):
+    import logging
+
+    from megatron_grpo.platform.compat.megatron import torch_optimizers
+
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("megatron_grpo.checkpoint").addHandler(handler)
+
+    chunks, opt, sched = _stepped(seed=1)
+    full = save_checkpoint(out, 1, chunks, opt, sched, extra_state={"step": 1})
+    lean = save_checkpoint(out, 2, chunks, opt, sched, extra_state={"step": 2},
+                           save_optim=False, save_rng=False)
+    saved = _weights(chunks)
+    res = {"full_keys": _dist_keys(full), "lean_keys": _dist_keys(lean),
+           "lean_rank_file": torch.load(os.path.join(lean, "rank_00000.pt"),
+                                        weights_only=False)}
+
+    def fresh_load(path, **kwargs):
+        chunks, opt, sched = _stepped(seed=2)           # other weights, its own Adam state
+        for o in torch_optimizers(opt):
+            o.state.clear()                             # as a new run's (never stepped)
+        sched.num_steps = 0
+        torch.manual_seed(5)
+        rng = torch.get_rng_state()
+        warnings.clear()
+        extra = load_checkpoint(path, chunks, opt, sched, **kwargs)
+        return {"extra": extra, "same_weights": torch.equal(_weights(chunks), saved),
+                "adam_state": sum(len(o.state) for o in torch_optimizers(opt)),
+                "sched_steps": sched.num_steps,
+                "rng_untouched": torch.equal(torch.get_rng_state(), rng),
+                "warnings": list(warnings)}
+
+    res["resume_lean"] = fresh_load(lean)
+    res["resume_full"] = fresh_load(full)
+    res["finetune"] = fresh_load(full, finetune=True)
+    return res
+
+
+def test_no_save_optim_no_save_rng_and_finetune(tmp_path):
+    out = str(tmp_path)
+    r, = run_distributed(_save_flags_run, 1, args=(out,), timeout=300)
+    # On disk: the full checkpoint holds Adam moments, the lean one none; no RNG states.
+    assert any(k.startswith("optimizer") for k in r["full_keys"])
+    assert not any(k.startswith("optimizer") for k in r["lean_keys"])
+    assert {k for k in r["lean_keys"] if not k.startswith("optimizer")} == \
+        {k for k in r["full_keys"] if not k.startswith("optimizer")}
+    assert r["lean_rank_file"] == {"rng": None, "extra_state": {"step": 2}}
+    meta = {n: json.load(open(os.path.join(out, f"checkpoint-{n}", "checkpoint.json")))
+            for n in (1, 2)}
+    assert meta[1]["contents"]["optimizer"] == "saved" and meta[1]["contents"]["rng"] is True
+    assert meta[2]["contents"]["optimizer"] == "not_saved" and meta[2]["contents"]["rng"] is False
+    assert meta[2]["contents"]["scheduler"] is True
+
+    # Resume from the lean one: weights and schedule, a fresh optimizer, generators left alone.
+    lean = r["resume_lean"]
+    assert lean["extra"] == {"step": 2} and lean["same_weights"] and lean["sched_steps"] == 1
+    assert lean["adam_state"] == 0 and lean["rng_untouched"]
+    assert any("without optimizer state (--no_save_optim)" in w for w in lean["warnings"])
+    assert any("without RNG states (--no_save_rng)" in w for w in lean["warnings"])
+    # The full one restores everything (the checks above can fail).
+    full = r["resume_full"]
+    assert full["extra"] == {"step": 1} and full["same_weights"] and full["sched_steps"] == 1
+    assert full["adam_state"] > 0 and not full["rng_untouched"] and not full["warnings"]
+    # --finetune: the weights only; the caller starts at step 0.
+    ft = r["finetune"]
+    assert ft["extra"] is None and ft["same_weights"] and ft["sched_steps"] == 0
+    assert ft["adam_state"] == 0 and ft["rng_untouched"] and not ft["warnings"]

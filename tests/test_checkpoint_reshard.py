@@ -8,14 +8,18 @@ PP=2 the last stage holds a copy of the embedding.
   4 processes (TP=4: 4 replicas) writes the original safetensors bit for bit.
 - `--to_mcore` at TP=1 (no replicas) loads at TP=2 (replicas filled in): the logits and
   the loss equal the TP=1 model's and HF transformers'.
+- The gradient norm counts each replicated kv head once: at TP=2 x DP=1, TP=2 x DP=2 and
+  TP=4 (plain and distributed optimizer) it equals TP=1's, and the clipped steps agree.
 - A training checkpoint (distributed optimizer, Adam moments) saved at TP=2 resumes at
-  TP=1 x DP=2: the next two steps' losses equal those of the TP=2 run that went on.
+  TP=1 x DP=2, gradient clipping on: the next two steps' losses equal those of the TP=2
+  run that went on.
 - A checkpoint an older version wrote in the replicated layout is refused at another TP
   before any process starts.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -129,17 +133,15 @@ def test_tp1_checkpoint_loads_at_tp2_with_replicas(hf_model, tmp_path):
 
 
 # ---------------------------------------------------------------- training: TP2 -> TP1
-def _trainer(world, tp, hf, dist_opt=True):
+def _trainer(world, tp, hf, dist_opt=True, clip_grad=1.0):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from bridge.load import load_hf_weights
     from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
+    from megatron_grpo.model.kv_replication import count_kv_once_in_grad_norm
     from megatron_grpo.platform import ParallelDims, init_parallel
 
-    # No gradient clipping: Megatron's grad norm counts each replicated kv head once per
-    # replica, so with clipping a TP=2 run scales its steps (and Adam moments) otherwise
-    # than a TP=1 run would (a known issue of the replication itself, not of the layout).
     init_parallel(ParallelDims(world_size=world, tp=tp), seed=1234)
     config, args = build_transformer_config(hf, tp=tp)
     chunks = build_model(config, args)
@@ -147,7 +149,8 @@ def _trainer(world, tp, hf, dist_opt=True):
     chunks = wrap_ddp(config, chunks, use_distributed_optimizer=dist_opt)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, bf16=False,
-                        use_distributed_optimizer=dist_opt, clip_grad=0.0), chunks)
+                        use_distributed_optimizer=dist_opt, clip_grad=clip_grad), chunks)
+    count_kv_once_in_grad_norm(opt, chunks, config, args)  # as train/setup.py does
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=3e-3, min_lr=3e-4,
                                     lr_warmup_steps=2, lr_decay_steps=6, lr_decay_style="cosine",
                                     start_wd=0.01, end_wd=0.01, wd_incr_steps=6,
@@ -157,7 +160,7 @@ def _trainer(world, tp, hf, dist_opt=True):
 
 def _train_step(chunks, config, args, opt, sched, step):
     """One optimizer step on the 2 micro-batches of `step` (split over DP); the mean loss
-    over all of them, on every rank."""
+    over all of them and the gradient norm, on every rank."""
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.model.kv_replication import sync_replicated_kv_grads
@@ -169,12 +172,42 @@ def _train_step(chunks, config, args, opt, sched, step):
     batches = fixed_batches(2, MBS, SEQ, VOCAB, seed=100 + step)[dp_rank::dp]
     losses, _ = run_schedule(chunks, batches, SEQ, MBS)
     sync_replicated_kv_grads(chunks, config, args)  # as the trainer does
-    ok, _, _ = opt.step()
+    ok, grad_norm, _ = opt.step()
     assert ok
     sched.step(increment=1)
     loss = torch.tensor(sum(losses) / len(losses))
     torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
-    return (loss / dp).item()
+    return (loss / dp).item(), float(grad_norm)
+
+
+# ---------------------------------------------------------------- grad norm: TP=n == TP=1
+CLIP = 0.5      # below every step's norm (about 4.5): each step is clipped
+
+
+def _losses_and_norms(rank, world, hf, tp, dist_opt):
+    """(loss, grad norm) of three clipped steps; the first has lr 0 (warm-up), so the
+    losses of steps 2 and 3 show the clipped updates of steps 1-2."""
+    chunks, config, args, opt, sched = _trainer(world, tp, hf, dist_opt, clip_grad=CLIP)
+    return [_train_step(chunks, config, args, opt, sched, step) for step in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("world,tp,dist_opt", [(2, 2, False), (4, 4, False), (2, 2, True),
+                                               (4, 2, True), (4, 4, True)])
+def test_grad_norm_counts_each_kv_head_once(hf_model, world, tp, dist_opt):
+    """Megatron counts a TP-sharded parameter on every rank, so each of the `tp` replicas of
+    the one kv head would enter the norm (TP=2: 4.99 instead of 4.46)."""
+    reference = _tp1_reference(str(hf_model))
+    assert all(norm > CLIP for _, norm in reference), reference
+    results = run_distributed(_losses_and_norms, world, args=(str(hf_model), tp, dist_opt),
+                              timeout=400)
+    for got in results:
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+
+
+@functools.lru_cache(maxsize=None)
+def _tp1_reference(hf):
+    (reference,) = run_distributed(_losses_and_norms, 1, args=(hf, 1, False), timeout=400)
+    return reference
 
 
 def _train_save_continue(rank, world, hf, out, dist_opt=True):
@@ -184,7 +217,7 @@ def _train_save_continue(rank, world, hf, out, dist_opt=True):
     for step in (1, 2):
         _train_step(chunks, config, args, opt, sched, step)
     save_checkpoint(out, 2, chunks, opt, sched, extra_state={"step": 2})
-    return [_train_step(chunks, config, args, opt, sched, step) for step in (3, 4)]
+    return [_train_step(chunks, config, args, opt, sched, step)[0] for step in (3, 4)]
 
 
 def _resume_tp1(rank, world, hf, out, dist_opt=True):
@@ -192,7 +225,8 @@ def _resume_tp1(rank, world, hf, out, dist_opt=True):
 
     chunks, config, args, opt, sched = _trainer(world, 1, hf, dist_opt)   # TP=1 x DP=2
     extra = resume(out, chunks, opt, sched)
-    return [_train_step(chunks, config, args, opt, sched, extra["step"] + i) for i in (1, 2)]
+    return [_train_step(chunks, config, args, opt, sched, extra["step"] + i)[0]
+            for i in (1, 2)]
 
 
 def test_training_checkpoint_tp2_resumes_at_tp1(hf_model, tmp_path):

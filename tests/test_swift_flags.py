@@ -105,3 +105,20 @@ def test_recompute_full_accepted(model_dir):
                                "block", "--recompute_num_layers", "1"))
     assert (cfg.training.recompute_granularity, cfg.training.recompute_method,
             cfg.training.recompute_num_layers) == ("full", "block", 1)
+
+
+def test_checkpoint_flags(model_dir, tmp_path):
+    """--no_save_optim / --no_save_rng (bare or with a value) and --finetune, which needs a
+    checkpoint to load: without --resume it does nothing (ms-swift scripts pass it by
+    default), with --resume auto it is refused."""
+    cfg = parse_rlhf_args(args(model_dir, "--no_save_optim", "--no_save_rng", "true"))
+    assert cfg.logging.no_save_optim is True and cfg.logging.no_save_rng is True
+    plain = parse_rlhf_args(args(model_dir))
+    assert not (plain.logging.no_save_optim or plain.logging.no_save_rng or plain.logging.finetune)
+    assert parse_rlhf_args(args(model_dir, "--finetune", "true")).logging.finetune is False
+    ckpt = tmp_path / "checkpoint-3"
+    ckpt.mkdir()
+    cfg = parse_rlhf_args(args(model_dir, "--finetune", "true", "--resume", str(ckpt)))
+    assert cfg.logging.finetune is True and cfg.logging.resume == str(ckpt)
+    message = error_of(args(model_dir, "--finetune", "true", "--resume", "auto"))
+    assert message.startswith("--finetune true with --resume auto") and "--resume PATH" in message

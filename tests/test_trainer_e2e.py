@@ -192,6 +192,33 @@ def test_sigkill_then_resume(tiny, tmp_path):
         assert got == expect, f"step {step}: prompts {got}, expected {expect}"
 
 
+def test_lean_checkpoints_resume_and_finetune(tiny, tmp_path):
+    """--no_save_optim --no_save_rng: checkpoints without optimizer and RNG state; an
+    auto-resume from one continues the steps (optimizer restarted, with a warning); a
+    --finetune run from one starts its own steps at 1 with a saved optimizer of its own."""
+    out = str(tmp_path / "run")
+    lean = dict(save_steps=1, no_save_optim="true", no_save_rng="true")
+    r = _run(_argv(tiny, out, train_iters=2, **lean))
+    assert r.returncode == 0, r.stderr[-4000:]
+    ckpt = os.path.join(out, "checkpoint-2")
+    with open(os.path.join(ckpt, "checkpoint.json")) as f:
+        contents = json.load(f)["contents"]
+    assert contents["optimizer"] == "not_saved" and contents["rng"] is False
+    assert torch.load(os.path.join(ckpt, "rank_00001.pt"), weights_only=False)["rng"] is None
+
+    r = _run(_argv(tiny, out, train_iters=3, **lean))      # auto-resume from checkpoint-2
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "without optimizer state (--no_save_optim)" in r.stderr
+    _check_metrics(_metrics(out), 3)
+
+    tuned = str(tmp_path / "finetune")
+    r = _run(_argv(tiny, tuned, train_iters=1, save_steps=1, resume=ckpt, finetune="true"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    _check_metrics(_metrics(tuned), 1)
+    with open(os.path.join(tuned, "checkpoint-1", "checkpoint.json")) as f:
+        assert json.load(f)["contents"]["optimizer"] == "saved"
+
+
 def test_server_mode(tiny, tmp_path):
     """`megatron rollout` in a subprocess; the trainer (TP=2) samples from it over HTTP and
     streams its weights to it after each step, verified by fingerprints."""

@@ -366,6 +366,20 @@ class LoggingOptions(_Group):
                                                 "name.")
     resume: Optional[str] = opt(None, "A checkpoint folder to continue from, or true/auto: the "
                                       "newest checkpoint in output_dir if there is one.")
+    no_save_optim: bool = opt(False, "Checkpoints hold no optimizer state (Adam moments): smaller and "
+                                     "faster to write. A --resume from one restarts the optimizer "
+                                     "state, with a warning; the step, LR schedule and data order "
+                                     "continue.")
+    no_save_rng: bool = opt(False, "Checkpoints hold no RNG states. A --resume from one goes on with "
+                                   "the generators as they are (other dropout masks and sampling "
+                                   "seeds than an uninterrupted run), with a warning.")
+    finetune: bool = opt(False, "With --resume PATH (a checkpoint-N folder): load its weights only "
+                                "and start a new run from them at step 0 (new optimizer state, LR "
+                                "schedule, RNG and data order), as ms-swift's --finetune true with "
+                                "--mcore_model. ms-swift's default true matters there only when a "
+                                "Megatron checkpoint is loaded; here --resume continues a run "
+                                "unless --finetune true is given. Without --resume PATH it has no "
+                                "effect; with --resume auto it is refused.")
 
 
 # The groups of GRPOConfig in the order --help prints them.

@@ -369,7 +369,7 @@ OTHER_BRANCH: Dict[str, str] = {}
 
 # Options with ms-swift's meaning whose wiring into checkpoint.py is still to do (the lead);
 # until then the parser reports them as unknown.
-TO_WIRE: Tuple[str, ...] = ("no_save_optim", "no_save_rng", "finetune")
+TO_WIRE: Tuple[str, ...] = ()
 
 # ms-swift flags this project accepts although they change nothing here; why, for the doc.
 ACCEPTED_WITHOUT_EFFECT: Dict[str, str] = {

@@ -456,6 +456,12 @@ def _check_logging(cfg: "GRPOConfig", p: Problems) -> None:
             p.require(os.path.isdir(log.resume),
                       f"--resume {log.resume!r}: checkpoint folder not found. Valid values: a "
                       "checkpoint folder, true/auto (newest checkpoint in output_dir), or false")
+    if log.finetune and log.resume is None:
+        log.finetune = False    # ms-swift scripts pass it by default: no checkpoint, no effect
+    p.require(not (log.finetune and log.resume == "auto"),
+              "--finetune true with --resume auto: --finetune starts a new run from the weights of "
+              "one checkpoint, --resume auto continues the run in output_dir. Fix: pass --resume "
+              "PATH (a checkpoint-N folder) to fine-tune from it, or drop --finetune to continue")
 
 
 def _check_eval(cfg: "GRPOConfig", p: Problems) -> None:

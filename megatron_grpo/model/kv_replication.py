@@ -18,6 +18,15 @@ Other gradients are unaffected: Megatron's column-parallel backward already all-
 the input gradient over TP, and q/k layer-norm weights are summed over TP by
 `finalize_model_grads` (qk_layernorm).
 
+The gradient norm (clipping, the logged grad_norm) must count each HF kv head once, but
+`linear_qkv` is TP-sharded to Megatron, so every replica's rows enter its sum of squares:
+
+    ||g||^2 = sum over ranks of (q rows + k/v rows)    # Megatron: kv counted `replicas` times
+    ||g||^2 = sum over ranks of q rows + sum over kv heads of its k/v rows    # TP=1's norm
+
+`count_kv_once_in_grad_norm` (called by train/setup.py's build_policy after the optimizer
+is built) leaves the k/v rows out of the norm on every replica but the first.
+
 On disk the replicas do not exist. `install_grouped_qkv_checkpointing` (called by
 `build_model`) gives each `linear_qkv` a sharded state dict in the layout a model without
 replication has: per HF kv head h a group of rows `[q heads of h, k_h, v_h]`, global shape
@@ -92,6 +101,32 @@ def sync_replicated_kv_grads(chunks, config, args) -> None:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
         for v, flat in zip(kv_views, buf[slot].split(sizes)):
             v.copy_(flat.view(v.shape))
+
+
+def count_kv_once_in_grad_norm(optimizer, chunks, config, args) -> None:
+    """Make `optimizer`'s gradient norm count each replicated kv head once (module
+    docstring): on TP ranks with `tp_rank % replicas != 0` only the q rows of every
+    `linear_qkv` weight and bias count. Call once, after the optimizer is built."""
+    replicas = kv_replicas(config, args)
+    tp = config.tensor_model_parallel_size
+    if replicas == 1 or tp == 1:
+        return
+    from megatron.core import parallel_state as ps
+
+    from ..platform.compat.megatron import restrict_grad_norm
+
+    if ps.get_tensor_model_parallel_rank() % replicas == 0:
+        return   # the first replica counts its kv rows
+    q_rows = config.num_attention_heads // config.num_query_groups * config.kv_channels
+    group_rows = q_rows + 2 * config.kv_channels
+    counted = {}
+    for chunk in chunks:
+        for name, param in unwrap(chunk).named_parameters():
+            if name.endswith(_QKV_SUFFIXES):
+                width = param.numel() // param.shape[0]       # elements per row
+                counted[param] = [(g * group_rows * width, (g * group_rows + q_rows) * width)
+                                  for g in range(param.shape[0] // group_rows)]
+    restrict_grad_norm(optimizer, counted)
 
 
 # ---------------------------------------------------------------- checkpoint layout

@@ -89,14 +89,14 @@ def build_run(cfg) -> Run:
     reward_names = list(cfg.reward.reward_funcs)
     step = 0
     resume_from = _resume_path(log.resume, log.output_dir)
-    if resume_from:
-        state = ckpt.load_checkpoint(resume_from, policy.chunks, policy.optimizer,
-                                     policy.scheduler)
+    state = resume_from and ckpt.load_checkpoint(resume_from, policy.chunks, policy.optimizer,
+                                                 policy.scheduler, finetune=log.finetune)
+    if state:   # None: a fresh run, or --finetune (the weights only; step 0)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
     engine = build_sampler(cfg)
     sync = WeightSync(policy, engine, cfg.rollout)
-    if step > 0 or sync.is_server:   # vLLM must hold the (resumed) policy, not the HF start
+    if resume_from or sync.is_server:   # vLLM must hold the loaded policy, not the HF start
         sync()
     logger = RunLogger(log.output_dir, steps, report_to=log.report_to,
                        logging_steps=log.logging_steps, log_completions=log.log_completions,
@@ -156,6 +156,7 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool) -> Non
                              {"step": run.step, "sampler": run.sampler.state_dict(),
                               "config": run.cfg.to_flat()},
                              save_total_limit=log.save_total_limit,
+                             save_optim=not log.no_save_optim, save_rng=not log.no_save_rng,
                              hf_config_dir=run.cfg.model.model)
 
 

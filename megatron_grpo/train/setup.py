@@ -100,6 +100,7 @@ def build_policy(cfg, steps: int) -> Policy:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from ..model import wrap_ddp
+    from ..model.kv_replication import count_kv_once_in_grad_norm
 
     t = cfg.training
     config, args, chunks = build_chunks(cfg)
@@ -110,6 +111,7 @@ def build_policy(cfg, steps: int) -> Policy:
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
         clip_grad=t.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer), chunks)
+    count_kv_once_in_grad_norm(optimizer, chunks, config, args)  # replicated kv heads
     warmup = t.lr_warmup_iters or int(round((t.warmup_ratio or 0.0) * steps))
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr,

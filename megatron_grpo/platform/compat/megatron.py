@@ -13,16 +13,23 @@ What is not, by user:
   which a CPU-only torch refuses).
 - rollout/offload.py: where DDP keeps its gradient buffers and where the Megatron
   optimizers keep their torch optimizers (instance attributes, no accessor).
+- model/kv_replication.py: which grads the optimizers' gradient norm counts
+  (`get_main_grads_for_grad_norm`, per instance) and how their main parameters map onto
+  the model's (the optimizers' parameter groups, the distributed optimizer's ranges).
 
 Megatron modules import such functions by name, so replacing one means replacing
 every reference in every loaded `megatron.core` module (`_rebind`).
 
+- checkpoint.py: which DistributedOptimizers run torch's own Adam
+  (`distrib_optimizer.HAVE_APEX_OR_TE`), and a per-instance wrapper of
+  `DistributedOptimizer._set_main_param_and_optimizer_states` that repairs the Adam `step`
+  on load.
+
 Verified on megatron-core 0.16.1 (Python 3.11, CPU); the range is setup.py's.
-Not here yet: megatron_grpo/checkpoint.py's DistributedOptimizer patch
-(`_set_main_param_and_optimizer_states`, `distrib_optimizer.HAVE_APEX_OR_TE`).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable, List
 
@@ -43,6 +50,15 @@ PRIVATE_NAMES = (
     "megatron.core.distributed:DistributedDataParallel",
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer",
     "megatron.core.optimizer.optimizer:ChainedOptimizer",
+    # model/kv_replication.py (instance attributes: float16_groups, fp32_from_float16_groups,
+    # fp32_from_fp32_groups; model_float16_groups, model_fp32_groups, shard_fp32_groups,
+    # shard_float16_groups, shard_fp32_from_float16_groups)
+    "megatron.core.optimizer.optimizer:MegatronOptimizer.get_main_grads_for_grad_norm",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._get_model_param_range_map",
+    # checkpoint.py (instance attributes: model_param_group_index_map, optimizer)
+    "megatron.core.optimizer.distrib_optimizer:HAVE_APEX_OR_TE",
+    "megatron.core.optimizer.distrib_optimizer:"
+    "DistributedOptimizer._set_main_param_and_optimizer_states",
 )
 RNG_LOGGER = "megatron.core.tensor_parallel.random"   # the RNG tracker's logger
 
@@ -148,3 +164,131 @@ def torch_optimizers(optimizer) -> List:
         raise TypeError(f"offload_optimizer: {type(optimizer).__name__}.optimizer is a "
                         f"{type(inner).__name__}, not a torch.optim.Optimizer")
     return [inner]
+
+
+
+# ------------------------------------------------------------------ kv_replication.py
+def _leaf_optimizers(optimizer) -> List:
+    """The Megatron optimizers inside a ChainedOptimizer (or [optimizer]), stubs left out."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [o for c in chained for o in _leaf_optimizers(c)]
+    return [] if getattr(optimizer, "is_stub_optimizer", False) else [optimizer]
+
+
+def _model_and_main_params(opt):
+    """(model parameter, main parameter, offset of the main parameter in the flattened
+    model parameter) for each parameter a leaf Megatron optimizer steps.
+
+    0.16: the distributed optimizer steps flat shards `model.view(-1)[start:end]` (fp32
+    copies of fp16/bf16 ones unless precision-aware); the float16 optimizer steps full fp32
+    copies of fp16/bf16 parameters and fp32 ones as they are; FP32Optimizer the model's own.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if isinstance(opt, DistributedOptimizer):
+        aware = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        low = opt.shard_float16_groups if aware else opt.shard_fp32_from_float16_groups
+        for models, mains in [*zip(opt.model_float16_groups, low),
+                              *zip(opt.model_fp32_groups, opt.shard_fp32_groups)]:
+            for model, main in zip(models, mains):
+                if main is not None:
+                    yield model, main, opt._get_model_param_range_map(model)["param"].start
+    elif isinstance(opt, Float16OptimizerWithFloat16Params):
+        for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+            yield from ((model, main, 0) for model, main in zip(models, mains))
+        yield from ((p, p, 0) for group in opt.fp32_from_fp32_groups for p in group)
+    else:
+        yield from ((p, p, 0) for p in opt.get_parameters())
+
+
+def restrict_grad_norm(optimizer, counted: dict) -> None:
+    """Make the optimizer's gradient norm (for clipping and the one `step` returns) count
+    only some elements of some model parameters.
+
+    `counted` maps a model parameter to the `(start, end)` ranges of its flattened
+    elements that enter the norm; the others are left out (the update still uses them).
+    Parameters not in `counted` count as Megatron decides (shared and TP-duplicate
+    parameters once). The hook: every leaf optimizer's `get_main_grads_for_grad_norm`,
+    replaced per instance, which all of `clip_grad_norm`, `get_grad_norm` and
+    ChainedOptimizer's norm call; its grads are the main parameters' `.grad` (or
+    `.decoupled_grad`, precision-aware), found by identity and replaced by views of the
+    counted ranges.
+    """
+    check_version()
+    for opt in _leaf_optimizers(optimizer):
+        spans = [(main, start, counted[model])
+                 for model, main, start in _model_and_main_params(opt) if model in counted]
+        if not spans:
+            continue
+
+        def grads_for_norm(_original=opt.get_main_grads_for_grad_norm, _spans=spans):
+            grads = _original()
+            pieces = {}
+            for main, start, ranges in _spans:
+                for grad in (main.grad, getattr(main, "decoupled_grad", None)):
+                    if grad is None:
+                        continue
+                    flat = grad.view(-1)
+                    pieces[id(grad)] = [flat[max(a - start, 0):b - start] for a, b in ranges
+                                        if a - start < flat.numel() and b - start > 0]
+            return [piece for g in grads for piece in pieces.get(id(g), [g])]
+
+        opt.get_main_grads_for_grad_norm = grads_for_norm
+
+
+
+# ------------------------------------------------------------------ checkpoint.py
+def torch_adam_distributed_optimizers(optimizer) -> List:
+    """The DistributedOptimizers in `optimizer` (chained or not) that run torch's own Adam:
+    all of them when neither Apex nor Transformer Engine is installed (0.16's
+    `distrib_optimizer.HAVE_APEX_OR_TE`, e.g. on CPU), none otherwise (fused Adam)."""
+    check_version()
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if getattr(dopt, "HAVE_APEX_OR_TE", True):
+        return []
+    return [o for o in _leaf_optimizers(optimizer) if isinstance(o, dopt.DistributedOptimizer)]
+
+
+@contextlib.contextmanager
+def adam_step_fixed_on_load(optimizer):
+    """Two repairs around DistributedOptimizer.load_state_dict on torch's Adam (0.16).
+
+    1. load_state_dict first restores `step` from the saved param groups, then its
+       per-parameter loaders (`_set_main_param_and_optimizer_states`) copy every key of
+       the live state: with `step` missing from the loaded tensors (fully_reshardable:
+       KeyError) or holding a placeholder (dp_reshardable: the value of the state primed
+       for loading). During the load a per-instance wrapper hands the restored live `step`
+       in, making that copy a no-op.
+    2. It gives every parameter the *same* `step` tensor; torch's foreach Adam then adds
+       1 to it once per parameter per step and the bias correction drifts (resumed runs
+       diverge from the second step on). Afterwards each parameter gets its own copy.
+    Nothing to do with fused Adam (Apex / Transformer Engine): Megatron's code runs as is.
+    """
+    import torch
+
+    patched = []
+    for opt in torch_adam_distributed_optimizers(optimizer):
+        original = opt._set_main_param_and_optimizer_states
+
+        def setter(model_param, tensors, _opt=opt, _original=original):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            live = _opt.optimizer.state[main_param]
+            if "step" in live:
+                tensors = {**tensors, "step": live["step"]}
+            return _original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = setter
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+    for opt in patched:
+        for state in opt.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
