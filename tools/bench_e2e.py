@@ -1,8 +1,8 @@
 """Where the time of one GRPO step goes, for the CPU quickstart.
 
-Runs `NPROC_PER_NODE=2 megatron rlhf --config configs/quickstart_cpu.yaml` (TP=2
-Megatron-Core and a colocated vLLM engine on 2 processes, the tiny Qwen2 of the
-quickstart) for a few steps in a scratch folder, then reads the per-step timings the
+Runs `NPROC_PER_NODE=2 megatron rlhf --config configs/quickstart_cpu.yaml` (DP=2
+Megatron-Core with the distributed optimizer and a colocated vLLM engine on 2 processes,
+the tiny Qwen2 of the quickstart; `-- --tensor_model_parallel_size 2` for TP=2) for a few steps in a scratch folder, then reads the per-step timings the
 trainer writes to metrics.jsonl:
 
     timing/generate  vLLM sampling (and gathering the completions)
