@@ -84,11 +84,12 @@ def test_settings_differ_lists_only_what_differs(model_dir):
     ours = bp.ours_settings(flat, 2, spg)
     trl = bp.trl_settings(bp.trl_config(flat, "/out"), threads=2)
     diff = bp.settings_differ(ours, trl)
+    # The quickstart is DP=2: accumulation differs per rank (32 / (8 x DP 2) against 4).
     assert _keys(diff) == ["processes", "parallel layout", "generation", "weight sync",
-                           "optimizer", "completions_log"]
-    assert "TP=2 PP=1 CP=1 DP=1" in diff[1]
+                           "optimizer", "accumulation", "completions_log"]
+    assert "TP=1 PP=1 CP=1 DP=2" in diff[1]
     # Every mapped algorithm setting agrees, so a mapping slip in trl_config would show.
-    for key in ("lr", "lr_schedule", "loss_type", "beta", "adam", "accumulation", "top_k",
+    for key in ("lr", "lr_schedule", "loss_type", "beta", "adam", "top_k",
                 "checkpoints", "activation recompute", "dtype"):
         assert ours[key] == trl[key], key
 

@@ -12,7 +12,7 @@ implementation, ...) is listed per shape.
 
 Shapes (SHAPES below):
     quickstart  tiny Qwen2 (2 layers, hidden 128), 4 prompts x 8 generations, 24 tokens,
-                dapo, beta 0, lr 3e-3, 30 steps; ours as shipped: TP=2, 2 processes
+                dapo, beta 0, lr 3e-3, 30 steps; ours as shipped (configs/quickstart_cpu.yaml)
     small       Qwen2 hidden 512, 8 layers, 16 prompts x 8 generations, 128-token
                 completions, 6 steps; ours TP=1 / DP=2 (a 17M-parameter model needs no TP)
 

@@ -1,7 +1,7 @@
 """Where one GRPO step of ours spends its time, per phase and per rank (issue 13).
 
 Runs our trainer (`megatron rlhf`, the shape's config from tools/bench_peer.py SHAPES,
-default the quickstart: TP=2 + colocated vLLM on 2 processes) under torchrun for
+default the quickstart as shipped: 2 processes, colocated vLLM) under torchrun for
 `--step` generation batches, and profiles, in every rank, each phase of the last one:
 
     generate       collect_rollouts: vLLM sampling, gathering, reward scoring

