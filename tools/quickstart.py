@@ -2,7 +2,7 @@
 
 Builds a tiny Qwen2 checkpoint (random weights, locally trained tokenizer), then runs
 `NPROC_PER_NODE=2 megatron rlhf --config configs/quickstart_cpu.yaml`: GRPO with a
-TP=2 Megatron-Core model and a colocated vLLM engine on 2 CPU processes, rewarding
+DP=2 Megatron-Core model (distributed optimizer) and a colocated vLLM engine in each of 2 CPU processes, rewarding
 digits in the completions (examples/plugins/digits_reward.py). It ends by printing
 the reward of the first and last steps; the run's folder holds metrics.jsonl,
 completions.jsonl, reward_curve.png, checkpoints and the final HF model.
