@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from .errors import Problems
-from .sizes import parse_size
+from .validate import check_vllm_memory
 from .groups import check_choices, opt
 from .parse import collect_values, field_table, format_help
 
@@ -52,16 +52,7 @@ class RolloutServerConfig:
                       "Fix: pass a Hugging Face model folder (megatron-grpo does not download models)")
         for name in ("vllm_tensor_parallel_size", "vllm_data_parallel_size"):
             p.require(getattr(self, name) >= 1, f"--{name} {getattr(self, name)} must be >= 1")
-        p.require(0 < self.vllm_gpu_memory_utilization <= 1,
-                  f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization} must be in (0, 1]")
-        try:
-            parse_size(self.vllm_kv_cache_memory)
-        except ValueError as e:
-            p.add(str(e))
-        p.require(self.vllm_kv_cache_memory is None
-                  or (self.vllm_engine_kwargs or {}).get("kv_cache_memory_bytes") is None,
-                  f"--vllm_kv_cache_memory {self.vllm_kv_cache_memory} and kv_cache_memory_bytes "
-                  "in --vllm_engine_kwargs both size the KV cache. Fix: set only one of them")
+        check_vllm_memory(self, p)
         p.require(0 < self.port < 65536, f"--port {self.port} is not a valid port (1-65535)")
         p.raise_if_any()
 

@@ -345,6 +345,20 @@ def _check_rewards(cfg: "GRPOConfig", p: Problems) -> None:
                   f"{r.soft_max_length}). Fix: e.g. --soft_cache_length {max(1, r.soft_max_length // 4)}")
 
 
+def check_vllm_memory(v, p: Problems) -> None:
+    """The vLLM memory options (`megatron rlhf`'s rollout group and `megatron rollout`)."""
+    p.require(0 < v.vllm_gpu_memory_utilization <= 1,
+              f"--vllm_gpu_memory_utilization {v.vllm_gpu_memory_utilization} must be in (0, 1]")
+    try:
+        parse_size(v.vllm_kv_cache_memory)
+    except ValueError as e:
+        p.add(str(e))
+    p.require(v.vllm_kv_cache_memory is None
+              or (v.vllm_engine_kwargs or {}).get("kv_cache_memory_bytes") is None,
+              f"--vllm_kv_cache_memory {v.vllm_kv_cache_memory} and kv_cache_memory_bytes in "
+              "--vllm_engine_kwargs both size the KV cache. Fix: set only one of them")
+
+
 def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
     v = cfg.rollout
     if not v.use_vllm:
@@ -357,16 +371,7 @@ def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
         v.vllm_mode = "colocate"
     _positive(p, "vllm_tensor_parallel_size", v.vllm_tensor_parallel_size)
     _positive(p, "vllm_data_parallel_size", v.vllm_data_parallel_size)
-    p.require(0 < v.vllm_gpu_memory_utilization <= 1,
-              f"--vllm_gpu_memory_utilization {v.vllm_gpu_memory_utilization} must be in (0, 1]")
-    try:
-        parse_size(v.vllm_kv_cache_memory)
-    except ValueError as e:
-        p.add(str(e))
-    p.require(v.vllm_kv_cache_memory is None
-              or (v.vllm_engine_kwargs or {}).get("kv_cache_memory_bytes") is None,
-              f"--vllm_kv_cache_memory {v.vllm_kv_cache_memory} and kv_cache_memory_bytes in "
-              "--vllm_engine_kwargs both size the KV cache. Fix: set only one of them")
+    check_vllm_memory(v, p)
     if v.vllm_max_model_len is not None:
         p.require(v.vllm_max_model_len > cfg.grpo.max_completion_length,
                   f"--vllm_max_model_len {v.vllm_max_model_len} leaves no room for a prompt with "
