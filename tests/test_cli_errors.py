@@ -15,7 +15,7 @@ def setup_files(tmp_path_factory):
     from tools.make_tiny_model import make_tiny_model
 
     d = tmp_path_factory.mktemp("cli")
-    model = make_tiny_model(d / "m", family="qwen2")
+    model = make_tiny_model(d / "m", family="qwen2", hidden_size=128)
     good = d / "good.jsonl"
     good.write_text("".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1)}) + "\n"
                             for i in range(16)))

@@ -15,7 +15,7 @@ def model(tmp_path_factory):
     from tools.make_tiny_model import make_tiny_model
 
     # 2 layers, 4 attention heads, 2 kv heads
-    return str(make_tiny_model(tmp_path_factory.mktemp("dry") / "m", family="qwen2"))
+    return str(make_tiny_model(tmp_path_factory.mktemp("dry") / "m", family="qwen2", hidden_size=128))
 
 
 def _dry_run(model, out, *extra, nproc=4, nnodes=1):

@@ -1,21 +1,55 @@
-"""examples/ms_swift_dense_colocate.sh: its flags pass every check (`--dry_run true`, no
-process started). The 2-step run end to end is a separate (vLLM) test."""
+"""examples/ms_swift_dense_{colocate,server}.sh, ms-swift's dense GRPO scripts adapted:
+their flags pass every check (`--dry_run true`, nothing started), and each runs its
+2 optimizer steps end to end (real vLLM: colocated engines, or `megatron rollout`
+started by the script) and writes the trained model."""
+import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_dense_colocate_example_dry_run(tmp_path):
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
     from tools.make_tiny_model import make_tiny_model
+    # hidden 128 / 4 heads: head size 32, which vLLM-CPU's attention supports.
+    return str(make_tiny_model(tmp_path_factory.mktemp("ex") / "m", family="qwen2", hidden_size=128))
 
-    model = str(make_tiny_model(tmp_path / "m", family="qwen2"))
-    env = dict(os.environ, MODEL=model, OUTPUT_DIR=str(tmp_path / "out"),
+
+def _run(script, model, out, *args, timeout=300):
+    env = dict(os.environ, MODEL=model, OUTPUT_DIR=str(out), OMP_NUM_THREADS="1",
                MEGATRON=f"{sys.executable} -m megatron_grpo.cli", NNODES="1")
-    r = subprocess.run(["bash", "examples/ms_swift_dense_colocate.sh", "--dry_run", "true"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(["bash", f"examples/{script}", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script,engine", [
+    ("ms_swift_dense_colocate.sh", "colocate: 2 engines"),
+    ("ms_swift_dense_server.sh", "server: 127.0.0.1:")])
+def test_example_dry_run(model, tmp_path, script, engine):
+    r = _run(script, model, tmp_path / "out", "--dry_run", "true")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "dry_run: every check passed" in r.stdout
     assert "DP 2 x TP 1 x PP 1 x CP 1" in r.stdout, r.stdout
     assert "16 completions (generation_batch_size)" in r.stdout, r.stdout
+    assert engine in r.stdout, r.stdout
+    assert not (tmp_path / "out" / "rollout_server.log").exists()   # dry run: no server
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("script", ["ms_swift_dense_colocate.sh", "ms_swift_dense_server.sh"])
+def test_example_runs_two_steps(model, tmp_path, script):
+    out = tmp_path / "out"
+    r = _run(script, model, out, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [s for s in steps if "loss" in s]
+    assert [s["step"] for s in train] == [1, 2], steps
+    assert all(s["completions/mean_length"] > 0 for s in train), train
+    assert (out / "final_hf" / "config.json").is_file()
+    if "server" in script:     # the script's server came up and was stopped with it
+        assert "the rollout server is up" in r.stdout, r.stdout

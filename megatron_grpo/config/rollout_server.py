@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from .errors import Problems
-from .validate import check_vllm_memory
+from .validate import check_vllm_model, check_vllm_memory
 from .groups import check_choices, opt
 from .parse import collect_values, field_table, format_help
 
@@ -53,6 +53,7 @@ class RolloutServerConfig:
         for name in ("vllm_tensor_parallel_size", "vllm_data_parallel_size"):
             p.require(getattr(self, name) >= 1, f"--{name} {getattr(self, name)} must be >= 1")
         check_vllm_memory(self, p)
+        check_vllm_model(self.model, self.vllm_max_model_len, p)
         p.require(0 < self.port < 65536, f"--port {self.port} is not a valid port (1-65535)")
         p.raise_if_any()
 

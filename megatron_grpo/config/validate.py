@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
 from .errors import Problems
+from .hf_model import VLLM_CPU_HEAD_SIZES, head_dim, model_max_len, vllm_is_cpu_build
 from .sizes import parse_size
 
 if TYPE_CHECKING:
@@ -359,6 +360,35 @@ def check_vllm_memory(v, p: Problems) -> None:
               "--vllm_engine_kwargs both size the KV cache. Fix: set only one of them")
 
 
+def check_vllm_model(model: Optional[str], max_model_len: Optional[int], p: Problems) -> None:
+    """What vLLM refuses about the model, found before any engine starts:
+    --vllm_max_model_len beyond the model's context length (vLLM refuses it at engine
+    start unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which it honours), and on vLLM-CPU a head
+    size its attention kernels lack (found only at the first generate otherwise)."""
+    if not model or not os.path.isfile(os.path.join(model, "config.json")):
+        return
+    try:
+        size = head_dim(model)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        size = None                   # an unusual config: vLLM decides
+    if size is not None and size not in VLLM_CPU_HEAD_SIZES and vllm_is_cpu_build():
+        p.add(f"--model {model}: head size {size} is not supported by vLLM-CPU's attention "
+              f"(supported: {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}). Fix: a model whose "
+              "hidden_size / num_attention_heads (or head_dim) is one of these, e.g. "
+              "tools/make_tiny_model.py --hidden_size 128 with 4 heads")
+    if max_model_len is None or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1":
+        return
+    try:
+        limit = model_max_len(model)
+    except (ValueError, OSError):
+        return                        # no context length named: vLLM decides
+    p.require(max_model_len <= limit,
+              f"--vllm_max_model_len {max_model_len} is longer than the model's context length "
+              f"{limit} (max_position_embeddings in {model}/config.json). Fix: "
+              f"--vllm_max_model_len {limit} or less (or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
+              "if the model's positions extend further)")
+
+
 def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
     v = cfg.rollout
     if not v.use_vllm:
@@ -372,6 +402,8 @@ def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
     _positive(p, "vllm_tensor_parallel_size", v.vllm_tensor_parallel_size)
     _positive(p, "vllm_data_parallel_size", v.vllm_data_parallel_size)
     check_vllm_memory(v, p)
+    if v.use_vllm:
+        check_vllm_model(cfg.model.model, v.vllm_max_model_len, p)
     if v.vllm_max_model_len is not None:
         p.require(v.vllm_max_model_len > cfg.grpo.max_completion_length,
                   f"--vllm_max_model_len {v.vllm_max_model_len} leaves no room for a prompt with "

@@ -34,37 +34,17 @@ nothing is added unless a size is given: `gpu_memory_utilization` keeps its mean
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Dict, Mapping, Optional, Union
 
+from ..config.hf_model import model_max_len, text_config
 from ..config.sizes import parse_size
 
 HEADROOM = 1.25           # over the computed need: allocator slack, block rounding of prompts
 FLOOR_BYTES = 64 << 20    # never less: a few blocks even for a tiny model
 BLOCK_TOKENS = 128        # vLLM's CPU block size (cache_config.block_size on CPU)
-_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                 "max_sequence_length")
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
-
-
-def _text_config(model_dir: str) -> Dict[str, Any]:
-    """config.json of an HF folder; a multimodal model's language part (text_config)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    text = config.get("text_config")
-    return {**config, **text} if isinstance(text, dict) else config
-
-
-def model_max_len(model_dir: str) -> int:
-    """The context length vLLM takes when max_model_len is not given."""
-    config = _text_config(model_dir)
-    for key in _MAX_LEN_KEYS:
-        if isinstance(config.get(key), int) and config[key] > 0:
-            return config[key]
-    raise ValueError(f"{model_dir}/config.json names no context length ({', '.join(_MAX_LEN_KEYS)}). "
-                     "Fix: set --vllm_max_model_len")
 
 
 def kv_bytes_per_token(model_dir: str, *, tensor_parallel_size: int = 1, dtype: str = "auto",
@@ -74,7 +54,7 @@ def kv_bytes_per_token(model_dir: str, *, tensor_parallel_size: int = 1, dtype: 
     dtype: the engine's ("auto": the checkpoint's, float32 when it names none);
     kv_cache_dtype "fp8*" stores one byte per value.
     """
-    c = _text_config(model_dir)
+    c = text_config(model_dir)
     layers = c["num_hidden_layers"]
     heads = c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads") or heads

