@@ -65,3 +65,14 @@ def test_dry_run_checks_the_model_against_the_parallel_sizes(model, tmp_path):
     assert r.returncode == 2, r.stdout
     assert "--pipeline_model_parallel_size 4" in r.stderr and "2 layers" in r.stderr
     assert "Traceback" not in r.stderr and "dry_run: every check passed" not in r.stdout
+
+
+def test_epochs_count_every_pass_of_num_iterations(model, tmp_path):
+    """num_train_epochs covers every prompt once per epoch: 100 prompts / 4 per rollout = 25
+    rollouts, each trained num_iterations 2 x steps_per_generation 2 = 4 steps -> 100."""
+    r = _dry_run(model, str(tmp_path / "run"), "--num_generations", "4", "--global_batch_size", "8",
+                 "--micro_batch_size", "2", "--steps_per_generation", "2", "--num_iterations", "2",
+                 "--num_train_epochs", "1", "--report_to", "none", nproc=2)
+    assert r.returncode == 0, r.stderr
+    assert "4 optimizer steps per rollout" in _line(r.stdout, "schedule"), r.stdout
+    assert "100 optimizer steps in all (1 epochs)" in _line(r.stdout, "schedule"), r.stdout

@@ -85,14 +85,18 @@ def build_chunks(cfg, load_weights: bool = True):
 
 
 def total_steps(cfg, num_prompts: int) -> int:
-    """Optimizer steps of the run: train_iters, or num_train_epochs over the prompts."""
+    """Optimizer steps of the run: train_iters, or num_train_epochs over the prompts.
+
+    Each rollout of generation_batch_size completions (generation_batch_size /
+    num_generations prompts) trains num_iterations passes of steps_per_generation steps.
+    """
     g = cfg.grpo
     if cfg.training.train_iters:
         return int(cfg.training.train_iters)
     prompts_per_generation = g.generation_batch_size // g.num_generations
     generations = max(1, int(num_prompts * cfg.training.num_train_epochs
                              // prompts_per_generation))
-    return generations * g.steps_per_generation
+    return generations * g.steps_per_generation * g.num_iterations
 
 
 def build_policy(cfg, steps: int) -> Policy:
