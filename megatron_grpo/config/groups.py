@@ -309,6 +309,20 @@ class RolloutOptions(_Group):
     offload_model: bool = opt(False, "Move Megatron's parameters to CPU during generation.")
     offload_optimizer: bool = opt(False, "Move the optimizer state to CPU during generation.")
     offload_bridge: bool = opt(False, "Stage the exported HF weights in CPU memory during a sync.")
+    multi_turn_scheduler: Optional[str] = opt(
+        None, "Multi-turn rollouts: the scheduler that continues each trajectory after a model "
+              "turn (built in: calculator, gym_scheduler; more with --external_plugins, "
+              "multi_turns['name'] = cls as in ms-swift). None: one completion per sample.")
+    max_turns: Optional[int] = opt(None, "Multi-turn: model turns per trajectory at most. "
+                                         "max_completion_length caps each turn, max_length the "
+                                         "whole trajectory.")
+    use_gym_env: Optional[bool] = opt(
+        None, "Gym environments: the scheduler's rollout_infos['total_reward'] becomes one more "
+              "reward column, gym_reward (add its weight to --reward_weights); with no "
+              "--multi_turn_scheduler, gym_scheduler. None: true when --gym_env is given.")
+    gym_env: Optional[str] = opt(None, "The environment of gym_scheduler (built in: guess_number; "
+                                       "more with --external_plugins, envs['name'] = cls); a "
+                                       "dataset row's env_config['name'] overrides it.")
 
 
 @dataclass

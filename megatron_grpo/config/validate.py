@@ -64,7 +64,7 @@ def finalize(cfg: "GRPOConfig", problems: Optional[Problems] = None) -> None:
     `problems`; without it they are raised together as one ConfigError."""
     p = Problems() if problems is None else problems
     for check in (_check_model, _check_model_options, _check_data, _check_training, _check_parallel, _check_batches,
-                  _check_loss, _check_rewards, _check_rollout, _check_logging, _check_eval):
+                  _check_loss, _check_rewards, _check_multi_turn, _check_rollout, _check_logging, _check_eval):
         with p.section():
             check(cfg, p)
     if problems is None:
@@ -314,6 +314,12 @@ def _check_rewards(cfg: "GRPOConfig", p: Problems) -> None:
         p.require(os.path.isfile(path), f"--external_plugins {path!r}: file not found. "
                                         "Fix: pass an existing .py file")
     registry.load_plugins(r.external_plugins)
+    ro = cfg.rollout
+    if ro.use_gym_env is None:       # ms-swift: --gym_env implies --use_gym_env
+        ro.use_gym_env = ro.gym_env is not None
+    if ro.use_gym_env and "gym_reward" not in r.reward_funcs:
+        # ms-swift: the environment's total reward is one more reward column.
+        r.reward_funcs = [*r.reward_funcs, "gym_reward"]
     names = registry.registered_names()
     p.require(bool(r.reward_funcs), f"--reward_funcs is required: one or more of {names}. "
                                     "Fix: e.g. --reward_funcs accuracy format")
@@ -357,6 +363,33 @@ def check_vllm_memory(v, p: Problems) -> None:
               or (v.vllm_engine_kwargs or {}).get("kv_cache_memory_bytes") is None,
               f"--vllm_kv_cache_memory {v.vllm_kv_cache_memory} and kv_cache_memory_bytes in "
               "--vllm_engine_kwargs both size the KV cache. Fix: set only one of them")
+
+
+def _check_multi_turn(cfg: "GRPOConfig", p: Problems) -> None:
+    """--multi_turn_scheduler / --max_turns / --gym_env (plugins are loaded by _check_rewards)."""
+    from megatron_grpo.multi_turn import env_names, scheduler_names
+
+    v = cfg.rollout
+    if v.use_gym_env and v.multi_turn_scheduler is None:
+        v.multi_turn_scheduler = "gym_scheduler"
+    if v.max_turns is not None:
+        _positive(p, "max_turns", v.max_turns)
+    if v.multi_turn_scheduler is None:
+        return
+    names = scheduler_names()
+    if not p.require(v.multi_turn_scheduler in names,
+              f"--multi_turn_scheduler {v.multi_turn_scheduler!r} is not a registered scheduler; "
+              f"registered: {names}. Fix: pick one, or register it in a plugin file passed with "
+              "--external_plugins (multi_turns['name'] = cls)"):
+        return
+    p.require(v.max_turns is not None or cfg.data.max_length is not None,
+              f"--multi_turn_scheduler {v.multi_turn_scheduler} without --max_turns or --max_length "
+              "leaves trajectories unbounded. Fix: e.g. --max_turns 4")
+    if v.gym_env is not None:
+        p.require(v.gym_env in env_names(),
+                  f"--gym_env {v.gym_env!r} is not a registered environment; registered: "
+                  f"{env_names()}. Fix: pick one, or register it in a plugin file passed with "
+                  "--external_plugins (envs['name'] = cls)")
 
 
 def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
