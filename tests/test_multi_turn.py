@@ -230,3 +230,26 @@ def test_options(tmp_path):
     assert error_of(args(str(d), "--gym_env", "chess", "--max_turns", "4")).startswith(
         "--gym_env 'chess' is not a registered environment; registered: ['guess_number']")
     assert error_of(args(str(d), "--max_turns", "0")).startswith("--max_turns 0 is not valid")
+
+
+def test_collate_masks_tool_tokens_and_places_per_token_values():
+    import torch
+
+    from megatron_grpo.train.batch import Sample, collate, split_completion_values
+
+    # prompt [1, 2]; completion: model 3 4 | tool 5 6 | model 7 (hand-built)
+    s = Sample([1, 2], [3, 4, 5, 6, 7], rollout_logps=[-0.3, -0.4, -0.7],
+               loss_mask=[1, 1, 0, 0, 1])
+    plain = Sample([1, 2], [3, 4], rollout_logps=[-0.1, -0.2])
+    b = collate([s, plain])
+    # targets sit one to the left: completion token k at position P - 1 + k
+    assert b["targets"][0].tolist() == [2, 3, 4, 5, 6, 7]
+    assert b["completion_mask"][0].tolist() == [False, True, True, False, False, True]
+    assert b["completion_mask"][1].tolist() == [False, True, True, False, False, False]
+    assert b["rollout_logps"][0].tolist() == pytest.approx([0, -0.3, -0.4, 0, 0, -0.7])
+    back = split_completion_values(b["rollout_logps"], b)
+    assert back[0].tolist() == pytest.approx([-0.3, -0.4, -0.7])
+    assert back[1].tolist() == pytest.approx([-0.1, -0.2])
+    with pytest.raises(ValueError, match="rollout_logps has 2 values for 3 completion tokens"):
+        collate([Sample([1], [3, 4, 5], rollout_logps=[0.0, 0.0], loss_mask=[1, 1, 1])])
+    assert torch.equal(b["lengths"], torch.tensor([6, 3]))

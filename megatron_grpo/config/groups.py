@@ -96,8 +96,10 @@ class DataOptions(_Group):
                                       "A row's own system message/column takes priority (ms-swift).")
     columns: Optional[Dict[str, str]] = opt(None, "Rename dataset columns before use, as JSON: "
                                                   "'{\"question\": \"query\", \"answer\": \"solution\"}'.")
-    max_length: Optional[int] = opt(None, "Maximum prompt length in tokens (see truncation_strategy). "
-                                          "None: no limit beyond vllm_max_model_len.")
+    max_length: Optional[int] = opt(None, "Maximum prompt length in tokens (see truncation_strategy); "
+                                          "multi-turn: of the whole trajectory (a longer one is "
+                                          "cut and marked truncated). None: no limit beyond "
+                                          "vllm_max_model_len.")
     truncation_strategy: Literal["left", "delete"] = opt(
         "left", "Prompts longer than max_length: left cuts them from the left (keeping the "
                 "question's end), delete drops them from the dataset at start-up (ms-swift's GRPO).")

@@ -243,3 +243,30 @@ def _advance(s: _State, c, scheduler: RolloutScheduler, spans: TurnSpans,
         added = []
     s.add(added, [0] * len(added), [])
     s.cut(max_length)
+
+
+class MultiTurnRollout:
+    """The run's multi-turn sampler: one scheduler for the run (built from the options
+    of the same names), `num_generations` trajectories per prompt."""
+
+    def __init__(self, tokenizer, *, multi_turn_scheduler: str, max_turns: Optional[int],
+                 max_length: Optional[int], gym_env: Optional[str] = None,
+                 enable_thinking: Optional[bool] = None, args: Any = None) -> None:
+        from ..multi_turn import build_scheduler
+
+        self.tokenizer, self.max_turns, self.max_length = tokenizer, max_turns, max_length
+        self.enable_thinking = enable_thinking
+        self.scheduler = build_scheduler(multi_turn_scheduler, max_turns=max_turns,
+                                         tokenizer=tokenizer, gym_env=gym_env, args=args)
+
+    def __call__(self, engine, rows: List[Dict[str, Any]], num_generations: int) -> List[Trajectory]:
+        """`rows`: dataset rows ({"messages": [...], other columns}); trajectories ordered
+        by row, then sample."""
+        import copy
+
+        requests = [RolloutInferRequest(copy.deepcopy(row["messages"]),
+                                        data_dict={k: v for k, v in row.items() if k != "messages"})
+                    for row in rows for _ in range(num_generations)]
+        return run_trajectories(engine, self.tokenizer, self.scheduler, requests,
+                                max_length=self.max_length, max_turns=self.max_turns,
+                                enable_thinking=self.enable_thinking)

@@ -1,0 +1,50 @@
+"""Multi-turn end to end: `megatron rlhf` with the gym scheduler (number guessing) on 2
+CPU processes, Megatron TP=2, a colocated vLLM engine in fp32, 2 steps.
+
+The random tiny model rarely guesses right, so almost every trajectory runs to
+--max_turns with the environment's feedback between turns: the loop, the masks and
+the trainer see real multi-turn trajectories. The trainer's log-probs (TP=2) of the
+model's tokens equal vLLM's: rollout_correction/log_ppl_diff_max|min (per trajectory,
+the mean over its model tokens of rollout - trainer log-prob) stay within fp32 noise;
+a mask shifted by one token, or tool tokens counted, would move them by ~1.
+"""
+import json
+import os
+
+import pytest
+
+from tests.test_trainer_e2e import _argv, _metrics, _run, tiny  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_gym_multi_turn_tp2(tiny, tmp_path):  # noqa: F811
+    data = tmp_path / "guess.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "play"}],
+                                        "env_config": {"seed": i, "high": 4}}) + "\n"
+                            for i in range(8)))
+    out = str(tmp_path / "run")
+    argv = _argv(tiny, out, dataset=str(data), gym_env="guess_number", max_turns=3,
+                 max_length=400, vllm_max_model_len=512, tensor_model_parallel_size=2,
+                 log_rollout_offpolicy_metrics="true", log_completions="true", bf16="false")
+    for flag in ("--reward_funcs", "--external_plugins"):   # the environment's reward only
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    r = _run(argv)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _metrics(out)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert 1 <= row["num_turns"] <= 3 and "rewards/gym_reward/mean" in row
+        assert row["completions/max_length"] <= 3 * 8          # model tokens only
+        assert abs(row["rollout_correction/log_ppl_diff_max"]) < 1e-4, row
+        assert abs(row["rollout_correction/log_ppl_diff_min"]) < 1e-4, row
+    assert max(row["num_turns"] for row in rows) > 1
+    with open(os.path.join(out, "completions.jsonl")) as f:
+        done = [json.loads(line) for line in f]
+    assert len(done) == 16
+    multi = [d for d in done if d["num_turns"] > 1]
+    assert multi, done[0]
+    roles = [m["role"] for m in multi[0]["messages"]]
+    assert roles[:3] == ["system", "user", "assistant"] and roles.count("assistant") == \
+        multi[0]["num_turns"] and roles[3] == "user"
