@@ -230,6 +230,9 @@ def test_options(tmp_path):
     assert error_of(args(str(d), "--gym_env", "chess", "--max_turns", "4")).startswith(
         "--gym_env 'chess' is not a registered environment; registered: ['guess_number']")
     assert error_of(args(str(d), "--max_turns", "0")).startswith("--max_turns 0 is not valid")
+    assert "does not fit --vllm_max_model_len 256" in error_of(args(
+        str(d), "--multi_turn_scheduler", "calculator", "--max_turns", "2", "--max_length", "250",
+        "--max_completion_length", "16", "--vllm_max_model_len", "256"))
 
 
 def test_collate_masks_tool_tokens_and_places_per_token_values():

@@ -1,5 +1,6 @@
 """Multi-turn end to end: `megatron rlhf` with the gym scheduler (number guessing) on 2
-CPU processes, Megatron TP=2, a colocated vLLM engine in fp32, 2 steps.
+CPU processes, Megatron TP=2, a colocated vLLM engine in fp32, 2 steps and an
+evaluation on held-out prompts (multi-turn as well).
 
 The random tiny model rarely guesses right, so almost every trajectory runs to
 --max_turns with the environment's feedback between turns: the loop, the masks and
@@ -20,13 +21,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_gym_multi_turn_tp2(tiny, tmp_path):  # noqa: F811
     data = tmp_path / "guess.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "play"}],
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"game {i}"}],
                                         "env_config": {"seed": i, "high": 4}}) + "\n"
                             for i in range(8)))
     out = str(tmp_path / "run")
     argv = _argv(tiny, out, dataset=str(data), gym_env="guess_number", max_turns=3,
                  max_length=400, vllm_max_model_len=512, tensor_model_parallel_size=2,
-                 log_rollout_offpolicy_metrics="true", log_completions="true", bf16="false")
+                 log_rollout_offpolicy_metrics="true", log_completions="true", bf16="false",
+                 split_dataset_ratio=0.25, eval_steps=2)     # 2 held-out prompts, multi-turn too
     for flag in ("--reward_funcs", "--external_plugins"):   # the environment's reward only
         i = argv.index(flag)
         del argv[i:i + 2]
@@ -43,6 +45,10 @@ def test_gym_multi_turn_tp2(tiny, tmp_path):  # noqa: F811
     with open(os.path.join(out, "completions.jsonl")) as f:
         done = [json.loads(line) for line in f]
     assert len(done) == 16
+    assert "eval/reward" in rows[-1] and "eval/completions/mean_length" in rows[-1]
+    with open(os.path.join(out, "eval_completions.jsonl")) as f:
+        evals = [json.loads(line) for line in f]
+    assert len(evals) == 8 and all(e["messages"][-1]["role"] == "assistant" for e in evals)
     multi = [d for d in done if d["num_turns"] > 1]
     assert multi, done[0]
     roles = [m["role"] for m in multi[0]["messages"]]

@@ -385,6 +385,14 @@ def _check_multi_turn(cfg: "GRPOConfig", p: Problems) -> None:
     p.require(v.max_turns is not None or cfg.data.max_length is not None,
               f"--multi_turn_scheduler {v.multi_turn_scheduler} without --max_turns or --max_length "
               "leaves trajectories unbounded. Fix: e.g. --max_turns 4")
+    length, turn = cfg.data.max_length, cfg.grpo.max_completion_length
+    if v.vllm_max_model_len is not None:
+        # Each turn samples from the whole trajectory so far (at most max_length tokens).
+        p.require(length is not None and length + turn <= v.vllm_max_model_len,
+                  f"--max_length {length} with --max_completion_length {turn} does not fit "
+                  f"--vllm_max_model_len {v.vllm_max_model_len}: a multi-turn trajectory of up "
+                  "to max_length tokens samples one more turn. Fix: --max_length "
+                  f"{max(1, v.vllm_max_model_len - turn)} or less")
     if v.gym_env is not None:
         p.require(v.gym_env in env_names(),
                   f"--gym_env {v.gym_env!r} is not a registered environment; registered: "

@@ -104,14 +104,15 @@ def build_run(cfg) -> Run:
                        enabled=dist.get_rank() == 0, start_step=step,
                        wandb_project=log.wandb_project, wandb_exp_name=log.wandb_exp_name,
                        swanlab_project=log.swanlab_project, swanlab_exp_name=log.swanlab_exp_name)
+    multi_turn = build_multi_turn(cfg, tokenizer)
     evaluator = build_evaluator(cfg, val_dataset, engine=engine, tokenizer=tokenizer,
                                 render=render, reward_funcs=reward_funcs,
                                 reward_names=reward_names, total_steps=steps,
-                                sync=sync, logger=logger)
+                                sync=sync, logger=logger, multi_turn=multi_turn)
     return Run(cfg, loss, policy, ref, engine, sync, tokenizer, render, dataset, sampler,
                reward_funcs, reward_names, logger, evaluator, steps, step,
                ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-               multi_turn=build_multi_turn(cfg, tokenizer))
+               multi_turn=multi_turn)
 
 
 def build_multi_turn(cfg, tokenizer):
