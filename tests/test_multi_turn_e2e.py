@@ -1,10 +1,10 @@
 """Multi-turn end to end: `megatron rlhf` with the gym scheduler (number guessing) on 2
-CPU processes, Megatron TP=2, a colocated vLLM engine in fp32, 2 steps and an
-evaluation on held-out prompts (multi-turn as well).
+CPU processes, Megatron TP=2 or CP=2 with packed sequences, a colocated vLLM engine in
+fp32, 2 steps and an evaluation on held-out prompts (multi-turn as well).
 
 The random tiny model rarely guesses right, so almost every trajectory runs to
 --max_turns with the environment's feedback between turns: the loop, the masks and
-the trainer see real multi-turn trajectories. The trainer's log-probs (TP=2) of the
+the trainer see real multi-turn trajectories. The trainer's log-probs (TP=2; CP=2) of the
 model's tokens equal vLLM's: rollout_correction/log_ppl_diff_max|min (per trajectory,
 the mean over its model tokens of rollout - trainer log-prob) stay within fp32 noise;
 a mask shifted by one token, or tool tokens counted, would move them by ~1.
@@ -19,14 +19,17 @@ from tests.test_trainer_e2e import _argv, _metrics, _run, tiny  # noqa: F401  (f
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_gym_multi_turn_tp2(tiny, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("parallel", [dict(tensor_model_parallel_size=2),
+                                      dict(context_parallel_size=2, padding_free="true")],
+                         ids=["tp2", "cp2_packed"])
+def test_gym_multi_turn(tiny, tmp_path, parallel):  # noqa: F811
     data = tmp_path / "guess.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"game {i}"}],
                                         "env_config": {"seed": i, "high": 4}}) + "\n"
                             for i in range(8)))
     out = str(tmp_path / "run")
     argv = _argv(tiny, out, dataset=str(data), gym_env="guess_number", max_turns=3,
-                 max_length=400, vllm_max_model_len=512, tensor_model_parallel_size=2,
+                 max_length=400, vllm_max_model_len=512, **parallel,
                  log_rollout_offpolicy_metrics="true", log_completions="true", bf16="false",
                  split_dataset_ratio=0.25, eval_steps=2)     # 2 held-out prompts, multi-turn too
     for flag in ("--reward_funcs", "--external_plugins"):   # the environment's reward only
