@@ -10,7 +10,6 @@ with the number-guessing environment, and an ms-swift-style plugin scheduler.
 from __future__ import annotations
 
 import os
-import textwrap
 
 import pytest
 
@@ -146,68 +145,43 @@ def test_unknown_scheduler_names_the_registered_ones(tok):
         build_scheduler("nope", max_turns=2, tokenizer=tok)
 
 
-PLUGIN = '''
-import re
-from typing import Dict
-
-from megatron_grpo.multi_turn import MultiTurnScheduler, multi_turns
-
-
-class EchoToolScheduler(MultiTurnScheduler):
-    """As ms-swift documents a scheduler: the tool's result is appended to the model's
-    message and returned as response tokens with loss mask 0 (a continuation)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-
-    async def on_turn_end(self, infer_request, response_choice, current_turn):
-        return {'rollout_infos': {'seen_turn': current_turn}}
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        if 'CALL' not in response_choice.message.content:
-            return True
-        return super().check_finished(infer_request, response_choice, current_turn)
-
-    def step(self, infer_request, response_choice, current_turn) -> Dict:
-        token_ids = response_choice.token_ids
-        loss_mask = [1] * len(token_ids)
-        result = ' RESULT=42 '
-        infer_request.messages[-1]['content'] += result
-        result_tokens = self.tokenizer.encode(result, add_special_tokens=False)
-        token_ids.extend(result_tokens)
-        loss_mask.extend([0] * len(result_tokens))
-        return {'infer_request': infer_request, 'response_token_ids': token_ids,
-                'response_loss_mask': loss_mask, 'rollout_infos': {'num_turns': current_turn}}
-
-
-multi_turns['echo_tool'] = EchoToolScheduler
-'''
+PLUGIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "examples", "plugins", "react_calculator.py")
 
 
 def test_ms_swift_style_plugin(tok, tmp_path):
+    """examples/plugins/react_calculator.py: a scheduler written to ms-swift's contract
+    (async on_turn_end, check_finished, step returning response_token_ids with the
+    observation masked, the `multi_turns` registry); with ms-swift's import line it is
+    refused, naming the replacement."""
     from megatron_grpo.rewards.registry import load_plugins
 
-    path = tmp_path / "swift_plugin.py"
-    path.write_text(PLUGIN.replace("megatron_grpo.multi_turn", "swift.rollout.multi_turn"))
-    with pytest.raises(ValueError, match="from megatron_grpo.multi_turn import "
-                                         "MultiTurnScheduler, multi_turns"):
-        load_plugins([str(path)])
-    path = tmp_path / "plugin.py"
-    path.write_text(PLUGIN)
-    load_plugins([str(path)])
-    assert "echo_tool" in multi_turns
-    # stopped by a stop string (no eos token): the model's message continues after the
-    # tool's text, which the scheduler returned as tokens of mask 0
-    engine = Scripted(tok, lambda p: "done" if "RESULT" in p else "CALL", stop="string")
-    sched = build_scheduler("echo_tool", max_turns=3, tokenizer=tok)
+    source = open(PLUGIN).read()
+    ours = "from megatron_grpo.multi_turn import MultiTurnScheduler, multi_turns"
+    assert ours in source
+    swift = tmp_path / "swift_plugin.py"
+    swift.write_text(source.replace(ours, "from swift.rollout.multi_turn import "
+                                          "MultiTurnScheduler, multi_turns"))
+    with pytest.raises(ValueError, match=f"replace it with `{ours}`"):
+        load_plugins([str(swift)])
+    load_plugins([PLUGIN])
+    assert "react_calculator" in multi_turns
+
+    # Turn 1 stops at a stop string (no eos): the observation continues the model's
+    # message as tokens of mask 0, and turn 2 continues after it.
+    act = "Action: calculator\nAction Input: 2*3"
+    engine = Scripted(tok, lambda p: "The answer is 6" if "Observation" in p else act,
+                      stop="string")
+    sched = build_scheduler("react_calculator", max_turns=3, tokenizer=tok)
     [t] = run_trajectories(engine, tok, sched, [RolloutInferRequest([USER])])
-    call, res, done = ids(tok, "CALL"), ids(tok, " RESULT=42 "), ids(tok, "done")
-    assert t.completion_ids == call + res + done
-    assert t.loss_mask == [1] * len(call) + [0] * len(res) + [1] * len(done)
-    assert len(t.logprobs) == len(call) + len(done)
-    assert engine.prompts[1] == t.prompt_ids + call + res
-    assert t.rollout_infos["seen_turn"] == 2 and t.num_turns == 2 and not t.truncated
-    assert t.messages[-1] == {"role": "assistant", "content": "CALL RESULT=42 done"}
+    a, obs, done = ids(tok, act), ids(tok, "\nObservation: 6\n"), ids(tok, "The answer is 6")
+    assert t.completion_ids == a + obs + done
+    assert t.loss_mask == [1] * len(a) + [0] * len(obs) + [1] * len(done)
+    assert t.logprobs == [-(k + 1) / 100 for k in range(len(a) + len(done))]
+    assert engine.prompts[1] == t.prompt_ids + a + obs
+    assert t.rollout_infos["tool_calls"] == 0 and t.num_turns == 2 and not t.truncated
+    assert t.messages[-1] == {"role": "assistant",
+                              "content": act + "\nObservation: 6\nThe answer is 6"}
 
 
 def test_options(tmp_path):
