@@ -88,7 +88,9 @@ class _State:
         """Cut the trajectory to max_length tokens; True when it was longer."""
         if not max_length or self.length() <= max_length:
             return False
-        keep = max(0, max_length - len(self.prompt_ids))
+        # At least the first model token: a prompt that fills max_length alone (it was
+        # cut to max_length) still gets a trajectory to train on.
+        keep = max(1, max_length - len(self.prompt_ids))
         self.ids, self.mask = self.ids[:keep], self.mask[:keep]
         self.logps = self.logps[:sum(self.mask)]
         self.truncated = self.done = True
