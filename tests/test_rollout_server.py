@@ -137,6 +137,34 @@ def test_server_syncs_generates_and_verifies(server):
     assert answer["choices"][0]["message"]["role"] == "assistant"
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_server_multi_turn_trajectories_are_token_exact(server):
+    """Multi-turn through the client (server mode): each turn samples from the exact ids so
+    far, so the server's own scoring of the whole trajectory (prompt log-probs, temperature
+    1) gives back the rollout log-probs of every model token."""
+    from transformers import AutoTokenizer
+
+    from megatron_grpo.multi_turn import RolloutInferRequest, build_scheduler
+    from megatron_grpo.rollout.trajectory import run_trajectories
+
+    client = RolloutClient(vllm_server_port=server["port"], vllm_server_timeout=300,
+                           api_key=TOKEN, temperature=1.0, max_completion_length=6)
+    client.wait_until_ready()
+    tok = AutoTokenizer.from_pretrained(str(server["base"]))
+    sched = build_scheduler("gym_scheduler", max_turns=3, tokenizer=tok, gym_env="guess_number")
+    reqs = [RolloutInferRequest([], data_dict={"env_config": {"seed": i}}) for i in range(3)]
+    ts = run_trajectories(client, tok, sched, reqs, max_length=200)   # the server's 256 - 6
+    assert max(t.num_turns for t in ts) > 1
+    scored = client.score([t.prompt_ids for t in ts], [t.completion_ids for t in ts])
+    for t, lp in zip(ts, scored):
+        model = [x for x, m in zip(lp, t.loss_mask) if m]
+        assert len(model) == len(t.logprobs) == sum(t.loss_mask)
+        assert (sum(t.loss_mask) < len(t.loss_mask)) == (t.num_turns > 1)   # env tokens: 0
+        assert max_diff([t.logprobs], [model]) < ATOL
+
+
 def test_unreachable_server_fails_after_timeout():
     client = RolloutClient(vllm_server_port=free_port(), vllm_server_timeout=2)
     start = time.monotonic()

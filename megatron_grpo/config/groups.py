@@ -96,8 +96,10 @@ class DataOptions(_Group):
                                       "A row's own system message/column takes priority (ms-swift).")
     columns: Optional[Dict[str, str]] = opt(None, "Rename dataset columns before use, as JSON: "
                                                   "'{\"question\": \"query\", \"answer\": \"solution\"}'.")
-    max_length: Optional[int] = opt(None, "Maximum prompt length in tokens (see truncation_strategy). "
-                                          "None: no limit beyond vllm_max_model_len.")
+    max_length: Optional[int] = opt(None, "Maximum prompt length in tokens (see truncation_strategy); "
+                                          "multi-turn: of the whole trajectory (a longer one is "
+                                          "cut and marked truncated). None: no limit beyond "
+                                          "vllm_max_model_len.")
     truncation_strategy: Literal["left", "delete"] = opt(
         "left", "Prompts longer than max_length: left cuts them from the left (keeping the "
                 "question's end), delete drops them from the dataset at start-up (ms-swift's GRPO).")
@@ -309,6 +311,20 @@ class RolloutOptions(_Group):
     offload_model: bool = opt(False, "Move Megatron's parameters to CPU during generation.")
     offload_optimizer: bool = opt(False, "Move the optimizer state to CPU during generation.")
     offload_bridge: bool = opt(False, "Stage the exported HF weights in CPU memory during a sync.")
+    multi_turn_scheduler: Optional[str] = opt(
+        None, "Multi-turn rollouts: the scheduler that continues each trajectory after a model "
+              "turn (built in: calculator, gym_scheduler; more with --external_plugins, "
+              "multi_turns['name'] = cls as in ms-swift). None: one completion per sample.")
+    max_turns: Optional[int] = opt(None, "Multi-turn: model turns per trajectory at most. "
+                                         "max_completion_length caps each turn, max_length the "
+                                         "whole trajectory.")
+    use_gym_env: Optional[bool] = opt(
+        None, "Gym environments: the scheduler's rollout_infos['total_reward'] becomes one more "
+              "reward column, gym_reward (add its weight to --reward_weights); with no "
+              "--multi_turn_scheduler, gym_scheduler. None: true when --gym_env is given.")
+    gym_env: Optional[str] = opt(None, "The environment of gym_scheduler (built in: guess_number; "
+                                       "more with --external_plugins, envs['name'] = cls); a "
+                                       "dataset row's env_config['name'] overrides it.")
 
 
 @dataclass

@@ -208,8 +208,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         use_shared_expert_gate
     """,
     "multi-turn, issue 17": """
-        multi_turn_scheduler max_turns completion_length_limit_scope vllm_server_pass_dataset
-        use_gym_env gym_env agent_template loss_scale
+        completion_length_limit_scope vllm_server_pass_dataset agent_template loss_scale
     """,
     "vision-language, issue 18": """
         freeze_vit freeze_aligner vit_gradient_checkpointing vit_gradient_checkpointing_kwargs

@@ -65,7 +65,7 @@ def finalize(cfg: "GRPOConfig", problems: Optional[Problems] = None) -> None:
     `problems`; without it they are raised together as one ConfigError."""
     p = Problems() if problems is None else problems
     for check in (_check_model, _check_model_options, _check_data, _check_training, _check_parallel, _check_batches,
-                  _check_loss, _check_rewards, _check_rollout, _check_logging, _check_eval):
+                  _check_loss, _check_rewards, _check_multi_turn, _check_rollout, _check_logging, _check_eval):
         with p.section():
             check(cfg, p)
     if problems is None:
@@ -315,6 +315,12 @@ def _check_rewards(cfg: "GRPOConfig", p: Problems) -> None:
         p.require(os.path.isfile(path), f"--external_plugins {path!r}: file not found. "
                                         "Fix: pass an existing .py file")
     registry.load_plugins(r.external_plugins)
+    ro = cfg.rollout
+    if ro.use_gym_env is None:       # ms-swift: --gym_env implies --use_gym_env
+        ro.use_gym_env = ro.gym_env is not None
+    if ro.use_gym_env and "gym_reward" not in r.reward_funcs:
+        # ms-swift: the environment's total reward is one more reward column.
+        r.reward_funcs = [*r.reward_funcs, "gym_reward"]
     names = registry.registered_names()
     p.require(bool(r.reward_funcs), f"--reward_funcs is required: one or more of {names}. "
                                     "Fix: e.g. --reward_funcs accuracy format")
@@ -387,6 +393,41 @@ def check_vllm_model(model: Optional[str], max_model_len: Optional[int], p: Prob
               f"{limit} (max_position_embeddings in {model}/config.json). Fix: "
               f"--vllm_max_model_len {limit} or less (or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
               "if the model's positions extend further)")
+
+
+def _check_multi_turn(cfg: "GRPOConfig", p: Problems) -> None:
+    """--multi_turn_scheduler / --max_turns / --gym_env (plugins are loaded by _check_rewards)."""
+    from megatron_grpo.multi_turn import env_names, scheduler_names
+
+    v = cfg.rollout
+    if v.use_gym_env and v.multi_turn_scheduler is None:
+        v.multi_turn_scheduler = "gym_scheduler"
+    if v.max_turns is not None:
+        _positive(p, "max_turns", v.max_turns)
+    if v.multi_turn_scheduler is None:
+        return
+    names = scheduler_names()
+    if not p.require(v.multi_turn_scheduler in names,
+              f"--multi_turn_scheduler {v.multi_turn_scheduler!r} is not a registered scheduler; "
+              f"registered: {names}. Fix: pick one, or register it in a plugin file passed with "
+              "--external_plugins (multi_turns['name'] = cls)"):
+        return
+    p.require(v.max_turns is not None or cfg.data.max_length is not None,
+              f"--multi_turn_scheduler {v.multi_turn_scheduler} without --max_turns or --max_length "
+              "leaves trajectories unbounded. Fix: e.g. --max_turns 4")
+    length, turn = cfg.data.max_length, cfg.grpo.max_completion_length
+    if v.vllm_max_model_len is not None:
+        # Each turn samples from the whole trajectory so far (at most max_length tokens).
+        p.require(length is not None and length + turn <= v.vllm_max_model_len,
+                  f"--max_length {length} with --max_completion_length {turn} does not fit "
+                  f"--vllm_max_model_len {v.vllm_max_model_len}: a multi-turn trajectory of up "
+                  "to max_length tokens samples one more turn. Fix: --max_length "
+                  f"{max(1, v.vllm_max_model_len - turn)} or less")
+    if v.gym_env is not None:
+        p.require(v.gym_env in env_names(),
+                  f"--gym_env {v.gym_env!r} is not a registered environment; registered: "
+                  f"{env_names()}. Fix: pick one, or register it in a plugin file passed with "
+                  "--external_plugins (envs['name'] = cls)")
 
 
 def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:

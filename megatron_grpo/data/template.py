@@ -17,6 +17,14 @@ def render_prompt(tokenizer: Any, messages: List[Dict[str, str]],
     as Qwen3's: the answer then opens with an empty think block), and nothing for the
     others, whose own behaviour stands.
     """
+    return render_chat(tokenizer, messages, add_generation_prompt=True,
+                       enable_thinking=enable_thinking)
+
+
+def render_chat(tokenizer: Any, messages: List[Dict[str, str]], *, add_generation_prompt: bool,
+                enable_thinking: Optional[bool] = None) -> str:
+    """`render_prompt` with or without the generation prompt (multi-turn rollouts render
+    a conversation that ends with the model's turn, to find what later messages add)."""
     template = getattr(tokenizer, "chat_template", None)
     if template:
         extra = {}
@@ -24,7 +32,7 @@ def render_prompt(tokenizer: Any, messages: List[Dict[str, str]],
             extra["enable_thinking"] = enable_thinking
         elif isinstance(template, str) and "enable_thinking" in template:
             extra["enable_thinking"] = False
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **extra)
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **extra)
     text = "".join(FALLBACK_TEMPLATE.format(**m) for m in messages)
-    return text + FALLBACK_GENERATION_PROMPT
+    return text + (FALLBACK_GENERATION_PROMPT if add_generation_prompt else "")

@@ -8,7 +8,7 @@ ORM, orms` instead of `from swift.rewards import ORM, orms`).
     funcs = build_reward_funcs(["accuracy", "format"], config)
     rewards = score(funcs, completions, {"solution": [...], "completion_lengths": [...]})  # [N, 2]
 """
-from . import accuracy, countdown, format_reward, length, math_reward  # noqa: F401  (register the built-ins)
+from . import accuracy, countdown, format_reward, gym_reward, length, math_reward  # noqa: F401  (register the built-ins)
 from .registry import (ORM, REWARDS, AsyncORM, RewardFunc, build_reward_funcs, load_plugins, orms,
                        register_reward, registered_names)
 from .scoring import RewardFunctionError, score

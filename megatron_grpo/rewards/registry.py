@@ -89,8 +89,13 @@ def registered_names() -> List[str]:
     return sorted(REWARDS)
 
 
-# ms-swift modules whose reward API this package provides under megatron_grpo.rewards.
+# ms-swift modules whose API this package provides, and where: rewards, and the
+# multi-turn schedulers and gym environments (megatron_grpo/multi_turn).
 _SWIFT_REWARD_MODULES = ("swift.rewards", "swift.rewards.orm", "swift.plugin", "swift.plugin.orm")
+_SWIFT_MODULES = {**{m: "megatron_grpo.rewards" for m in _SWIFT_REWARD_MODULES},
+                  **{m: "megatron_grpo.multi_turn" for m in (
+                      "swift.rollout", "swift.rollout.multi_turn", "swift.rollout.gym_env",
+                      "swift.plugin.multi_turn", "swift.infer_engine.protocol")}}
 REPLACEMENT_IMPORT = "from megatron_grpo.rewards import ORM, AsyncORM, orms"
 
 
@@ -119,9 +124,9 @@ def check_no_swift_import(path: str) -> None:
         if not swift:
             continue
         line = lines[node.lineno - 1].strip()
-        if isinstance(node, ast.ImportFrom) and node.module in _SWIFT_REWARD_MODULES:
+        if isinstance(node, ast.ImportFrom) and node.module in _SWIFT_MODULES:
             names = ", ".join(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
-            fix = f"replace it with `from megatron_grpo.rewards import {names}`"
+            fix = f"replace it with `from {_SWIFT_MODULES[node.module]} import {names}`"
         else:
             fix = (f"megatron-grpo has no {swift[0]}; remove it (reward plugins need only "
                    f"`{REPLACEMENT_IMPORT}`)")

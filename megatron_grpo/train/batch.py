@@ -5,6 +5,12 @@ tokens[1:] (the "targets"), so every per-token quantity of a completion token k
 (0-based) lives at target position P + k - 1, where P is the prompt length. All
 per-token tensors of a micro-batch are [B, S] in that target layout; right padding
 needs no attention mask under causal attention (pads only follow real tokens).
+
+Multi-turn samples (rollout/trajectory.py): `completion_ids` is everything after the
+prompt (the model's turns and the tool / environment tokens between them) and
+`loss_mask` marks the model's tokens. `completion_mask` is then 1 on the model's tokens
+only, so everything computed over it (loss, KL, entropy, rollout correction, metrics)
+skips the rest; the per-token fields hold one value per model token.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ class Sample:
     old_logps: Optional[torch.Tensor] = None       # [len(completion)] filled by the trainer
     ref_logps: Optional[torch.Tensor] = None
     meta: dict = field(default_factory=dict)       # prompt index, rewards, text, ...
+    loss_mask: Optional[list[int]] = None          # per completion token, 1: the model's
+                                                   # (multi-turn); None: all of them
 
 
 PER_TOKEN_FIELDS = ("old_logps", "ref_logps", "rollout_logps")
@@ -36,9 +44,10 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
     """Pad a micro-batch. Returns a dict of tensors, all [B, S] unless noted.
 
     input_ids, position_ids, targets: int64; completion_mask: bool (targets that are
-    completion tokens); advantages [B]; truncated [B] bool; lengths [B] int64 (model
-    tokens of each row, the rest is padding: what packing keeps); old_logps / ref_logps /
-    rollout_logps (float32, 0 outside completions) when every sample has them.
+    completion tokens the model wrote: `loss_mask`); advantages [B]; truncated [B] bool;
+    lengths [B] int64 (tokens of each row, the rest is padding: what packing keeps);
+    old_logps / ref_logps / rollout_logps (float32, one value per model token, 0 elsewhere)
+    when every sample has them.
     """
     lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
     if min(len(s.prompt_ids) for s in samples) < 1:
@@ -57,12 +66,17 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
         input_ids[i, :n] = tokens[:-1]
         targets[i, :n] = tokens[1:]
         p, c = len(s.prompt_ids), len(s.completion_ids)
-        mask[i, p - 1:p - 1 + c] = True
+        model = torch.ones(c, dtype=torch.bool) if s.loss_mask is None else \
+            torch.as_tensor(s.loss_mask, dtype=torch.bool)
+        if model.numel() != c:
+            raise ValueError(f"loss_mask has {model.numel()} values for {c} completion tokens")
+        mask[i, p - 1:p - 1 + c] = model
         for name, buf in per_token.items():
             values = torch.as_tensor(getattr(s, name), dtype=torch.float32)
-            if values.numel() != c:
-                raise ValueError(f"{name} has {values.numel()} values for {c} completion tokens")
-            buf[i, p - 1:p - 1 + c] = values
+            if values.numel() != int(model.sum()):
+                raise ValueError(f"{name} has {values.numel()} values for {int(model.sum())} "
+                                 "completion tokens of the model")
+            buf[i, p - 1:p - 1 + c][model] = values      # a view: writes into buf
     out = {
         "input_ids": input_ids,
         "position_ids": torch.arange(seq).unsqueeze(0).expand(b, -1).contiguous(),
@@ -95,8 +109,8 @@ def cp_shard(batch: dict, cp_size: int, cp_rank: int, sp_size: int = 1) -> dict:
 
 
 def split_completion_values(values: torch.Tensor, batch: dict) -> list[torch.Tensor]:
-    """[B, S] per-token values -> one [len(completion)] CPU tensor per sample (inverse of
-    collate; `values` may live on the model's device)."""
+    """[B, S] per-token values -> one CPU tensor per sample, a value per model token of
+    its completion (inverse of collate; `values` may live on the model's device)."""
     values = values.detach().cpu()
     return [values[i][batch["completion_mask"][i].cpu()] for i in range(values.shape[0])]
 

@@ -65,8 +65,8 @@ class _WithGenerations:
         self.engine, self.n = engine, n
         self.tp_size = getattr(engine, "tp_size", 1)
 
-    def generate(self, prompt_ids):
-        return self.engine.generate(prompt_ids, num_generations=self.n)
+    def generate(self, prompt_ids, **overrides):
+        return self.engine.generate(prompt_ids, **{"num_generations": self.n, **overrides})
 
 
 def _concat(parts: List[GenerationBatch]) -> GenerationBatch:
@@ -103,12 +103,13 @@ class Evaluator:
     """
 
     def __init__(self, cfg, dataset, *, engine, tokenizer, render, reward_funcs, reward_names,
-                 total_steps: int, sync, logger) -> None:
+                 total_steps: int, sync, logger, multi_turn=None) -> None:
         e, g = cfg.evaluation, cfg.grpo
         self.cfg, self.dataset, self.engine = cfg, dataset, engine
         self.tokenizer, self.render = tokenizer, render
         self.reward_funcs, self.reward_names = reward_funcs, list(reward_names)
         self.total_steps, self.sync, self.logger = total_steps, sync, logger
+        self.multi_turn = multi_turn     # rollout.trajectory.MultiTurnRollout, or None
         self.n = e.num_generations_eval
         # Prompts per engine call: a generation batch's worth of completions.
         self.chunk = max(1, g.generation_batch_size // self.n)
@@ -149,13 +150,16 @@ class Evaluator:
             engine=_WithGenerations(self.engine, self.n), tokenizer=self.tokenizer,
             dataset=self.dataset, prompt_indices=prompt_indices, reward_funcs=self.reward_funcs,
             num_generations=self.n, render=self.render,
-            max_prompt_length=self.cfg.data.max_length)
+            max_prompt_length=self.cfg.data.max_length, multi_turn=self.multi_turn)
 
     def _log(self, step: int, index: List[int], batch: GenerationBatch, metrics: dict) -> None:
         rows = [i for i in index for _ in range(self.n)]
         extra = {"prompt_index": rows}
         for name, values in self.dataset.columns.items():   # e.g. solution, as in training
             extra[name] = [values[i] for i in rows]
+        if self.multi_turn is not None:                      # whole trajectories
+            extra["messages"] = [s.meta["messages"] for s in batch.samples]
+            extra["num_turns"] = [s.meta["num_turns"] for s in batch.samples]
         self.logger.completions(step, batch.prompts, batch.texts, batch.rewards_per_func.tolist(),
                                 self.reward_names, extra=extra, file="eval_completions.jsonl")
         if dist.get_rank() == 0:

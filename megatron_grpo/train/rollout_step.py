@@ -45,37 +45,46 @@ def all_gather_objects(obj):
 
 
 def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int], reward_funcs,
-                       num_generations: int, render, max_prompt_length=None) -> GenerationBatch:
+                       num_generations: int, render, max_prompt_length=None,
+                       multi_turn=None) -> GenerationBatch:
     """Sample `num_generations` completions for each prompt index and score them.
 
+    `multi_turn` (a rollout.trajectory.MultiTurnRollout): whole trajectories instead of
+    single completions; each sample then carries its loss mask, the reward functions see
+    the last model message as the completion (plus `messages` and `rollout_infos`).
     Advantages and reward metrics are left to `finish_batch` (after dynamic sampling)."""
     t0 = time.perf_counter()
-    prompts = [render(tokenizer, dataset.messages[i]) for i in prompt_indices]
-    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    if max_prompt_length:
-        prompt_ids = [ids[-max_prompt_length:] for ids in prompt_ids]   # keep the question's end
     # Each rank samples a contiguous share of the prompts (vLLM TP groups pool their
     # members' shares inside `engine.generate`), then every rank gathers everything.
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    lo, hi = rank * len(prompt_ids) // world, (rank + 1) * len(prompt_ids) // world
-    completions = []
-    if hi > lo or engine.tp_size > 1:       # a vLLM TP group generates together
-        completions = engine.generate(prompt_ids[lo:hi])     # num_generations per prompt
-    payload = [(lo + c.prompt_index, c.token_ids, c.text, c.truncated, c.logprobs)
-               for c in completions]
+    lo, hi = rank * len(prompt_indices) // world, (rank + 1) * len(prompt_indices) // world
+    if multi_turn is None:
+        payload = _single_turn(engine, tokenizer, dataset, prompt_indices, render,
+                               max_prompt_length, lo, hi)
+    else:
+        trajectories = multi_turn(engine, [dataset[i] for i in prompt_indices[lo:hi]],
+                                  num_generations) if hi > lo or engine.tp_size > 1 else []
+        payload = [(lo + j // num_generations, t.prompt_ids, t.completion_ids, t.text, t.truncated,
+                    t.logprobs, {"prompt": t.prompt_text, "loss_mask": t.loss_mask,
+                                 "messages": t.messages, "rollout_infos": t.rollout_infos})
+                   for j, t in enumerate(trajectories)]
     gathered = sorted((x for part in all_gather_objects(payload) for x in part),
                       key=lambda x: x[0])                    # stable: keeps sample order
-    if len(gathered) != len(prompt_ids) * num_generations:
-        raise RuntimeError(f"expected {len(prompt_ids) * num_generations} completions, gathered "
-                           f"{len(gathered)}")
+    if len(gathered) != len(prompt_indices) * num_generations:
+        raise RuntimeError(f"expected {len(prompt_indices) * num_generations} completions, "
+                           f"gathered {len(gathered)}")
     t1 = time.perf_counter()
 
     # Score a 1/world share on each rank, then share the rows.
-    texts = [g[2] for g in gathered]
+    texts = [g[3] for g in gathered]
     columns = dataset.reward_columns(prompt_indices, num_generations)
-    columns["completion_lengths"] = [len(g[1]) for g in gathered]
-    columns["response_token_ids"] = [list(g[1]) for g in gathered]   # ms-swift's name, for plugins
+    # ms-swift's names, for plugins; lengths count the model's tokens
+    columns["completion_lengths"] = [sum(g[6]["loss_mask"]) if g[6] else len(g[2]) for g in gathered]
+    columns["response_token_ids"] = [list(g[2]) for g in gathered]
+    if multi_turn is not None:
+        columns["messages"] = [g[6]["messages"] for g in gathered]
+        columns["rollout_infos"] = [g[6]["rollout_infos"] for g in gathered]
     n = len(texts)
     share = range(rank * n // world, (rank + 1) * n // world)
     rows = score(reward_funcs, [texts[i] for i in share],
@@ -83,12 +92,35 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     rewards = torch.cat(all_gather_objects(rows), dim=0)              # [N, F]
     t2 = time.perf_counter()
 
-    samples = [Sample(prompt_ids=list(prompt_ids[pi]), completion_ids=list(tokens),
-                      truncated=bool(truncated), rollout_logps=list(logps) if logps else None,
-                      meta={"prompt_index": prompt_indices[pi], "rewards": rewards[j].tolist()})
-               for j, (pi, tokens, text, truncated, logps) in enumerate(gathered)]
-    return GenerationBatch(samples, texts, [prompts[g[0]] for g in gathered], rewards, {},
+    samples = []
+    for j, (pi, prompt_ids, tokens, text, truncated, logps, extra) in enumerate(gathered):
+        meta = {"prompt_index": prompt_indices[pi], "rewards": rewards[j].tolist()}
+        if extra:
+            meta.update(messages=extra["messages"],
+                        num_turns=int(extra["rollout_infos"].get("num_turns", 1)))
+        samples.append(Sample(prompt_ids=list(prompt_ids), completion_ids=list(tokens),
+                              truncated=bool(truncated),
+                              rollout_logps=list(logps) if logps else None, meta=meta,
+                              loss_mask=list(extra["loss_mask"]) if extra else None))
+    rendered = {}
+    prompts = [g[6]["prompt"] if g[6] else rendered.setdefault(
+        g[0], render(tokenizer, dataset.messages[prompt_indices[g[0]]])) for g in gathered]
+    return GenerationBatch(samples, texts, prompts, rewards, {},
                            {"timing/generate": t1 - t0, "timing/score": t2 - t1})
+
+
+def _single_turn(engine, tokenizer, dataset, prompt_indices, render, max_prompt_length, lo, hi):
+    """This rank's share [lo, hi) of the prompts, one completion per sample: (prompt
+    position, prompt ids, completion ids, text, truncated, log-probs, None) each."""
+    prompt_ids = [tokenizer(render(tokenizer, dataset.messages[i]),
+                            add_special_tokens=False)["input_ids"] for i in prompt_indices[lo:hi]]
+    if max_prompt_length:
+        prompt_ids = [ids[-max_prompt_length:] for ids in prompt_ids]   # keep the question's end
+    completions = []
+    if hi > lo or engine.tp_size > 1:       # a vLLM TP group generates together
+        completions = engine.generate(prompt_ids)            # num_generations per prompt
+    return [(lo + c.prompt_index, list(prompt_ids[c.prompt_index]), c.token_ids, c.text,
+             c.truncated, c.logprobs, None) for c in completions]
 
 
 def _select_groups(batch: GenerationBatch, groups: list[int], k: int) -> GenerationBatch:
@@ -160,7 +192,8 @@ def finish_batch(batch: GenerationBatch, num_generations: int, *, reward_names, 
     for j, s in enumerate(batch.samples):
         s.advantage = float(adv.advantages[j])
         s.meta["reward"] = float(adv.rewards[j])
-    lengths = torch.tensor([len(s.completion_ids) for s in batch.samples], dtype=torch.float64)
+    lengths = torch.tensor([len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask)
+                            for s in batch.samples], dtype=torch.float64)   # the model's tokens
     batch.metrics.update({k: float(v) for k, v in adv.metrics.items()})
     batch.metrics.update({
         "completions/mean_length": lengths.mean().item(),
@@ -168,6 +201,9 @@ def finish_batch(batch: GenerationBatch, num_generations: int, *, reward_names, 
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": sum(s.truncated for s in batch.samples) / len(batch.samples),
     })
+    if any("num_turns" in s.meta for s in batch.samples):      # multi-turn (ms-swift's name)
+        batch.metrics["num_turns"] = sum(s.meta.get("num_turns", 1) for s in batch.samples) / \
+            len(batch.samples)
     return batch
 
 
@@ -250,7 +286,7 @@ def rollout_phase(run) -> RolloutBatch:
             engine=run.engine, tokenizer=run.tokenizer, dataset=run.dataset,
             prompt_indices=run.sampler.next_batch(), reward_funcs=run.reward_funcs,
             num_generations=g.num_generations, render=run.render,
-            max_prompt_length=cfg.data.max_length),
+            max_prompt_length=cfg.data.max_length, multi_turn=run.multi_turn),
         prompts, g.num_generations, dynamic_sample=g.dynamic_sample,
         max_resample_times=g.max_resample_times, reward_weights=cfg.reward.reward_weights)
     run.sync.take_back()

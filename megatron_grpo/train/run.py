@@ -41,6 +41,7 @@ class Run:
     step: int                    # optimizer steps done (the resumed one after a resume)
     dp: int                      # data-parallel size and this rank's DP rank
     dp_rank: int
+    multi_turn: Any = None       # rollout.trajectory.MultiTurnRollout (--multi_turn_scheduler)
 
     @property
     def per_step(self) -> int:
@@ -103,13 +104,29 @@ def build_run(cfg) -> Run:
                        enabled=dist.get_rank() == 0, start_step=step,
                        wandb_project=log.wandb_project, wandb_exp_name=log.wandb_exp_name,
                        swanlab_project=log.swanlab_project, swanlab_exp_name=log.swanlab_exp_name)
+    multi_turn = build_multi_turn(cfg, tokenizer)
     evaluator = build_evaluator(cfg, val_dataset, engine=engine, tokenizer=tokenizer,
                                 render=render, reward_funcs=reward_funcs,
                                 reward_names=reward_names, total_steps=steps,
-                                sync=sync, logger=logger)
+                                sync=sync, logger=logger, multi_turn=multi_turn)
     return Run(cfg, loss, policy, ref, engine, sync, tokenizer, render, dataset, sampler,
                reward_funcs, reward_names, logger, evaluator, steps, step,
-               ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+               ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+               multi_turn=multi_turn)
+
+
+def build_multi_turn(cfg, tokenizer):
+    """The multi-turn sampler of --multi_turn_scheduler, or None (one completion each)."""
+    from ..rewards.registry import flat_args
+    from ..rollout.trajectory import MultiTurnRollout
+
+    r = cfg.rollout
+    if r.multi_turn_scheduler is None:
+        return None
+    return MultiTurnRollout(tokenizer, multi_turn_scheduler=r.multi_turn_scheduler,
+                            max_turns=r.max_turns, max_length=cfg.data.max_length,
+                            gym_env=r.gym_env, enable_thinking=cfg.data.enable_thinking,
+                            args=flat_args(cfg))
 
 
 def _drop_long_prompts(cfg, dataset, tokenizer, render):
@@ -148,6 +165,9 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool) -> Non
         extra = {"prompt_index": index}
         if "solution" in run.dataset.columns:    # as ms-swift's completions table
             extra["solution"] = [run.dataset.columns["solution"][i] for i in index]
+        if run.multi_turn is not None:           # the whole trajectory, with roles
+            extra["messages"] = [s.meta["messages"] for s in gen.samples]
+            extra["num_turns"] = [s.meta["num_turns"] for s in gen.samples]
         run.logger.completions(run.step, gen.prompts, gen.texts, gen.rewards_per_func.tolist(),
                                run.reward_names, extra=extra)
     if run.step % log.save_steps == 0 or run.step >= run.total_steps:

@@ -1,0 +1,274 @@
+"""The multi-turn rollout loop: token-exact trajectories with a loss mask.
+
+A trajectory is the prompt's token ids followed by everything after it, as vLLM saw
+it: the model's turns (loss mask 1, a rollout log-prob each) and the spans the
+scheduler's messages add (tool answers, observations, the next turn's header: mask 0).
+Nothing is re-tokenised: each turn samples from the exact ids of the trajectory so far,
+and a message added by the scheduler becomes the tokens of the text the chat template
+adds for it, and only that text:
+
+    base  = template(messages up to the model's turn)             (no generation prompt)
+    full  = template(messages + added messages, generation prompt)
+    span  = glue + full[len(base):]        glue: what the template puts after the model's
+                                            text, less the stop token the model wrote
+
+    e.g. ChatML: model tokens "...</tool_call><|im_end|>"; glue "\\n"; full[len(base):]
+    "<|im_start|>tool\\n42<|im_end|>\\n<|im_start|>assistant\\n".
+
+A scheduler that rewrites earlier messages (full does not start with base) is refused:
+its trajectory would not be the tokens the model saw.
+
+All trajectories stay in flight together: each turn submits every unfinished
+trajectory's next prompt at once (one `engine.generate` call: vLLM batches them),
+and a trajectory that finishes drops out. Inside a colocated vLLM TP group the ranks
+keep calling together until every rank's trajectories are done.
+
+Lengths. `max_completion_length` caps each turn (ms-swift's per-round scope);
+`max_length` caps the whole trajectory (prompt included): a trajectory that would pass
+it is cut there (the excess sampled tokens are dropped) and marked truncated, as is
+one whose last turn stopped at max_completion_length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..data.template import render_chat
+from ..multi_turn import (ChatCompletionResponseChoice, ChatMessage, RolloutInferRequest,
+                         RolloutScheduler, call_hook)
+
+_SENTINEL = "\u2063MGRPO_TURN\u2063"
+
+
+@dataclass
+class Trajectory:
+    """One rollout, token-exact (module docstring)."""
+    prompt_ids: List[int]
+    completion_ids: List[int]          # everything after the prompt
+    loss_mask: List[int]               # per completion_ids: 1 model token, 0 tool/env/template
+    logprobs: List[float]              # one per loss_mask 1 (vLLM's, as sampled)
+    truncated: bool
+    messages: List[Dict[str, Any]]     # the whole conversation, roles included
+    num_turns: int
+    rollout_infos: Dict[str, Any] = field(default_factory=dict)
+    prompt_text: str = ""
+
+    @property
+    def text(self) -> str:
+        """What reward functions see as the completion: the last model message."""
+        for m in reversed(self.messages):
+            if m.get("role") == "assistant":
+                return m.get("content") or ""
+        return ""
+
+
+@dataclass
+class _State:
+    request: RolloutInferRequest
+    prompt_ids: List[int]
+    ids: List[int] = field(default_factory=list)
+    mask: List[int] = field(default_factory=list)
+    logps: List[float] = field(default_factory=list)
+    turns: int = 0
+    truncated: bool = False
+    done: bool = False
+    infos: Dict[str, Any] = field(default_factory=dict)
+    prompt_text: str = ""
+    continues: bool = False     # the next turn continues the model's last message
+
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.ids)
+
+    def add(self, ids: Sequence[int], mask: Sequence[int], logps: Sequence[float]) -> None:
+        self.ids += [int(t) for t in ids]
+        self.mask += [int(m) for m in mask]
+        self.logps += [float(x) for x in logps]
+
+    def cut(self, max_length: Optional[int]) -> bool:
+        """Cut the trajectory to max_length tokens; True when it was longer."""
+        if not max_length or self.length() <= max_length:
+            return False
+        # At least the first model token: a prompt that fills max_length alone (it was
+        # cut to max_length) still gets a trajectory to train on.
+        keep = max(1, max_length - len(self.prompt_ids))
+        self.ids, self.mask = self.ids[:keep], self.mask[:keep]
+        self.logps = self.logps[:sum(self.mask)]
+        self.truncated = self.done = True
+        return True
+
+
+class TurnSpans:
+    """Token ids of what a scheduler's messages add to a conversation (module docstring)."""
+
+    def __init__(self, tokenizer: Any, enable_thinking: Optional[bool] = None) -> None:
+        self.tokenizer = tokenizer
+        self.enable_thinking = enable_thinking
+        self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
+
+    def render(self, messages, generation_prompt: bool) -> str:
+        return render_chat(self.tokenizer, messages, add_generation_prompt=generation_prompt,
+                           enable_thinking=self.enable_thinking)
+
+    def glue(self, head: List[Dict[str, Any]], last_token: Optional[int]) -> str:
+        """The template's text after a model turn's content, less the model's stop token."""
+        text = self.render(head + [{"role": "assistant", "content": _SENTINEL}], False)
+        after = text[text.rindex(_SENTINEL) + len(_SENTINEL):]
+        if last_token is not None and last_token in self.special:
+            stop = self.tokenizer.decode([last_token], skip_special_tokens=False)
+            at = after.find(stop) if stop else -1
+            if at >= 0:
+                return after[at + len(stop):]
+        return after
+
+    def span(self, messages: List[Dict[str, Any]], turn_end: int,
+             last_token: Optional[int]) -> List[int]:
+        """Ids of messages[turn_end:] plus the generation prompt, after the model's turn
+        messages[turn_end - 1]."""
+        base = self.render(messages[:turn_end], False)
+        full = self.render(messages, True)
+        if not full.startswith(base):
+            raise ValueError(
+                "multi-turn scheduler changed messages before the model's last turn (the chat "
+                "template of the new conversation does not start with the old one); token-exact "
+                "trajectories need schedulers that only append messages")
+        text = self.glue(messages[:turn_end - 1], last_token) + full[len(base):]
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _choice(c) -> ChatCompletionResponseChoice:
+    return ChatCompletionResponseChoice(
+        index=0, message=ChatMessage("assistant", c.text), finish_reason=c.finish_reason,
+        token_ids=list(c.token_ids),
+        logprobs={"content": [{"token": t, "logprob": x} for t, x in zip(c.token_ids, c.logprobs)]})
+
+
+def _anyone_active(local: bool, collective: bool) -> bool:
+    if not collective:
+        return local
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if local else 0], dtype=torch.int64)
+    dist.all_reduce(flag)
+    return bool(flag.item())
+
+
+def run_trajectories(engine, tokenizer, scheduler: RolloutScheduler,
+                     requests: List[RolloutInferRequest], *, max_length: Optional[int] = None,
+                     max_turns: Optional[int] = None,
+                     enable_thinking: Optional[bool] = None) -> List[Trajectory]:
+    """Roll every request out to the end of its trajectory (module docstring); one
+    trajectory per request, in order. `engine`: a rollout.engine.RolloutEngine (its
+    generate is called with num_generations=1 per trajectory). Collective over the
+    world when the engine's vLLM TP group spans ranks (engine.tp_size > 1)."""
+    spans = TurnSpans(tokenizer, enable_thinking)
+    call_hook(scheduler.on_trajectory_start(requests))
+    states = []
+    for req in requests:
+        prompt_text = spans.render(req.messages, True)
+        ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+        if max_length:
+            ids = ids[-max_length:]                      # keep the question's end
+        states.append(_State(req, ids, prompt_text=prompt_text))
+    collective = getattr(engine, "tp_size", 1) > 1
+    while True:
+        active = [s for s in states if not s.done]
+        if not _anyone_active(bool(active), collective):
+            break
+        outs = engine.generate([s.prompt_ids + s.ids for s in active], num_generations=1) \
+            if active or collective else []
+        if len(outs) != len(active):
+            raise RuntimeError(f"multi-turn: {len(outs)} completions for {len(active)} trajectories")
+        for s, c in zip(active, outs):
+            _advance(s, c, scheduler, spans, max_length, max_turns)
+    close = getattr(scheduler, "close", None)
+    if callable(close):
+        close()
+    return [Trajectory(s.prompt_ids, s.ids, s.mask, s.logps, s.truncated, s.request.messages,
+                       s.turns, {**s.infos, "num_turns": s.turns}, s.prompt_text) for s in states]
+
+
+def _advance(s: _State, c, scheduler: RolloutScheduler, spans: TurnSpans,
+             max_length: Optional[int], max_turns: Optional[int]) -> None:
+    """One model turn of trajectory `s` (completion `c`): record it, then ask the scheduler."""
+    s.turns += 1
+    choice = _choice(c)
+    start = len(s.ids)
+    s.add(c.token_ids, [1] * len(c.token_ids), c.logprobs)
+    messages = s.request.messages
+    if s.continues:          # the scheduler left the model's message open: continue it
+        messages[-1]["content"] = (messages[-1].get("content") or "") + c.text
+    else:
+        messages.append({"role": "assistant", "content": c.text})
+    turn_end = len(messages)
+    if s.cut(max_length):
+        return
+    result = call_hook(scheduler.on_turn_end(s.request, choice, s.turns)) or {}
+    s.infos.update(result.get("rollout_infos") or {})
+    finished = result["done"] if "done" in result else \
+        scheduler.check_finished(s.request, choice, s.turns)
+    if finished or (max_turns and s.turns >= max_turns):
+        s.truncated = c.finish_reason == "length"
+        s.done = True
+        return
+    said = messages[-1]["content"]
+    ret = scheduler.step(s.request, choice, s.turns)
+    s.request = ret["infer_request"]
+    s.infos.update(ret.get("rollout_infos") or {})
+    last = c.token_ids[-1] if c.token_ids else None
+    if "response_token_ids" in ret:             # the scheduler's own tokens for this turn
+        ids = list(ret["response_token_ids"])
+        mask = list(ret.get("response_loss_mask") or [1] * len(ids))
+        if len(mask) != len(ids):
+            raise ValueError(f"{type(scheduler).__name__}.step returned {len(mask)} "
+                             f"response_loss_mask values for {len(ids)} response_token_ids")
+        logps = list(ret.get("rollout_logprobs") or c.logprobs)
+        if len(logps) != sum(mask):
+            raise ValueError(f"{type(scheduler).__name__}.step: {sum(mask)} tokens of mask 1 but "
+                             f"{len(logps)} rollout log-probs; return rollout_logprobs, one per "
+                             "token of response_loss_mask 1")
+        del s.ids[start:], s.mask[start:], s.logps[len(s.logps) - len(c.logprobs):]
+        s.add(ids, mask, logps)
+        last = ids[-1] if ids else None
+    messages = s.request.messages
+    s.continues = len(messages) == turn_end and messages[-1].get("role") == "assistant"
+    if not s.continues:
+        added = spans.span(messages, turn_end, last)
+    elif "response_token_ids" not in ret and messages[-1]["content"] != said:
+        # text appended to the model's message without tokens: tokenise the addition
+        now = messages[-1]["content"] or ""
+        if not now.startswith(said):
+            raise ValueError(f"{type(scheduler).__name__}.step rewrote the model's message; "
+                             "append to it, or return response_token_ids")
+        added = list(spans.tokenizer(now[len(said):], add_special_tokens=False)["input_ids"])
+    else:
+        added = []
+    s.add(added, [0] * len(added), [])
+    s.cut(max_length)
+
+
+class MultiTurnRollout:
+    """The run's multi-turn sampler: one scheduler for the run (built from the options
+    of the same names), `num_generations` trajectories per prompt."""
+
+    def __init__(self, tokenizer, *, multi_turn_scheduler: str, max_turns: Optional[int],
+                 max_length: Optional[int], gym_env: Optional[str] = None,
+                 enable_thinking: Optional[bool] = None, args: Any = None) -> None:
+        from ..multi_turn import build_scheduler
+
+        self.tokenizer, self.max_turns, self.max_length = tokenizer, max_turns, max_length
+        self.enable_thinking = enable_thinking
+        self.scheduler = build_scheduler(multi_turn_scheduler, max_turns=max_turns,
+                                         tokenizer=tokenizer, gym_env=gym_env, args=args)
+
+    def __call__(self, engine, rows: List[Dict[str, Any]], num_generations: int) -> List[Trajectory]:
+        """`rows`: dataset rows ({"messages": [...], other columns}); trajectories ordered
+        by row, then sample."""
+        import copy
+
+        requests = [RolloutInferRequest(copy.deepcopy(row["messages"]),
+                                        data_dict={k: v for k, v in row.items() if k != "messages"})
+                    for row in rows for _ in range(num_generations)]
+        return run_trajectories(engine, self.tokenizer, self.scheduler, requests,
+                                max_length=self.max_length, max_turns=self.max_turns,
+                                enable_thinking=self.enable_thinking)
