@@ -20,6 +20,8 @@ What is not, by user:
 Megatron modules import such functions by name, so replacing one means replacing
 every reference in every loaded `megatron.core` module (`_rebind`).
 
+- model/moe.py: `moe_utils.te_general_gemm`, a name 0.16.1 uses without defining it when
+  Transformer Engine is absent (moe_without_transformer_engine).
 - checkpoint.py: which DistributedOptimizers run torch's own Adam
   (`distrib_optimizer.HAVE_APEX_OR_TE`), and a per-instance wrapper of
   `DistributedOptimizer._set_main_param_and_optimizer_states` that repairs the Adam `step`
@@ -131,6 +133,19 @@ def set_rope_cp_slicing(fn: Callable) -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
     _rebind(rope_utils, "get_pos_emb_on_this_cp_rank", fn)
+
+
+def moe_without_transformer_engine() -> None:
+    """Let Megatron's MoE router run without Transformer Engine.
+
+    `transformer.moe.moe_utils` imports `te_general_gemm` only when TE is present, yet its
+    `RouterGatingLinearFunction` tests `te_general_gemm is not None` unconditionally
+    (NameError in 0.16.1 without TE). Defining the name as None selects its torch path."""
+    check_version()
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 # ------------------------------------------------------------------ offload.py
