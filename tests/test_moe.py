@@ -188,3 +188,61 @@ def test_moe_expert_parallel_gradients_match_ep1(world):
                 diff = (got[k] - want[k]).abs().max().item()
                 assert diff <= 1e-5 * max(scale, 1.0), \
                     f"rank {rank} tp,pp,ep,etp={layout}: grad {k} differs by {diff} ({scale})"
+
+
+# ---------------------------------------------------------------- options (no processes)
+@pytest.fixture
+def moe_model_dir(tmp_path):
+    import json
+
+    d = tmp_path / "moe"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4}))
+    return str(d)
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--expert_model_parallel_size", "3"], ["--expert_model_parallel_size 3", "4 experts",
+                                             "[1, 2, 4]"]),
+    (["--tensor_model_parallel_size", "2"], ["--tensor_model_parallel_size 2", "MoE",
+                                             "--sequence_parallel true"]),
+    (["--moe_grouped_gemm", "true"], ["--moe_grouped_gemm true", "Transformer Engine"]),
+    (["--moe_permute_fusion", "true"], ["--moe_permute_fusion true", "Transformer Engine"]),
+    (["--moe_token_dispatcher_type", "flex"], ["--moe_token_dispatcher_type 'flex'",
+                                               "not supported yet", "alltoall, allgather"]),
+    (["--moe_aux_loss_coeff", "-1"], ["--moe_aux_loss_coeff -1"]),
+    (["--moe_pad_expert_input_to_capacity", "true"], ["--moe_expert_capacity_factor"]),
+    (["--moe_router_topk", "2"], ["--moe_router_topk is an ms-swift option not supported yet",
+                                  "config.json"]),
+])
+def test_moe_option_errors(moe_model_dir, extra, needles):
+    from tests.test_config_validate import COUNTDOWN, error_of
+
+    message = error_of(["--model", moe_model_dir, "--dataset", COUNTDOWN, "--reward_funcs",
+                        "countdown", *extra])
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_moe_options_reach_the_transformer_config(tmp_path):
+    from megatron_grpo.config import parse_rlhf_args, validate_world
+    from megatron_grpo.model import build_transformer_config
+    from megatron_grpo.model.moe import MoEOptions
+    from tests.test_config_validate import COUNTDOWN
+    from tools.make_tiny_model import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / "m", family="qwen3_moe"))
+    cfg = parse_rlhf_args(["--model", path, "--dataset", COUNTDOWN, "--reward_funcs", "countdown",
+                           "--moe_aux_loss_coeff", "0.01", "--moe_z_loss_coeff", "0.001",
+                           "--moe_expert_capacity_factor", "1.5",
+                           "--expert_model_parallel_size", "2"])
+    with pytest.raises(ValueError, match="expert_model_parallel_size 2 x"):
+        validate_world(cfg, 3)
+    config, _ = build_transformer_config(path, moe=MoEOptions.from_config(cfg))
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (4, 2, 32)
+    assert config.moe_router_pre_softmax is False          # norm_topk_prob true
+    assert config.moe_router_load_balancing_type == "aux_loss"
+    assert (config.moe_aux_loss_coeff, config.moe_z_loss_coeff) == (0.01, 0.001)
+    assert config.moe_expert_capacity_factor == 1.5 and config.moe_grouped_gemm is False
+    with pytest.raises(ValueError, match="--expert_model_parallel_size 2 / "):
+        build_transformer_config(str(make_tiny_model(tmp_path / "d", family="qwen3")), ep=2)

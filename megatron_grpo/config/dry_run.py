@@ -38,13 +38,15 @@ class ModelFacts:
 def check_model(cfg: "GRPOConfig") -> ModelFacts:
     """The model's config.json against the parallel sizes; ValueError naming the option."""
     from ..model import build_transformer_config, load_hf_config
+    from ..model.moe import MoEOptions
 
     p, v = cfg.parallel, cfg.rollout
     dtype = "bfloat16" if cfg.training.bf16 else "float32"     # as train/setup.py
     _, args = build_transformer_config(
         cfg.model.model, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
-        sequence_parallel=p.sequence_parallel, dtype=dtype)
+        sequence_parallel=p.sequence_parallel, dtype=dtype, ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size, moe=MoEOptions.from_config(cfg))
     hf = load_hf_config(cfg.model.model)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads

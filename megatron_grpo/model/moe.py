@@ -24,9 +24,7 @@ fused permutation are CUDA kernels) and tokens travel with the all-to-all dispat
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, fields
 
 from .families import Family
 
@@ -47,18 +45,27 @@ class MoEOptions:
     """
 
     aux_loss_coeff: float = 0.0
+    router_load_balancing_type: str = "aux_loss"
     z_loss_coeff: float | None = None
     expert_capacity_factor: float | None = None
     pad_expert_input_to_capacity: bool = False
     token_drop_policy: str = "probs"
     token_dispatcher_type: str = "alltoall"
-    grouped_gemm: bool = False
+    grouped_gemm: bool | None = False     # None: on where Transformer Engine runs
     permute_fusion: bool = False
     router_dtype: str | None = None
 
+    @classmethod
+    def from_config(cls, cfg) -> "MoEOptions":
+        """The run's options: GRPOConfig.model's `moe_*` fields of the same names."""
+        return cls(**{f.name: getattr(cfg.model, "moe_" + f.name) for f in fields(cls)})
+
     def check(self, on_gpu: bool | None = None) -> None:
         """ValueError naming the option for values this machine cannot run."""
-        on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+        if on_gpu is None:
+            from .builder import use_transformer_engine
+
+            on_gpu = use_transformer_engine()
         if self.token_dispatcher_type not in DISPATCHERS:
             raise ValueError(f"--moe_token_dispatcher_type {self.token_dispatcher_type!r} is not "
                              f"supported; allowed values: {', '.join(DISPATCHERS)}")
@@ -121,14 +128,15 @@ def moe_config_kwargs(hf: dict, family: Family, *, tp: int, ep: int = 1, etp: in
         moe_ffn_hidden_size=ffn,
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not bool(hf.get("norm_topk_prob", False)),
-        moe_router_load_balancing_type="aux_loss" if options.aux_loss_coeff > 0 else "none",
+        moe_router_load_balancing_type=(options.router_load_balancing_type
+                                        if options.aux_loss_coeff > 0 else "none"),
         moe_aux_loss_coeff=float(options.aux_loss_coeff),
         moe_z_loss_coeff=options.z_loss_coeff,
         moe_expert_capacity_factor=options.expert_capacity_factor,
         moe_pad_expert_input_to_capacity=options.pad_expert_input_to_capacity,
         moe_token_drop_policy=options.token_drop_policy,
         moe_token_dispatcher_type=options.token_dispatcher_type,
-        moe_grouped_gemm=options.grouped_gemm,
+        moe_grouped_gemm=_grouped_gemm(options.grouped_gemm),
         moe_permute_fusion=options.permute_fusion,
         moe_router_dtype=options.router_dtype,
         expert_model_parallel_size=ep,
@@ -141,4 +149,34 @@ def moe_config_kwargs(hf: dict, family: Family, *, tp: int, ep: int = 1, etp: in
                 raise ValueError(f"--tensor_model_parallel_size {tp} does not divide the shared "
                                  f"expert's size {shared} (shared_expert_intermediate_size)")
             out.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return out
+
+
+def _grouped_gemm(value: bool | None) -> bool:
+    if value is not None:
+        return bool(value)
+    from .builder import use_transformer_engine
+
+    return use_transformer_engine()
+
+
+def step_metrics(config, num_microbatches: int) -> dict:
+    """The MoE losses of the training step that just ran, as ms-swift logs them.
+
+    Megatron's router records each layer's load-balancing loss (and z-loss) per micro-batch,
+    unweighted, in its tracker (training forwards only). Here: summed over pipeline stages
+    and averaged over data-parallel ranks by Megatron's own reduction, then
+        load_balancing_loss = sum over layers and micro-batches / (layers x micro-batches)
+    and the tracker is cleared. Collective: every rank calls it after each step."""
+    if not getattr(config, "num_moe_experts", None):
+        return {}
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    if not tracker:
+        return {}
+    moe_utils.reduce_aux_losses_tracker_across_ranks()
+    out = {name: float(v["values"].sum()) / (config.num_layers * max(num_microbatches, 1))
+           for name, v in sorted(tracker.items())}
+    moe_utils.clear_aux_losses_tracker()
     return out
