@@ -170,13 +170,7 @@ def step_metrics(config, num_microbatches: int) -> dict:
     and the tracker is cleared. Collective: every rank calls it after each step."""
     if not getattr(config, "num_moe_experts", None):
         return {}
-    from megatron.core.transformer.moe import moe_utils
+    from megatron_grpo.platform.compat.megatron import moe_step_losses
 
-    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-    if not tracker:
-        return {}
-    moe_utils.reduce_aux_losses_tracker_across_ranks()
-    out = {name: float(v["values"].sum()) / (config.num_layers * max(num_microbatches, 1))
-           for name, v in sorted(tracker.items())}
-    moe_utils.clear_aux_losses_tracker()
-    return out
+    return {name: float(values.sum()) / (config.num_layers * max(num_microbatches, 1))
+            for name, values in moe_step_losses().items()}

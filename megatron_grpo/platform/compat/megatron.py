@@ -64,6 +64,13 @@ PRIVATE_NAMES = (
     "megatron.core.optimizer.distrib_optimizer:HAVE_APEX_OR_TE",
     "megatron.core.optimizer.distrib_optimizer:"
     "DistributedOptimizer._set_main_param_and_optimizer_states",
+    # model/builder.py and platform/cpu.py (MoE on CPU), model/moe.py (aux-loss metrics)
+    "megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
+    "megatron.core.transformer.moe.moe_utils:get_moe_layer_wise_logging_tracker",
+    "megatron.core.transformer.moe.moe_utils:reduce_aux_losses_tracker_across_ranks",
+    "megatron.core.transformer.moe.moe_utils:clear_aux_losses_tracker",
+    "megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+    "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim",
 )
 RNG_LOGGER = "megatron.core.tensor_parallel.random"   # the RNG tracker's logger
 
@@ -155,6 +162,23 @@ def wrap_uneven_first_dim_collectives(gather: Callable, reduce_scatter: Callable
             fn = functools.partial(wrapper, original)
             fn._megatron_grpo = True
             _rebind(mappings, name, fn)
+
+
+def moe_step_losses() -> dict:
+    """The MoE router losses recorded since the last call ({name: per-layer sums over the
+    micro-batches}, e.g. load_balancing_loss, z_loss), reduced by Megatron (summed over
+    pipeline stages, averaged over data-parallel ranks); the record is then cleared.
+    Collective over the world when anything was recorded."""
+    check_version()
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    if not tracker:
+        return {}
+    moe_utils.reduce_aux_losses_tracker_across_ranks()
+    out = {name: v["values"].detach().clone() for name, v in sorted(tracker.items())}
+    moe_utils.clear_aux_losses_tracker()
+    return out
 
 
 def moe_without_transformer_engine() -> None:

@@ -71,10 +71,15 @@ PRIVATE_NAMES = (
     "vllm.model_executor.layers.linear:QKVParallelLinear",
     "vllm.model_executor.layers.linear:RowParallelLinear",
     "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding",
+    # verify.py / worker_ext.py: vLLM-CPU's packed MoE expert weights
+    "vllm._custom_ops:cpu_prepack_moe_weight",
+    "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts",
 )
 # Instance attributes (not resolvable without an engine; the vLLM tests exercise them):
 # LLM.llm_engine.engine_core, AsyncLLM.engine_core, Worker.model_runner.get_model(),
 # a layer's `cpu_linear` (vLLM-CPU) and `_already_called_process_weights_after_loading`,
+# a routed-experts layer's moe_config.moe_parallel_config, expert_map, quant_method.moe_kernel
+# .fused_experts (its isa, _use_zentorch),
 # LayerReloadingInfo's fields (kernel_tensors, restore_metadata, load_numel,
 # load_numel_total, loaded_weights), the loader-unwrapping convention (__wrapped__,
 # __name__ "online_process_loader").
