@@ -104,9 +104,10 @@ class ModelOptions(_Group):
     moe_token_drop_policy: Literal["probs", "position"] = opt(
         "probs", "MoE: with a capacity, drop the tokens of lowest routing probability (probs) or "
                  "the last ones (position).")
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = opt(
-        "alltoall", "MoE: how tokens reach their experts across expert-parallel ranks (both run on "
-                    "gloo and NCCL).")
+    moe_token_dispatcher_type: Literal["alltoall"] = opt(
+        "alltoall", "MoE: how tokens reach their experts across expert-parallel ranks (all-to-all "
+                    "runs on gloo and NCCL; Megatron's allgather dispatcher refuses the variable "
+                    "sequence lengths of GRPO batches).")
     moe_grouped_gemm: Optional[bool] = opt(
         None, "MoE: all local experts in one grouped GEMM (Transformer Engine, GPU). Unset: on "
               "where Transformer Engine is installed, else off; true without it is refused.")

@@ -392,6 +392,8 @@ UNSUPPORTED_VALUES: Dict[Tuple[str, str], str] = {
     ("rlhf_type", "gkd"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("tuner_type", "lora"): "LoRA, issue 15",
     ("moe_token_dispatcher_type", "flex"): "MoE: the flex dispatcher (DeepEP / HybridEP), GPU",
+    ("moe_token_dispatcher_type", "allgather"):
+        "MoE: Megatron's allgather dispatcher refuses variable sequence lengths",
     ("moe_router_load_balancing_type", "sinkhorn"): "MoE: sinkhorn load balancing",
     ("tuner_type", "lora_llm"): "LoRA, issue 15",
     ("lr_decay_style", "WSD"): "learning-rate and weight-decay schedules beyond cosine/linear/constant",

@@ -20,7 +20,7 @@ multiplies its output by sigmoid(x gate_weight^T), gate_weight [1, hidden]: HF's
 
 On CPU the experts are `SequentialMLP` (one MLP per local expert; grouped GEMM and the
 fused permutation are CUDA kernels) and tokens travel with the all-to-all dispatcher
-(gloo has all_to_all; the all-gather dispatcher works too, but refuses nothing we need).
+(gloo has all_to_all; Megatron's all-gather dispatcher refuses variable sequence lengths).
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from dataclasses import dataclass, fields
 
 from .families import Family
 
-DISPATCHERS = ("alltoall", "allgather")
+# Megatron's allgather dispatcher raises on variable_seq_lengths (which GRPO batches need).
+DISPATCHERS = ("alltoall",)
 
 
 @dataclass(frozen=True)
