@@ -18,6 +18,13 @@ The shared expert with `moe_shared_expert_gate=True` is Megatron's `SharedExpert
 multiplies its output by sigmoid(x gate_weight^T), gate_weight [1, hidden]: HF's
 `shared_expert_gate.weight`.
 
+Auxiliary losses keep Megatron's meaning: each training micro-batch's router adds
+coeff x loss to the gradient through `MoEAuxLossAutoScaler`, scaled by the schedule by
+cp / num_microbatches (calculate_per_token_loss is off), and DDP averages over data-parallel
+ranks: the gradient of coeff x (mean over micro-batches and DP ranks of the per-micro-batch
+loss), beside the GRPO loss with its own global normalisation (train/engine.py).
+`step_metrics` logs that mean, unweighted, as `load_balancing_loss` / `z_loss`.
+
 On CPU the experts are `SequentialMLP` (one MLP per local expert; grouped GEMM and the
 fused permutation are CUDA kernels) and tokens travel with the all-to-all dispatcher
 (gloo has all_to_all; Megatron's all-gather dispatcher refuses variable sequence lengths).
