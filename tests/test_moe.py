@@ -239,6 +239,10 @@ def test_moe_options_reach_the_transformer_config(tmp_path):
                            "--expert_model_parallel_size", "2"])
     with pytest.raises(ValueError, match="expert_model_parallel_size 2 x"):
         validate_world(cfg, 3)
+    from megatron_grpo.config.dry_run import _experts_line
+
+    assert _experts_line(cfg.parallel, validate_world(cfg, 2)) == \
+        "; experts EP 2 x ETP 1 x expert DP 1"
     config, _ = build_transformer_config(path, moe=MoEOptions.from_config(cfg))
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (4, 2, 32)
     assert config.moe_router_pre_softmax is False          # norm_topk_prob true

@@ -61,6 +61,15 @@ def check_model(cfg: "GRPOConfig") -> ModelFacts:
                       dtype=dtype)
 
 
+def _experts_line(p, plan) -> str:
+    """MoE: the experts' own mesh (EP x ETP, expert data parallel the rest)."""
+    if p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size is None:
+        return ""
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    edp = plan.world_size // (etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size)
+    return f"; experts EP {p.expert_model_parallel_size} x ETP {etp} x expert DP {edp}"
+
+
 def _count(n: float, what: str, plural: str = "") -> str:
     n = int(n) if float(n).is_integer() else round(n, 2)
     return f"{n} {what if n == 1 else plural or what + 's'}"
@@ -102,7 +111,7 @@ def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, npro
         f"  parallel   DP {plan.dp} x TP {p.tensor_model_parallel_size} x PP "
         f"{p.pipeline_model_parallel_size} x CP {p.context_parallel_size} (VPP {vpp or 1}, "
         f"sequence parallel {'on' if p.sequence_parallel else 'off'}, distributed optimizer "
-        f"{'on' if p.use_distributed_optimizer else 'off'})",
+        f"{'on' if p.use_distributed_optimizer else 'off'})" + _experts_line(p, plan),
         f"  vLLM       {vllm}",
         f"  rollout    {_count(plan.num_rollout_prompts, 'prompt')} x {G} completions = "
         f"{g.generation_batch_size} completions (generation_batch_size); "
