@@ -2,7 +2,8 @@
 
     NPROC_PER_NODE=2 megatron export --to_mcore true --model HF_DIR --output_dir MCORE_DIR \\
         --tensor_model_parallel_size 2 [--pipeline_model_parallel_size P] \\
-        [--virtual_pipeline_model_parallel_size V] [--test_convert_precision true]
+        [--virtual_pipeline_model_parallel_size V] [--test_convert_precision true] \\
+        [--expert_model_parallel_size E] [--expert_tensor_parallel_size T]   # MoE models
     megatron export --to_hf true --mcore_model MCORE_DIR --output_dir HF_OUT
 
 --to_mcore: HF safetensors -> the bridge's load -> a Megatron distributed checkpoint
@@ -57,6 +58,8 @@ class ConvertArgs:
     pipeline_model_parallel_size: int
     virtual_pipeline_model_parallel_size: int | None
     context_parallel_size: int
+    expert_model_parallel_size: int
+    expert_tensor_parallel_size: int | None
     torch_dtype: str | None
     test_convert_precision: bool
     overwrite: bool
@@ -75,6 +78,10 @@ def parse_args(argv: list[str]) -> ConvertArgs:
     p.add_argument("--virtual_pipeline_model_parallel_size", type=int, default=None)
     p.add_argument("--context_parallel_size", type=int, default=1,
                    help="CP shards activations, not weights: the checkpoint is the same")
+    p.add_argument("--expert_model_parallel_size", type=int, default=1,
+                   help="MoE: experts split over this many ranks (the checkpoint is the same)")
+    p.add_argument("--expert_tensor_parallel_size", type=int, default=None,
+                   help="MoE: each expert split over this many ranks (default: TP)")
     p.add_argument("--torch_dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="parameter dtype (default: the checkpoint's)")
     p.add_argument("--test_convert_precision", type=_bool, default=False)
@@ -107,6 +114,13 @@ def check_args(argv: list[str], world_size: int) -> ConvertArgs:
                          f"--context_parallel_size {a.context_parallel_size} = "
                          f"{model_parallel} does not divide the {world_size} processes "
                          "(NPROC_PER_NODE / --nproc_per_node)")
+    etp = a.expert_tensor_parallel_size or a.tensor_model_parallel_size
+    expert_mp = etp * a.expert_model_parallel_size * a.pipeline_model_parallel_size
+    if a.expert_model_parallel_size < 1 or etp < 1 or world_size % expert_mp:
+        raise ValueError(f"--expert_tensor_parallel_size {etp} x --expert_model_parallel_size "
+                         f"{a.expert_model_parallel_size} x --pipeline_model_parallel_size "
+                         f"{a.pipeline_model_parallel_size} = {expert_mp} must divide the "
+                         f"{world_size} processes (NPROC_PER_NODE / --nproc_per_node)")
     if os.path.isdir(a.output_dir) and os.listdir(a.output_dir) and not a.overwrite:
         raise ValueError(f"--output_dir {a.output_dir!r} already holds files; pass "
                          "--overwrite true to replace them, or choose another folder")
@@ -334,8 +348,10 @@ def main(argv: list[str]) -> int:
     dist.barrier()  # every rank has checked the output folder before anything is written
     tp, pp, vpp = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                    a.virtual_pipeline_model_parallel_size)
-    cp = a.context_parallel_size
-    init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp, cp=cp))
+    cp, ep, etp = (a.context_parallel_size, a.expert_model_parallel_size,
+                   a.expert_tensor_parallel_size)
+    init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp, cp=cp,
+                               ep=ep, etp=etp))
     from megatron.core import dist_checkpointing
 
     src = None if a.to_mcore else mcore_source(a.mcore_model)
@@ -345,7 +361,7 @@ def main(argv: list[str]) -> int:
     # the HF config's); the export casts to `dtype`.
     build_dtype = (src.params_dtype if src is not None and src.params_dtype else dtype)
     config, args = build_transformer_config(hf_src, tp=tp, pp=pp, vpp=vpp, cp=cp,
-                                            dtype=build_dtype)
+                                            dtype=build_dtype, ep=ep, etp=etp)
     chunks = build_model(config, args)
     tmp = _begin(a.output_dir, rank)
     if a.to_mcore:
@@ -359,7 +375,9 @@ def main(argv: list[str]) -> int:
                 json.dump({"source": os.path.abspath(a.model), "family": args.family.name,
                            "dtype": dtype, "tensor_model_parallel_size": tp,
                            "pipeline_model_parallel_size": pp,
-                           "virtual_pipeline_model_parallel_size": vpp}, f, indent=2)
+                           "virtual_pipeline_model_parallel_size": vpp,
+                           "expert_model_parallel_size": ep,
+                           "expert_tensor_parallel_size": etp}, f, indent=2)
         reference = a.model
     else:
         from .export import export_hf_weights

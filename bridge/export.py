@@ -99,6 +99,7 @@ class _Item:
     index: int                 # which of the unit's HF tensors
     owner: int                 # pipeline stage that holds the parameter
     param: torch.Tensor | None  # this rank's shard, when this rank's stage is the owner
+    ep_owner: int | None = None  # routed experts: the EP rank that holds it (bridge/moe.py)
 
 
 def _layer_stages(config) -> dict[int, int]:
@@ -116,7 +117,7 @@ def _layer_stages(config) -> dict[int, int]:
     return stages
 
 
-def _plan(chunks, config, args, groups: Groups, dtype, source) -> list[_Item]:
+def _plan(chunks, config, args, groups: Groups, dtype, source, ep_rank: int = 0) -> list[_Item]:
     """Every HF tensor in stream order, with the pipeline stage that owns it.
 
     Ownership is computed, not exchanged: layers where Megatron's split puts them, the
@@ -145,13 +146,23 @@ def _plan(chunks, config, args, groups: Groups, dtype, source) -> list[_Item]:
             owner = layer_stage[unit.layer]
         else:  # rules before the layers' (embedding): first stage; after them: last stage
             owner = 0 if unit.order < (mapping.first_layer_rule,) else groups.pp - 1
-        if (owner == groups.pp_rank) != (unit.order in local):
+        if (owner == groups.pp_rank) != (unit.order in local) and unit.expert is None:
             raise RuntimeError(f"{unit.rule.megatron[0]} (layer {unit.layer}) should be held by "
                                f"pipeline stage {owner}, but stage {groups.pp_rank} "
                                f"{'holds' if unit.order in local else 'lacks'} it")
-        param = local.get(unit.order) if owner == groups.pp_rank else None
+        ep_owner = None
+        if unit.expert is not None:
+            from .moe import expert_owner
+
+            ep_owner = expert_owner(unit.expert, config)
+        mine = owner == groups.pp_rank and ep_owner in (None, ep_rank)
+        if mine != (unit.order in local):
+            raise RuntimeError(f"{unit.rule.megatron[0]} (layer {unit.layer}, expert "
+                               f"{unit.expert}) should be held by EP rank {ep_owner}, but EP rank "
+                               f"{ep_rank} {'holds' if unit.order in local else 'lacks'} it")
+        param = local.get(unit.order) if mine else None
         for j, (name, shape) in enumerate(zip(unit.hf_names, unit.hf_shapes)):
-            items.append(_Item(name, tuple(shape), dtype, unit, j, owner, param))
+            items.append(_Item(name, tuple(shape), dtype, unit, j, owner, param, ep_owner))
     expected = mapping.manifest(config, args, dims)
     names = [it.name for it in items]
     if sorted(names) != sorted(expected) or len(set(names)) != len(names):
@@ -247,6 +258,28 @@ def _broadcast_runs(bucket: list[tuple[_Item, int]], buf: BucketBuffer, groups: 
         start = stop + 1
 
 
+def _broadcast_expert_runs(bucket: list[tuple[_Item, int]], buf: BucketBuffer, pp_rank: int,
+                           ep) -> None:
+    """Each run of consecutive routed-expert slots of this stage with one EP owner: one
+    broadcast over the EP group (the owner assembled them; the others receive)."""
+    group, ranks = ep
+
+    def key(i):  # the EP owner of slot i, if it is a routed expert of this stage
+        item = bucket[i][0]
+        return item.ep_owner if item.owner == pp_rank else None
+
+    start = 0
+    while start < len(bucket):
+        stop = start
+        while stop + 1 < len(bucket) and key(stop + 1) == key(start):
+            stop += 1
+        if key(start) is not None:
+            last, offset = bucket[stop]
+            region = buf.region(bucket[start][1], offset + _nbytes(last.shape, last.dtype))
+            dist.broadcast(region, src=ranks[key(start)], group=group)
+        start = stop + 1
+
+
 def export_hf_weights(chunks, config, args, *, bucket_size_bytes: int = 512 << 20,
                       dtype: torch.dtype | None = None, offload_bridge: bool = False,
                       staging: BucketBuffer | None = None,
@@ -267,7 +300,21 @@ def export_hf_weights(chunks, config, args, *, bucket_size_bytes: int = 512 << 2
     source = source or (lambda p: p.detach())
     groups = megatron_groups()
     dims = ModelDims.from_config(config, args)
-    items = _plan(chunks, config, args, groups, dtype, source)
+    ep, ep_rank, expert_dims, egroups = None, 0, dims, groups
+    if dims.experts:  # routed experts: ETP gathers, then EP broadcasts (bridge/moe.py)
+        from .moe import ep_group, ep_layout, expert_groups
+
+        ep_rank, ep_size, _ = ep_layout(config)
+        ep = ep_group() if ep_size > 1 else None
+        expert_dims, egroups = dims.for_experts(), expert_groups(groups)
+
+    def assemble(out, item):
+        if item.ep_owner is None:
+            _assemble_tp(out, item, dims, groups, xfer)
+        elif item.ep_owner == ep_rank:
+            _assemble_tp(out, item, expert_dims, egroups, xfer)
+
+    items = _plan(chunks, config, args, groups, dtype, source, ep_rank)
     device = next(p.device for c in chunks for p in c.parameters())
     host = offload_bridge and device.type != "cpu"  # assemble on the device, stage on the host
     buf = staging or BucketBuffer("cpu" if offload_bridge else device)
@@ -281,15 +328,18 @@ def export_hf_weights(chunks, config, args, *, bucket_size_bytes: int = 512 << 2
             if not host:
                 for item, offset in bucket:
                     if item.owner == groups.pp_rank:
-                        _assemble_tp(buf.view(offset, item.shape, item.dtype), item, dims,
-                                     groups, xfer)
+                        assemble(buf.view(offset, item.shape, item.dtype), item)
+                if ep is not None:
+                    _broadcast_expert_runs(bucket, buf, groups.pp_rank, ep)
                 if groups.pp > 1:
                     _broadcast_runs(bucket, buf, groups)
             else:
                 for item, offset in bucket:
                     tmp = torch.empty(item.shape, dtype=item.dtype, device=device)
                     if item.owner == groups.pp_rank:
-                        _assemble_tp(tmp, item, dims, groups, xfer)
+                        assemble(tmp, item)
+                        if ep is not None and item.ep_owner is not None:
+                            dist.broadcast(tmp, src=ep[1][item.ep_owner], group=ep[0])
                     if groups.pp > 1:
                         dist.broadcast(tmp, src=groups.pp_ranks[item.owner], group=groups.pp_group)
                     buf.view(offset, item.shape, item.dtype).copy_(tmp, non_blocking=True)

@@ -72,6 +72,9 @@ def load_hf_weights(chunks, config, args, hf_dir: str | os.PathLike) -> None:
     mapping = get_mapping(args.family)
     dims = ModelDims.from_config(config, args)
     tp_rank = ps.get_tensor_model_parallel_rank()
+    # Routed experts are split by expert tensor parallelism (and only this EP rank's
+    # experts are among the parameters): their own rank and dims.
+    etp_rank = ps.get_expert_tensor_parallel_rank() if dims.experts else tp_rank
 
     with HFCheckpoint(hf_dir) as ckpt:
         check_checkpoint(ckpt.shapes(), mapping.manifest(config, args, dims),
@@ -81,16 +84,17 @@ def load_hf_weights(chunks, config, args, hf_dir: str | os.PathLike) -> None:
         work = []
         for name, param in global_params(chunks):
             unit = mapping.resolve(name, config, args, dims)
-            shard = unit.layout.shard_shape(dims, unit.hf_shapes)
+            udims, rank = (dims.for_experts(), etp_rank) if unit.rule.per_expert else (dims, tp_rank)
+            shard = unit.layout.shard_shape(udims, unit.hf_shapes)
             if tuple(param.shape) != shard:
                 raise ValueError(f"Megatron parameter {name} has shape {tuple(param.shape)}, but "
-                                 f"the {mapping.name} mapping expects {shard} at tp={dims.tp}: "
+                                 f"the {mapping.name} mapping expects {shard} at tp={udims.tp}: "
                                  "the model was not built from this checkpoint's config")
-            work.append((unit, param))
+            work.append((unit, param, udims, rank))
 
         with torch.no_grad():
-            for unit, param in work:
-                pieces = unit.layout.pieces(tp_rank, dims, unit.hf_shapes)
+            for unit, param, udims, rank in work:
+                pieces = unit.layout.pieces(rank, udims, unit.hf_shapes)
                 axis = pieces[0].axis if pieces else 0
                 covered = sum(p.shard_stop - p.shard_start for p in pieces)
                 if axis is not None and covered < param.shape[axis]:

@@ -20,7 +20,10 @@ _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def global_params(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(global name, parameter) of every parameter of this rank's chunks."""
+    """(global name, parameter) of every parameter of this rank's chunks (global layer and,
+    under expert parallelism, global expert numbers: bridge/moe.py)."""
+    from .moe import global_expert_name
+
     for chunk in chunks:
         model = unwrap(chunk)
         layers = model.decoder.layers if hasattr(model, "decoder") else []
@@ -29,6 +32,7 @@ def global_params(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
             if m:
                 layer = layers[int(m.group(1))].layer_number - 1
                 name = f"decoder.layers.{layer}." + name[m.end():]
+                name = global_expert_name(name, model.config)
             yield name, param
 
 

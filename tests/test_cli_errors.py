@@ -73,7 +73,7 @@ def test_every_problem_in_one_message_from_the_parser_stage(setup_files):
     model, good, _, d = setup_files
     argv = ["--rlhf_type", "grpo", "--model", model, "--dataset", good, f"{d}/missing.jsonl",
             "--reward_funcs", "acuracy", "--num_generations", "4", "--global_batch_size", "8",
-            "--tensor_model_paralel_size", "2", "--lerning_rate", "1e-6", "--moe_permute_fusion",
+            "--tensor_model_paralel_size", "2", "--lerning_rate", "1e-6", "--moe_enable_deepep",
             "true", "--loss_type", "ppo", "--epsilon", "x", "--tensor_model_parallel_size", "3"]
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_grpo.cli", "rlhf",
                         *argv], cwd=ROOT, capture_output=True, text=True, timeout=60,
@@ -87,7 +87,7 @@ def test_every_problem_in_one_message_from_the_parser_stage(setup_files):
     assert "--tensor_model_paralel_size. Did you mean: --tensor_model_parallel_size" in body[0]
     assert "--lerning_rate" in body[1] and "--learning_rate" in body[1]
     # An ms-swift flag not supported yet: its own line with the feature, no suggestion.
-    assert body[2].endswith("--moe_permute_fusion is an ms-swift option not supported yet "
+    assert body[2].endswith("--moe_enable_deepep is an ms-swift option not supported yet "
                             "(MoE, issue 16)"), body[2]
     rest = "\n".join(body[3:])
     for part in ["--loss_type 'ppo'", "--epsilon 'x'", "missing.jsonl", "--reward_funcs 'acuracy'",

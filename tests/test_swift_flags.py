@@ -33,7 +33,7 @@ def test_tables_name_only_ms_swift_flags_and_no_implemented_one():
 
 
 @pytest.mark.parametrize("flag, feature", [
-    ("moe_permute_fusion", "MoE, issue 16"), ("lora_rank", "LoRA, issue 15"),
+    ("moe_enable_deepep", "MoE, issue 16"), ("lora_rank", "LoRA, issue 15"),
     ("loss_scale", "multi-turn, issue 17"), ("vit_lr", "vision-language, issue 18"),
     ("packing", "packing samples into fixed-length bins across the dataset (--padding_free "
                 "true packs each micro-batch)"), ("fp8_format", "fp8/fp4 training"),
@@ -60,9 +60,9 @@ def test_unsupported_value(model_dir):
 
 def test_yaml_key_rejected_too(model_dir, tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("moe_grouped_gemm: true\n")
+    path.write_text("moe_enable_deepep: true\n")
     message = error_of(args(model_dir, "--config", str(path)))
-    assert message == "--moe_grouped_gemm is an ms-swift option not supported yet (MoE, issue 16)"
+    assert message == "--moe_enable_deepep is an ms-swift option not supported yet (MoE, issue 16)"
 
 
 def test_accepted_options(model_dir):

@@ -46,7 +46,10 @@ import zlib
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# MoE families: sizes of the sparse block (make_tiny_model's `moe=` overrides them).
+MOE_DEFAULTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    norm_topk_prob=True)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Qwen's special tokens, in Qwen's order (ids follow the BPE vocabulary).
@@ -60,7 +63,8 @@ QWEN_SPLIT_PATTERN = (
 # Byte-level BPE: 256 byte symbols + 3 specials; sentencepiece with byte
 # fallback: 3 specials + 256 byte pieces + the corpus characters (~70). Below
 # these a tokenizer cannot be built.
-MIN_TOKENIZER_VOCAB = {"qwen2": 259 + 16, "qwen3": 259 + 16, "llama": 384}
+MIN_TOKENIZER_VOCAB = {"qwen2": 259 + 16, "qwen3": 259 + 16, "llama": 384,
+                       "qwen2_moe": 259 + 16, "qwen3_moe": 259 + 16}
 
 # ChatML, as Qwen2.5/Qwen3 use it. For qwen3, `enable_thinking=False` opens the
 # assistant turn with an empty think block, as Qwen3's template does.
@@ -299,8 +303,8 @@ def _quiet_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def _hf_config(family: str, dims: dict, token_ids: dict):
-    """The transformers config object for `family`."""
+def _hf_config(family: str, dims: dict, token_ids: dict, moe: dict | None = None):
+    """The transformers config object for `family` (`moe`: the sparse block's sizes)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -315,6 +319,20 @@ def _hf_config(family: str, dims: dict, token_ids: dict):
     if family == "qwen2":
         common.pop("head_dim")  # Qwen2 derives it as hidden_size // num_attention_heads
         return Qwen2Config(use_sliding_window=False, **common)
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(attention_bias=False, use_sliding_window=False,
+                              decoder_sparse_step=1, mlp_only_layers=[], **common,
+                              **{**MOE_DEFAULTS, **(moe or {})})
+    if family == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        common.pop("head_dim")
+        sizes = {**MOE_DEFAULTS, "norm_topk_prob": False, "shared_expert_intermediate_size": 48,
+                 **(moe or {})}
+        return Qwen2MoeConfig(use_sliding_window=False, decoder_sparse_step=1, mlp_only_layers=[],
+                              qkv_bias=True, **common, **sizes)
     return Qwen3Config(attention_bias=False, use_sliding_window=False, **common)
 
 
@@ -338,7 +356,7 @@ def _check_args(family, num_layers, hidden_size, num_attention_heads, num_key_va
         raise ValueError(
             f"num_attention_heads={num_attention_heads} must divide hidden_size={hidden_size} "
             "(or pass head_dim explicitly for llama/qwen3)")
-    if family == "qwen2" and head_dim is not None and head_dim * num_attention_heads != hidden_size:
+    if family in ("qwen2", "qwen2_moe") and head_dim is not None and head_dim * num_attention_heads != hidden_size:
         raise ValueError(
             f"head_dim={head_dim} is not supported for family='qwen2': Qwen2 uses "
             f"hidden_size // num_attention_heads = {hidden_size // num_attention_heads}; "
@@ -371,6 +389,7 @@ def make_tiny_model(
     max_shard_size: str | int | None = None,
     rms_norm_eps: float = 1e-6,
     tokenizer_vocab_size: int | None = None,
+    moe: dict | None = None,
 ) -> pathlib.Path:
     """Write a tiny HF checkpoint of `family` into `out_dir` and return its path.
 
@@ -393,7 +412,8 @@ def make_tiny_model(
 
     # Tokenizer first: its special-token ids go into config.json / generation_config.json.
     tok_vocab = vocab_size if tokenizer_vocab_size is None else tokenizer_vocab_size
-    for name, data in _tokenizer_files(family, tok_vocab, max_position_embeddings):
+    tok_family = "llama" if family == "llama" else "qwen3"  # Qwen tokenizers are one kind
+    for name, data in _tokenizer_files(tok_family, tok_vocab, max_position_embeddings):
         (out_dir / name).write_bytes(data)
     vocab = json.loads((out_dir / "tokenizer.json").read_text())
     token_id = {t["content"]: t["id"] for t in vocab["added_tokens"]}
@@ -420,7 +440,7 @@ def make_tiny_model(
         rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
         tie_word_embeddings=tie_word_embeddings,
     )
-    config = _hf_config(family, dims, token_ids)
+    config = _hf_config(family, dims, token_ids, moe)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
 
     torch_dtype = DTYPES[dtype]

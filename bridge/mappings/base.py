@@ -6,7 +6,8 @@
          shapes=(("ffn", "hidden"), ("ffn", "hidden")),
          layout=FUSED_GATE_UP)
 
-`{layer}` is the GLOBAL layer index on both sides here: Megatron names its layers
+`{layer}` is the GLOBAL layer index on both sides here (and `{expert}`, in MoE rules, the
+global expert index: `bridge.params` turns an EP rank's local expert numbers into global ones): Megatron names its layers
 per chunk (`decoder.layers.0` is the first layer of each pipeline chunk), and
 `bridge.params` turns those local names into global ones before they reach a rule.
 Shapes name `ModelDims` sizes, so one table serves every model size and TP degree.
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from .layouts import Layout, ModelDims
 
 LAYER = "{layer}"
+EXPERT = "{expert}"
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,11 @@ class Rule:
     def per_layer(self) -> bool:
         return LAYER in self.megatron[0]
 
+    @property
+    def per_expert(self) -> bool:
+        """One parameter per routed expert: sharded by EP (which experts) and ETP."""
+        return EXPERT in self.megatron[0]
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -63,7 +70,8 @@ class Unit:
     hf_names: tuple[str, ...]               # where the data comes from (tied: the embedding)
     hf_shapes: tuple[tuple[int, ...], ...]
     exported: bool                          # False for the tied copy of the embedding
-    order: tuple[int, int, int]             # global HF order of units
+    order: tuple[int, int, int, int]        # global HF order of units
+    expert: int | None = None               # global expert index (per-expert rules)
 
     @property
     def layout(self) -> Layout:
@@ -71,7 +79,8 @@ class Unit:
 
 
 def _pattern(name: str) -> re.Pattern:
-    return re.compile(re.escape(name).replace(re.escape(LAYER), r"(\d+)") + r"\Z")
+    return re.compile(re.escape(name).replace(re.escape(LAYER), r"(\d+)")
+                      .replace(re.escape(EXPERT), r"(\d+)") + r"\Z")
 
 
 @dataclass(frozen=True)
@@ -101,15 +110,22 @@ class FamilyMapping:
         cond = self.conditions(config, args)
         return [r for r in self.rules if r.when is None or cond[r.when]]
 
-    def unit(self, rule: Rule, layer: int | None, dims: ModelDims, tied: bool) -> Unit:
-        """The unit of `rule` at global `layer`."""
+    def unit(self, rule: Rule, layer: int | None, dims: ModelDims, tied: bool,
+             expert: int | None = None) -> Unit:
+        """The unit of `rule` at global `layer` (and global `expert`, per-expert rules)."""
         names = rule.tied_hf if (tied and rule.tied_hf) else rule.hf
-        fill = (lambda n: n.replace(LAYER, str(layer))) if layer is not None else (lambda n: n)
+
+        def fill(n: str) -> str:
+            if layer is not None:
+                n = n.replace(LAYER, str(layer))
+            return n.replace(EXPERT, str(expert)) if expert is not None else n
+
         shapes = tuple(tuple(dims.size(s) for s in shape) for shape in rule.shapes)
         index = self.rules.index(rule)
-        order = (self.first_layer_rule, layer, index) if layer is not None else (index, 0, 0)
+        order = ((self.first_layer_rule, layer, index, expert or 0) if layer is not None
+                 else (index, 0, 0, 0))
         return Unit(rule, layer, tuple(fill(n) for n in names), shapes,
-                    exported=not (tied and rule.tied_hf), order=order)
+                    exported=not (tied and rule.tied_hf), order=order, expert=expert)
 
     def resolve(self, global_name: str, config, args, dims: ModelDims) -> Unit:
         """The unit of a Megatron parameter named with its GLOBAL layer index; an unknown
@@ -121,7 +137,10 @@ class FamilyMapping:
                 layer = int(m.group(1)) if rule.per_layer else None
                 if layer is not None and not 0 <= layer < dims.layers:
                     break
-                return self.unit(rule, layer, dims, args.tie_word_embeddings)
+                expert = int(m.group(2)) if rule.per_expert else None
+                if expert is not None and not 0 <= expert < dims.experts:
+                    break
+                return self.unit(rule, layer, dims, args.tie_word_embeddings, expert)
         known = sorted({n for r in active for n in r.megatron})
         raise ValueError(f"Megatron parameter {global_name!r} has no rule in the {self.name!r} "
                          f"bridge mapping; known names: {known}")
@@ -134,7 +153,9 @@ class FamilyMapping:
                     config.pipeline_model_parallel_size == 1:
                 continue  # one stage: Megatron reuses the embedding, no output parameter
             layers = range(dims.layers) if rule.per_layer else [None]
-            out.extend(self.unit(rule, layer, dims, args.tie_word_embeddings) for layer in layers)
+            experts = range(dims.experts) if rule.per_expert else [None]
+            out.extend(self.unit(rule, layer, dims, args.tie_word_embeddings, expert)
+                       for layer in layers for expert in experts)
         return sorted(out, key=lambda u: u.order)
 
     def manifest(self, config, args, dims: ModelDims) -> dict[str, tuple[int, ...]]:

@@ -14,6 +14,7 @@ row-parallel axis 1; `padded` for the vocab), `QKV` (fused per query group) and
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,17 +32,34 @@ class ModelDims:
     vocab: int              # HF rows of embed_tokens / lm_head
     padded_vocab: int       # Megatron rows (divisible by tp)
     layers: int
-    tp: int
+    tp: int                 # of expert parameters: the expert tensor parallel size (for_experts)
+    experts: int = 0        # routed experts per layer (MoE)
+    moe_ffn: int = 0        # intermediate size of one routed expert
+    shared_ffn: int = 0     # intermediate size of the shared expert (Qwen2-MoE)
+    etp: int = 1            # expert tensor parallel size
 
     @classmethod
     def from_config(cls, config, args) -> "ModelDims":
         hf = args.hf_config
         heads = config.num_attention_heads
+        experts = getattr(config, "num_moe_experts", None) or 0
         return cls(hidden=config.hidden_size, ffn=config.ffn_hidden_size, heads=heads,
                    kv_heads=hf.get("num_key_value_heads") or heads,
                    query_groups=config.num_query_groups or heads, head_dim=config.kv_channels,
                    vocab=args.vocab_size, padded_vocab=args.padded_vocab_size,
-                   layers=config.num_layers, tp=config.tensor_model_parallel_size)
+                   layers=config.num_layers, tp=config.tensor_model_parallel_size,
+                   experts=experts, moe_ffn=(config.moe_ffn_hidden_size or 0) if experts else 0,
+                   shared_ffn=getattr(config, "moe_shared_expert_intermediate_size", None) or 0,
+                   etp=(getattr(config, "expert_tensor_parallel_size", None)
+                        or config.tensor_model_parallel_size))
+
+    def for_experts(self) -> "ModelDims":
+        """These dims as routed-expert layouts see them: split by ETP instead of TP."""
+        return dataclasses.replace(self, tp=self.etp)
+
+    @property
+    def one(self) -> int:   # e.g. the shared expert's gate [1, hidden]
+        return 1
 
     # Named sizes that rules use in their HF shapes.
     @property

@@ -38,13 +38,15 @@ class ModelFacts:
 def check_model(cfg: "GRPOConfig") -> ModelFacts:
     """The model's config.json against the parallel sizes; ValueError naming the option."""
     from ..model import build_transformer_config, load_hf_config
+    from ..model.moe import MoEOptions
 
     p, v = cfg.parallel, cfg.rollout
     dtype = "bfloat16" if cfg.training.bf16 else "float32"     # as train/setup.py
     _, args = build_transformer_config(
         cfg.model.model, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
-        sequence_parallel=p.sequence_parallel, dtype=dtype)
+        sequence_parallel=p.sequence_parallel, dtype=dtype, ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size, moe=MoEOptions.from_config(cfg))
     hf = load_hf_config(cfg.model.model)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
@@ -57,6 +59,15 @@ def check_model(cfg: "GRPOConfig") -> ModelFacts:
                       num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                       num_heads=heads, num_kv_heads=kv_heads, vocab_size=hf["vocab_size"],
                       dtype=dtype)
+
+
+def _experts_line(p, plan) -> str:
+    """MoE: the experts' own mesh (EP x ETP, expert data parallel the rest)."""
+    if p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size is None:
+        return ""
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    edp = plan.world_size // (etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size)
+    return f"; experts EP {p.expert_model_parallel_size} x ETP {etp} x expert DP {edp}"
 
 
 def _count(n: float, what: str, plural: str = "") -> str:
@@ -100,7 +111,7 @@ def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, npro
         f"  parallel   DP {plan.dp} x TP {p.tensor_model_parallel_size} x PP "
         f"{p.pipeline_model_parallel_size} x CP {p.context_parallel_size} (VPP {vpp or 1}, "
         f"sequence parallel {'on' if p.sequence_parallel else 'off'}, distributed optimizer "
-        f"{'on' if p.use_distributed_optimizer else 'off'})",
+        f"{'on' if p.use_distributed_optimizer else 'off'})" + _experts_line(p, plan),
         f"  vLLM       {vllm}",
         f"  rollout    {_count(plan.num_rollout_prompts, 'prompt')} x {G} completions = "
         f"{g.generation_batch_size} completions (generation_batch_size); "

@@ -84,6 +84,37 @@ class ModelOptions(_Group):
                 "Engine's kernels; auto: it picks). Without it (CPU): local, unfused and auto "
                 "all run Megatron's local attention; flash and fused are refused. ms-swift's "
                 "default is flash; auto picks flash where it is installed.")
+    # MoE (Qwen2-MoE / Qwen3-MoE); the experts' sizes and the router's top-k come from
+    # config.json (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob).
+    moe_aux_loss_coeff: float = opt(
+        0.0, "MoE: weight of the load-balancing loss added to the training loss (Megatron's "
+             "aux loss, per micro-batch); > 0 also logs it as `load_balancing_loss`. 0: off.")
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss",
+                                            "none"] = opt(
+        "aux_loss", "MoE: which load-balancing loss --moe_aux_loss_coeff weighs (none: no loss, "
+                    "as --moe_aux_loss_coeff 0).")
+    moe_z_loss_coeff: Optional[float] = opt(
+        None, "MoE: weight of the router z-loss (mean logsumexp(router logits)^2), logged as "
+              "`z_loss`. Unset: off.")
+    moe_expert_capacity_factor: Optional[float] = opt(
+        None, "MoE: an expert takes at most factor x (tokens x top-k / experts) tokens per "
+              "micro-batch; the rest are dropped. Unset: no dropping.")
+    moe_pad_expert_input_to_capacity: bool = opt(
+        False, "MoE: pad every expert's input to its capacity (needs --moe_expert_capacity_factor).")
+    moe_token_drop_policy: Literal["probs", "position"] = opt(
+        "probs", "MoE: with a capacity, drop the tokens of lowest routing probability (probs) or "
+                 "the last ones (position).")
+    moe_token_dispatcher_type: Literal["alltoall"] = opt(
+        "alltoall", "MoE: how tokens reach their experts across expert-parallel ranks (all-to-all "
+                    "runs on gloo and NCCL; Megatron's allgather dispatcher refuses the variable "
+                    "sequence lengths of GRPO batches).")
+    moe_grouped_gemm: Optional[bool] = opt(
+        None, "MoE: all local experts in one grouped GEMM (Transformer Engine, GPU). Unset: on "
+              "where Transformer Engine is installed, else off; true without it is refused.")
+    moe_permute_fusion: bool = opt(
+        False, "MoE: fused token permutation kernels (Transformer Engine, GPU only).")
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = opt(
+        "fp32", "MoE: dtype of the router's logits and of the weighted sum of expert outputs.")
 
 
 @dataclass
@@ -184,7 +215,13 @@ class ParallelOptions(_Group):
         None, "Virtual pipeline stages per PP rank (interleaved schedule); needs PP > 1. "
               "ms-swift's num_virtual_stages_per_pipeline_rank is accepted too.")
     context_parallel_size: int = opt(1, "Context parallel size (CP).")
-    sequence_parallel: bool = opt(False, "Megatron sequence parallelism; only with TP > 1.")
+    sequence_parallel: bool = opt(False, "Megatron sequence parallelism; only with TP > 1 "
+                                         "(required when an MoE model trains with TP > 1).")
+    expert_model_parallel_size: int = opt(
+        1, "MoE: expert parallel size (EP): each rank of an EP group holds num_experts / EP "
+           "experts of every layer.")
+    expert_tensor_parallel_size: Optional[int] = opt(
+        None, "MoE: expert tensor parallel size (ETP): each expert split over ETP ranks. Unset: TP.")
     use_distributed_optimizer: bool = opt(True, "Shard optimizer state over data-parallel ranks.")
 
 

@@ -4,7 +4,7 @@ A script ported from `swift megatron rlhf` must not stop at "unknown option" nor
 flag silently dropped: each ms-swift flag here is either an option of ours (groups.py,
 or an alias), or rejected in the collected error with the feature it belongs to:
 
-    --moe_permute_fusion is an ms-swift option not supported yet (MoE, issue 16)
+    --moe_enable_deepep is an ms-swift option not supported yet (MoE, issue 16)
 
 MS_SWIFT_FLAGS lists the names by the ms-swift argument class that declares them
 (`swift megatron rlhf` parses MegatronRLHFArguments; its bases are listed in MRO order),
@@ -196,13 +196,13 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         use_rslora vllm_enable_lora tuner_backend use_swift_lora adapter_load ref_adapter_load
     """,
     "MoE, issue 16": """
-        expert_model_parallel_size expert_tensor_parallel_size moe_router_load_balancing_type
-        moe_router_dtype moe_token_dispatcher_type moe_enable_deepep moe_grouped_gemm
-        moe_permute_fusion moe_aux_loss_coeff moe_z_loss_coeff moe_shared_expert_overlap
-        moe_layer_recompute moe_expert_capacity_factor moe_pad_expert_input_to_capacity
-        moe_token_drop_policy router_replay_mode experts_impl moe_apply_probs_on_input
-        moe_ffn_hidden_size moe_layer_freq moe_router_bias_update_rate
-        moe_router_enable_expert_bias moe_router_group_topk moe_router_num_groups
+        moe_enable_deepep moe_shared_expert_overlap moe_layer_recompute router_replay_mode
+        experts_impl moe_apply_probs_on_input moe_router_bias_update_rate
+        moe_router_enable_expert_bias
+    """,
+    "MoE architecture, read from the model's config.json (num_experts, num_experts_per_tok, "
+    "moe_intermediate_size, norm_topk_prob, shared_expert_intermediate_size)": """
+        moe_ffn_hidden_size moe_layer_freq moe_router_group_topk moe_router_num_groups
         moe_router_pre_softmax moe_router_score_function moe_router_topk
         moe_router_topk_scaling_factor moe_shared_expert_intermediate_size num_experts
         use_shared_expert_gate
@@ -390,6 +390,10 @@ UNSUPPORTED_VALUES: Dict[Tuple[str, str], str] = {
     ("rlhf_type", "rm"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("rlhf_type", "gkd"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("tuner_type", "lora"): "LoRA, issue 15",
+    ("moe_token_dispatcher_type", "flex"): "MoE: the flex dispatcher (DeepEP / HybridEP), GPU",
+    ("moe_token_dispatcher_type", "allgather"):
+        "MoE: Megatron's allgather dispatcher refuses variable sequence lengths",
+    ("moe_router_load_balancing_type", "sinkhorn"): "MoE: sinkhorn load balancing",
     ("tuner_type", "lora_llm"): "LoRA, issue 15",
     ("lr_decay_style", "WSD"): "learning-rate and weight-decay schedules beyond cosine/linear/constant",
     ("lr_decay_style", "inverse-square-root"):

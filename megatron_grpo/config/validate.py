@@ -64,8 +64,9 @@ def finalize(cfg: "GRPOConfig", problems: Optional[Problems] = None) -> None:
     """Resolve dependent defaults in place and check the options. Every problem goes into
     `problems`; without it they are raised together as one ConfigError."""
     p = Problems() if problems is None else problems
-    for check in (_check_model, _check_model_options, _check_data, _check_training, _check_parallel, _check_batches,
-                  _check_loss, _check_rewards, _check_multi_turn, _check_rollout, _check_logging, _check_eval):
+    for check in (_check_model, _check_model_options, _check_moe, _check_data, _check_training,
+                  _check_parallel, _check_batches, _check_loss, _check_rewards, _check_multi_turn,
+                  _check_rollout, _check_logging, _check_eval):
         with p.section():
             check(cfg, p)
     if problems is None:
@@ -214,6 +215,60 @@ def _check_model_options(cfg: "GRPOConfig", p: Problems) -> None:
                   f"--attention_backend {m.attention_backend} needs Transformer Engine (GPU), "
                   "which is not installed here. Fix: --attention_backend auto (or local, "
                   "unfused): Megatron's local attention")
+
+
+def _hf_config(model: Optional[str]) -> Optional[dict]:
+    """config.json of --model, or None when there is none to read (reported elsewhere)."""
+    import json
+
+    path = os.path.join(model or "", "config.json")
+    if not model or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _check_moe(cfg: "GRPOConfig", p: Problems) -> None:
+    """MoE options against the model (config.json) and this machine."""
+    m, par = cfg.model, cfg.parallel
+    _positive(p, "expert_model_parallel_size", par.expert_model_parallel_size)
+    if par.expert_tensor_parallel_size is not None:
+        _positive(p, "expert_tensor_parallel_size", par.expert_tensor_parallel_size)
+    hf = _hf_config(m.model)
+    if hf is None:
+        return
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if not experts:
+        p.require(par.expert_model_parallel_size == 1 and par.expert_tensor_parallel_size in
+                  (None, par.tensor_model_parallel_size),
+                  f"--expert_model_parallel_size {par.expert_model_parallel_size} / "
+                  f"--expert_tensor_parallel_size {par.expert_tensor_parallel_size} need a "
+                  f"mixture-of-experts model; --model {m.model!r} is dense. Fix: drop them")
+        return
+    ep = par.expert_model_parallel_size
+    p.require(ep < 1 or experts % ep == 0,
+              f"--expert_model_parallel_size {ep} does not divide the model's {experts} experts "
+              f"(config.json num_experts); valid values: "
+              f"{[e for e in _divisors(experts)]}")
+    p.require(par.tensor_model_parallel_size == 1 or par.sequence_parallel,
+              f"--tensor_model_parallel_size {par.tensor_model_parallel_size} with an MoE model "
+              "needs sequence parallelism (Megatron's MoE layer trains under TP only with it). "
+              "Fix: --sequence_parallel true")
+    te = importlib.util.find_spec("transformer_engine") is not None
+    for flag in ("moe_grouped_gemm", "moe_permute_fusion"):
+        p.require(te or not getattr(m, flag),
+                  f"--{flag} true needs Transformer Engine on a GPU, which is not installed "
+                  f"here. Fix: --{flag} false")
+    p.require(m.moe_aux_loss_coeff >= 0,
+              f"--moe_aux_loss_coeff {m.moe_aux_loss_coeff} must be >= 0 (0: no load-balancing loss)")
+    p.require(m.moe_expert_capacity_factor is None or m.moe_expert_capacity_factor > 0,
+              f"--moe_expert_capacity_factor {m.moe_expert_capacity_factor} must be > 0 (or unset: "
+              "no token dropping)")
+    p.require(not m.moe_pad_expert_input_to_capacity or m.moe_expert_capacity_factor is not None,
+              "--moe_pad_expert_input_to_capacity true needs --moe_expert_capacity_factor")
 
 
 def _check_parallel(cfg: "GRPOConfig", p: Problems) -> None:
@@ -633,6 +688,15 @@ def _world_plan(cfg: "GRPOConfig", world_size: int, p: Problems) -> WorldPlan:
             "Fix: change NPROC_PER_NODE/NNODES or the parallel sizes"):
         return None
     dp = world_size // mp
+    etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
+    expert_mp = etp * par.expert_model_parallel_size * par.pipeline_model_parallel_size
+    if not p.require(
+            expert_mp >= 1 and world_size % expert_mp == 0,
+            f"world size {world_size} is not divisible by expert_tensor_parallel_size {etp} x "
+            f"expert_model_parallel_size {par.expert_model_parallel_size} x "
+            f"pipeline_model_parallel_size {par.pipeline_model_parallel_size} = {expert_mp}. "
+            "Fix: lower --expert_model_parallel_size or change NPROC_PER_NODE/NNODES"):
+        return None
     per_step = t.micro_batch_size * dp
     p.require(t.global_batch_size % per_step == 0,
               f"--global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "

@@ -30,6 +30,16 @@ def use_transformer_engine() -> bool:
     return HAVE_TE and torch.cuda.is_available()
 
 
+def _moe_spec_kwargs(config) -> dict:
+    """An MoE config's layers get Megatron's MoELayer as their MLP (model/moe.py)."""
+    if not config.num_moe_experts:
+        return {}
+    from megatron_grpo.platform.compat.megatron import moe_without_transformer_engine
+
+    moe_without_transformer_engine()
+    return {"num_experts": config.num_moe_experts, "moe_grouped_gemm": config.moe_grouped_gemm}
+
+
 def layer_spec(config, use_te: bool | None = None, padding_free: bool = False):
     """The block spec: Transformer Engine's layers on GPU, Megatron's local ones elsewhere.
 
@@ -44,11 +54,12 @@ def layer_spec(config, use_te: bool | None = None, padding_free: bool = False):
 
     use_te = use_transformer_engine() if use_te is None else use_te
     if use_te:
-        layer = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        layer = specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=config.qk_layernorm, **_moe_spec_kwargs(config))
         final_norm = specs.TENorm if hasattr(specs, "TENorm") else RMSNorm
     else:
         layer = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
-                                               normalization="RMSNorm")
+                                               normalization="RMSNorm", **_moe_spec_kwargs(config))
         sub = layer.submodules
         sub.input_layernorm = RMSNorm
         sub.pre_mlp_layernorm = RMSNorm

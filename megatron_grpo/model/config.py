@@ -73,11 +73,13 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
                              dtype: str | torch.dtype = "float32",
                              make_vocab_size_divisible_by: int = 128,
                              recompute: dict | None = None, attention_backend: str | None = None,
+                             ep: int = 1, etp: int | None = None, moe=None,
                              **overrides: Any):
     """Translate an HF config of a supported family. Returns (TransformerConfig, ModelArgs).
 
     `recompute`: the run's recompute_* options (see recompute_kwargs); `attention_backend`:
-    ms-swift's name, mapped by megatron_attention_backend (None: Megatron's default)."""
+    ms-swift's name, mapped by megatron_attention_backend (None: Megatron's default).
+    ep, etp, moe: expert (tensor) parallel sizes and `model.moe.MoEOptions` of an MoE family."""
     from megatron.core.transformer import TransformerConfig
 
     hf = load_hf_config(model)
@@ -147,6 +149,13 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
         moe_token_dispatcher_type="alltoall",  # dense models; allgather refuses variable lengths
         cross_entropy_loss_fusion=False,
     )
+    if family.moe:
+        from .moe import moe_config_kwargs
+
+        kwargs.update(moe_config_kwargs(hf, family, tp=tp, ep=ep, etp=etp, options=moe))
+    elif ep > 1 or (etp is not None and etp != tp):
+        raise ValueError(f"--expert_model_parallel_size {ep} / --expert_tensor_parallel_size "
+                         f"{etp} need a mixture-of-experts model; {family.name} is dense")
     kwargs.update(recompute_kwargs(**(recompute or {})))
     if attention_backend is not None:
         kwargs["attention_backend"] = megatron_attention_backend(attention_backend)

@@ -15,12 +15,18 @@ class Family:
     model_types: tuple[str, ...]     # HF `model_type` values
     qkv_bias: bool | None            # None: read `attention_bias` from the config
     qk_layernorm: bool               # Qwen3: RMSNorm on q and k per head
+    moe: bool = False                # sparse MLP: routed experts (model/moe.py)
+    shared_expert: bool = False      # Qwen2-MoE: an always-on expert behind a sigmoid gate
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", ("LlamaForCausalLM",), ("llama",), qkv_bias=None, qk_layernorm=False),
     "qwen2": Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True, qk_layernorm=False),
     "qwen3": Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qkv_bias=None, qk_layernorm=True),
+    "qwen2_moe": Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), qkv_bias=True,
+                        qk_layernorm=False, moe=True, shared_expert=True),
+    "qwen3_moe": Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qkv_bias=None,
+                        qk_layernorm=True, moe=True),
 }
 
 

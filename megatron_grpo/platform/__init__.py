@@ -42,7 +42,11 @@ class ParallelDims:
 
     tp: tensor parallel; pp: pipeline stages; vpp: virtual stages per pipeline
     rank (None = no interleaving); cp: context parallel; ep: expert parallel;
-    dp is derived: world_size / (tp * pp * cp).
+    etp: expert tensor parallel (None = tp); dp is derived: world_size / (tp * pp * cp).
+
+    Experts have their own mesh (Megatron-Core's): each pipeline stage's tp*cp*dp ranks
+    are regrouped as etp x ep x edp, so etp * ep * pp must divide the world size; the
+    expert data-parallel size edp = world_size / (etp * ep * pp).
     """
 
     world_size: int
@@ -51,6 +55,7 @@ class ParallelDims:
     vpp: int | None = None
     cp: int = 1
     ep: int = 1
+    etp: int | None = None
     dp: int = field(init=False)
 
     def __post_init__(self):
@@ -81,9 +86,16 @@ class ParallelDims:
                 f"pp and cp, valid --tensor_model_parallel_size values are {valid_tp or 'none'}; "
                 f"launch {model_parallel}*k processes (NPROC_PER_NODE) or lower the degrees.")
         self.dp = self.world_size // model_parallel
-        if self.ep > 1 and (self.dp * self.cp) % self.ep != 0:
-            raise ValueError(f"--expert_model_parallel_size {self.ep} must divide dp*cp = "
-                             f"{self.dp * self.cp}")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise ValueError("--expert_tensor_parallel_size must be a positive integer or "
+                             f"unset, got {self.etp!r}")
+        expert_mp = (self.etp or self.tp) * self.ep * self.pp
+        if self.world_size % expert_mp != 0:
+            raise ValueError(
+                f"--expert_tensor_parallel_size {self.etp or self.tp} x "
+                f"--expert_model_parallel_size {self.ep} x --pipeline_model_parallel_size "
+                f"{self.pp} = {expert_mp} does not divide the world size {self.world_size}; "
+                "lower --expert_model_parallel_size or launch more processes")
 
     @property
     def tp_enabled(self) -> bool:
@@ -144,6 +156,7 @@ def init_parallel(dims: ParallelDims, seed: int = 1234) -> ParallelDims:
         virtual_pipeline_model_parallel_size=dims.vpp,
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return dims

@@ -100,6 +100,9 @@ class _NullStream:
     def query(self):
         return True
 
+    def record_event(self, event=None):
+        return event if event is not None else _NullStream()
+
     def elapsed_time(self, other):
         return 0.0
 
@@ -144,6 +147,32 @@ def _patch_megatron() -> None:
         return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
     compat.set_default_causal_mask(causal_mask)
+    compat.wrap_uneven_first_dim_collectives(_gather_uneven, _reduce_scatter_uneven)
+
+
+def _gather_uneven(original, input_, group, output_split_sizes=None, use_global_buffer=False):
+    """gloo's all_gather needs one size on every rank; the MoE dispatcher (expert tensor
+    parallel, tokens split unevenly) gathers blocks of `output_split_sizes` rows: pad each
+    to the largest, gather [world, max, ...], keep each rank's rows."""
+    if output_split_sizes is None or len(set(output_split_sizes)) == 1:
+        return original(input_, group, output_split_sizes, use_global_buffer)
+    most = max(output_split_sizes)
+    padded = input_.new_zeros((most,) + tuple(input_.shape[1:]))
+    padded[:input_.shape[0]] = input_
+    out = input_.new_empty((len(output_split_sizes) * most,) + tuple(input_.shape[1:]))
+    torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    return torch.cat([out[r * most:r * most + n] for r, n in enumerate(output_split_sizes)])
+
+
+def _reduce_scatter_uneven(original, input_, group, input_split_sizes=None,
+                           use_global_buffer=False):
+    """Uneven reduce-scatter on gloo: all-reduce the whole input, keep this rank's rows."""
+    if input_split_sizes is None or len(set(input_split_sizes)) == 1:
+        return original(input_, group, input_split_sizes, use_global_buffer)
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    start = sum(input_split_sizes[:group.rank()])
+    return total[start:start + input_split_sizes[group.rank()]].contiguous()
 
 
 class _DropRngContextWarning(logging.Filter):

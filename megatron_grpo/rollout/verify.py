@@ -202,7 +202,8 @@ def _effective_weight(module: torch.nn.Module, param: torch.Tensor) -> Tuple[tor
     if compat.packed_gemm(module) is None:
         return param, ""
     if param.numel() == 0:
-        return _probe_gemm(module, param, module.input_size_per_partition), ""
+        in_f = getattr(module, "input_size_per_partition", None) or module.input_size
+        return _probe_gemm(module, param, in_f), ""  # (MoE router gates are replicated)
     if param.dim() == 2:
         packed = _probe_gemm(module, param, param.shape[1])
         if not torch.equal(packed, param[:packed.shape[0]]):
@@ -270,6 +271,30 @@ def _pieces_of(module_name: str, module: torch.nn.Module, pname: str, param: tor
     return [_Piece(hf, tuple(param.shape), 0, 0, 0, param.shape[0] if param.dim() else 1)]
 
 
+def _expert_pieces(module_name: str, module: torch.nn.Module) -> List[dict]:
+    """Pieces of a routed-experts layer (MoE): local expert j of w13 [E_local, 2I', H]
+    holds rows [0, I) = gate_proj and [I', I' + I) = up_proj of its global expert (its TP
+    slice of them; I' >= I is vLLM's padded size), w2 [E_local, H, I'] columns [0, I) its
+    down_proj slice. Read back in checkpoint layout from what the kernel uses."""
+    lay = compat.routed_experts_layout(module)
+    w13, w2 = compat.routed_expert_weights(module)
+    inter, padded = lay.intermediate, w13.shape[1] // 2
+    full_i = inter * lay.tp_size
+    hidden = w13.shape[2]
+    prefix = module_name.split(".experts")[0] + ".experts."
+    start = lay.tp_rank * inter
+    out = []
+    for j, e in enumerate(lay.experts):
+        parts = ((f"{prefix}{e}.gate_proj.weight", w13[j, :inter], (full_i, hidden), 0),
+                 (f"{prefix}{e}.up_proj.weight", w13[j, padded:padded + inter], (full_i, hidden), 0),
+                 (f"{prefix}{e}.down_proj.weight", w2[j, :, :inter], (hidden, full_i), 1))
+        for name, values, shape, dim in parts:
+            fp = fingerprint_piece(values, shape, dim, start)
+            out.append(dict(name=name, full_shape=list(shape), dim=dim, start=start,
+                            length=inter, **fp))
+    return out
+
+
 @torch.no_grad()
 def vllm_fingerprint_pieces(model: torch.nn.Module) -> List[dict]:
     """Fingerprints of the HF slices held by this vLLM worker's parameters.
@@ -281,6 +306,9 @@ def vllm_fingerprint_pieces(model: torch.nn.Module) -> List[dict]:
     out = []
     seen = set()
     for module_name, module in model.named_modules():
+        if compat.is_routed_experts(module):
+            out += _expert_pieces(module_name, module)
+            continue
         for pname, param in module.named_parameters(recurse=False):
             value, problem = (_effective_weight(module, param) if pname == "weight"
                               else (param, ""))

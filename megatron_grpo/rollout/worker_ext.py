@@ -76,6 +76,7 @@ class RolloutWorkerExtension:
         else:
             compat.finish_layerwise_reload(model, self.model_config)
             _reprocess_tied(model)
+        compat.repack_cpu_moe_after_update(model)  # MoE on vLLM-CPU: see compat/vllm.py
         compat.reset_worker_caches(self)
 
     def mg_fingerprint_pieces(self) -> List[dict]:

@@ -51,7 +51,8 @@ def build_parallel(cfg):
     p = cfg.parallel
     dims = ParallelDims(world_size=dist.get_world_size(), tp=p.tensor_model_parallel_size,
                         pp=p.pipeline_model_parallel_size,
-                        vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size)
+                        vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
+                        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
     init_parallel(dims, seed=cfg.training.seed)
     return dims
 
@@ -67,6 +68,7 @@ def build_chunks(cfg, load_weights: bool = True):
     from bridge import load_hf_weights
 
     from ..model import build_model, build_transformer_config
+    from ..model.moe import MoEOptions
 
     p, t = cfg.parallel, cfg.training
     config, args = build_transformer_config(
@@ -77,7 +79,8 @@ def build_chunks(cfg, load_weights: bool = True):
                        recompute_method=t.recompute_method,
                        recompute_num_layers=t.recompute_num_layers,
                        recompute_modules=t.recompute_modules),
-        attention_backend=cfg.model.attention_backend)
+        attention_backend=cfg.model.attention_backend, ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size, moe=MoEOptions.from_config(cfg))
     chunks = build_model(config, args, padding_free=t.padding_free)
     if load_weights:
         load_hf_weights(chunks, config, args, cfg.model.model)

