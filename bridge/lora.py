@@ -198,3 +198,21 @@ def save_peft_adapter(out_dir: str, factors: dict[str, torch.Tensor], settings: 
         json.dump(config, f, indent=2)
     tensors = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in factors.items()}
     save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def prepare_lora_export(chunks, config, args, lora: dict, base_model: str | None) -> None:
+    """`megatron export --to_hf` of a LoRA training checkpoint (adapters only): load the base
+    HF weights into `chunks` and add the adapters the checkpoint's metadata describes; the
+    caller then loads the adapters from the checkpoint. base_model: --model, else the run's."""
+    from megatron_grpo.model.lora import apply_lora
+
+    from .load import load_hf_weights
+
+    base = base_model or lora.get("base_model")
+    if not base or not os.path.isdir(base):
+        raise ValueError(f"--model {base!r}: a LoRA checkpoint holds adapters only; pass the "
+                         "base HF model folder the run trained on with --model")
+    load_hf_weights(chunks, config, args, base)
+    fields = {k: v for k, v in lora.items() if k in LoraSettings.__dataclass_fields__}
+    fields["targets"] = tuple(fields.get("targets", ()))
+    apply_lora(chunks, config, args, LoraSettings(**fields))

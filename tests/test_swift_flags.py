@@ -33,7 +33,7 @@ def test_tables_name_only_ms_swift_flags_and_no_implemented_one():
 
 
 @pytest.mark.parametrize("flag, feature", [
-    ("moe_permute_fusion", "MoE, issue 16"), ("lora_rank", "LoRA, issue 15"),
+    ("moe_permute_fusion", "MoE, issue 16"), ("lora_bias", "LoRA, issue 15"),
     ("multi_turn_scheduler", "multi-turn, issue 17"), ("vit_lr", "vision-language, issue 18"),
     ("packing", "packing samples into fixed-length bins across the dataset (--padding_free "
                 "true packs each micro-batch)"), ("fp8_format", "fp8/fp4 training"),

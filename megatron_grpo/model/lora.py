@@ -54,8 +54,7 @@ import torch.nn.functional as F
 
 from .builder import unwrap
 
-# PEFT / ms-swift target names of the dense families, in HF module order.
-HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from ..config.groups import LORA_TARGET_MODULES as HF_TARGETS  # PEFT names, HF order
 # The HF module path of each target inside `model.layers.N`.
 HF_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
              "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
