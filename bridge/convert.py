@@ -378,7 +378,12 @@ def main(argv: list[str]) -> int:
         from megatron_grpo.model.kv_replication import checkpoint_load_metadata
 
         metadata = checkpoint_load_metadata(src.dist_dir, chunks, repr(a.mcore_model))
-        state = dist_checkpointing.load(_sharded_state_dict(chunks, metadata), src.dist_dir)
+        sd = _sharded_state_dict(chunks, metadata)
+        if src.lora:    # the checkpoint holds the adapters only
+            from megatron_grpo.model.lora import is_adapter_param
+
+            sd = {k: {n: t for n, t in v.items() if is_adapter_param(n)} for k, v in sd.items()}
+        state = dist_checkpointing.load(sd, src.dist_dir)
         from .params import unwrap
 
         for i, chunk in enumerate(chunks):   # LoRA: the adapters only (base from HF)

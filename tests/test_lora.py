@@ -1,4 +1,4 @@
-"""LoRA on Megatron against PEFT (issue 15): one 2-rank gloo world, TP=1, TP=2, PP=2.
+"""LoRA on Megatron against PEFT (issue 15): one 2-rank gloo world, TP=1, TP=2, PP=2, TP=2+SP.
 
 The reference is an independent implementation: a tiny Qwen2 in HF transformers wrapped
 by `peft` (every linear targeted, rslora, A and B set to random values so that every
@@ -18,7 +18,9 @@ import torch
 
 from tests.harness import run_distributed
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2)]
+# (tp, pp, sequence parallel); SP runs under Megatron's DDP, whose finalize_model_grads
+# sums the sequence-partial adapter gradients over TP.
+LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 1, True)]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SEQ, MBS = 10, 2
 
@@ -34,18 +36,20 @@ def _world(rank, world_size, model_dir, adapter_dir, out_dir):
     from bridge.convert import megatron_logits
     from bridge.lora import (gather_adapters, load_peft_adapter, merge_lora_stream,
                              peft_settings, save_peft_adapter)
-    from megatron_grpo.model import build_model, build_transformer_config
+    from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
     from megatron_grpo.model.lora import adapters_disabled, apply_lora
     from megatron_grpo.platform import ParallelDims, init_parallel
     out = {}
-    for tp, pp in LAYOUTS:
+    for tp, pp, sp in LAYOUTS:
         init_parallel(ParallelDims(world_size=world_size, tp=tp, pp=pp))
-        config, args = build_transformer_config(model_dir, tp=tp, pp=pp)
+        config, args = build_transformer_config(model_dir, tp=tp, pp=pp, sequence_parallel=sp)
         chunks = build_model(config, args)
         load_hf_weights(chunks, config, args, model_dir)
         settings = peft_settings(adapter_dir)
         apply_lora(chunks, config, args, settings)
         load_peft_adapter(chunks, adapter_dir)
+        if sp:
+            chunks = wrap_ddp(config, chunks)
         ids, pos, labels = _batch(args.vocab_size)[0]
         logits = megatron_logits(chunks, config, args, ids)
         with adapters_disabled(chunks):
@@ -54,18 +58,19 @@ def _world(rank, world_size, model_dir, adapter_dir, out_dir):
             c.train()
         _ce_backward(chunks, ids, pos, labels, args.vocab_size)
         base_grads = [n for c in chunks for n, p in c.named_parameters()
-                      if "_lora." not in n and p.grad is not None]
+                      if "_lora." not in n and (p.grad is not None
+                                                or getattr(p, "main_grad", None) is not None)]
         trainable = sorted(n for c in chunks for n, p in c.named_parameters() if p.requires_grad)
-        grads = gather_adapters(chunks, source=lambda p: p.grad)
+        grads = gather_adapters(chunks, source=lambda p: p.main_grad if sp else p.grad)
         factors = gather_adapters(chunks)
         merged = {}
-        if tp == 2:
+        if tp == 2 and not sp:
             stream = export_hf_weights(chunks, config, args, bucket_size_bytes=32 << 10)
             for bucket in merge_lora_stream(stream, factors, settings):
                 merged.update({n: t.clone() for n, t in bucket})
             if rank == 0:
                 save_peft_adapter(out_dir, factors, settings, base_model=model_dir)
-        out[tp, pp] = dict(logits=logits, base_logits=base_logits, grads=grads,
+        out[tp, pp, sp] = dict(logits=logits, base_logits=base_logits, grads=grads,
                            base_grads=base_grads, trainable=trainable, merged=merged)
     return out
 
@@ -164,7 +169,7 @@ def test_adapter_grads_equal_peft(world, layout):
 def test_merged_stream_equals_peft_merge(world):
     ref = world["ref"]["merged"]
     for r in world["results"]:
-        merged = r[(2, 1)]["merged"]
+        merged = r[(2, 1, False)]["merged"]
         assert sorted(merged) == sorted(ref)
         for name, t in merged.items():
             assert (t - ref[name]).abs().max().item() <= 1e-5, name
