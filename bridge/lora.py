@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Iterator
 
 import torch
@@ -57,7 +58,12 @@ def peft_settings(adapter_dir: str, seed: int = 42) -> LoraSettings:
         raise ValueError(f"--adapters {adapter_dir!r}: peft_type {cfg.get('peft_type')!r}; "
                          "allowed: LORA")
     targets = cfg.get("target_modules") or ["all-linear"]
-    targets = [targets] if isinstance(targets, str) else list(targets)
+    if isinstance(targets, str) and targets != "all-linear":   # PEFT: a regex, full match
+        targets = [t for t in HF_MODULE if re.fullmatch(targets, f"model.layers.0.{HF_MODULE[t]}")]
+    elif isinstance(targets, str):
+        targets = [targets]
+    else:   # PEFT matches names by suffix; it saves all-linear expanded to module paths
+        targets = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
     if cfg.get("modules_to_save"):
         raise ValueError(f"--adapters {adapter_dir!r}: modules_to_save "
                          f"{cfg['modules_to_save']} is not supported yet (LoRA adapters only)")
