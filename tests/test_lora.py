@@ -180,3 +180,34 @@ def test_exported_adapter_loads_in_peft(world):
     with torch.no_grad():
         logits = model(input_ids=world["ids"]).logits
     assert (logits - world["ref"]["logits"]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("saved, targets", [
+    (["q_proj", "v_proj"], ("q_proj", "v_proj")),
+    # peft saves all-linear expanded to module paths
+    (["model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"], ("o_proj", "down_proj")),
+    (r".*\.(q_proj|up_proj)", ("q_proj", "up_proj")),          # a regex, full match
+    ("all-linear", tuple(TARGETS))])
+def test_peft_settings_target_spellings(tmp_path, saved, targets):
+    import json
+
+    from bridge.lora import peft_settings
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": saved,
+         "use_rslora": True}))
+    s = peft_settings(str(tmp_path))
+    assert s.targets == targets
+    assert s.scale == 32 / 4          # rslora: alpha / sqrt(r)
+
+
+def test_peft_settings_rejects_what_is_not_supported(tmp_path):
+    import json
+
+    from bridge.lora import peft_settings
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+         "modules_to_save": ["lm_head"]}))
+    with pytest.raises(ValueError, match="modules_to_save"):
+        peft_settings(str(tmp_path))
