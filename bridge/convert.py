@@ -64,6 +64,7 @@ class ConvertArgs:
     test_convert_precision: bool
     overwrite: bool
     max_shard_size: int
+    merge_lora: bool = False
 
 
 def parse_args(argv: list[str]) -> ConvertArgs:
@@ -88,6 +89,9 @@ def parse_args(argv: list[str]) -> ConvertArgs:
     p.add_argument("--overwrite", type=_bool, default=False)
     p.add_argument("--max_shard_size", type=_size, default=_size("5GB"),
                    help="HF shard size for --to_hf, e.g. 5GB, 200MB")
+    p.add_argument("--merge_lora", type=_bool, default=False,
+                   help="--to_hf of a LoRA training checkpoint: write the merged HF model "
+                        "(W + alpha/r B A) instead of the PEFT adapter")
     return ConvertArgs(**vars(p.parse_args(argv)))
 
 
@@ -135,6 +139,7 @@ class McoreSource:
     saved_tp: int | None           # tensor parallel size it was saved at, when recorded
     params_dtype: str | None       # dtype of the saved weights, when recorded
     path: str                      # the folder, after resolving a run folder
+    lora: dict | None = None       # a LoRA run's checkpoint: settings and base model
 
 
 TRAIN_META = "checkpoint.json"     # megatron_grpo.checkpoint's metadata file
@@ -164,7 +169,7 @@ def mcore_source(path: str) -> McoreSource:
                              f"{HF_CONFIG_DIR}/config.json (saved by an older version); copy the "
                              f"base model's config.json and tokenizer files into {hf_dir}")
         return McoreSource(os.path.join(path, "dist"), hf_dir, meta["layout"]["tp"],
-                           meta.get("params_dtype"), path)
+                           meta.get("params_dtype"), path, meta.get("lora"))
     saved_tp = None
     if os.path.isfile(os.path.join(path, META_FILE)):
         with open(os.path.join(path, META_FILE)) as f:
@@ -363,6 +368,10 @@ def main(argv: list[str]) -> int:
     config, args = build_transformer_config(hf_src, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                             dtype=build_dtype, ep=ep, etp=etp)
     chunks = build_model(config, args)
+    if src is not None and src.lora:   # adapters on the base the run started from
+        from .lora import prepare_lora_export
+
+        prepare_lora_export(chunks, config, args, src.lora, a.model)
     tmp = _begin(a.output_dir, rank)
     if a.to_mcore:
         from .load import load_hf_weights
@@ -387,16 +396,34 @@ def main(argv: list[str]) -> int:
         from megatron_grpo.model.kv_replication import checkpoint_load_metadata
 
         metadata = checkpoint_load_metadata(src.dist_dir, chunks, repr(a.mcore_model))
-        state = dist_checkpointing.load(_sharded_state_dict(chunks, metadata), src.dist_dir)
+        sd = _sharded_state_dict(chunks, metadata)
+        if src.lora:    # the checkpoint holds the adapters only
+            from megatron_grpo.model.lora import is_adapter_param
+
+            sd = {k: {n: t for n, t in v.items() if is_adapter_param(n)} for k, v in sd.items()}
+        state = dist_checkpointing.load(sd, src.dist_dir)
         from .params import unwrap
 
-        for i, chunk in enumerate(chunks):
-            unwrap(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"])
-        stream = export_hf_weights(chunks, config, args, bucket_size_bytes=512 << 20,
-                                   dtype=getattr(torch, dtype))
-        write_hf_checkpoint(stream, tmp, a.max_shard_size, write=rank == 0)
-        if rank == 0:
-            copy_hf_side_files(hf_src, tmp)
+        for i, chunk in enumerate(chunks):   # LoRA: the adapters only (base from HF)
+            unwrap(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"],
+                                          strict=not src.lora)
+        if src.lora and not a.merge_lora:    # the PEFT adapter
+            from .lora import gather_adapters, save_peft_adapter
+            from megatron_grpo.model.lora import lora_settings
+
+            factors = gather_adapters(chunks)
+            if rank == 0:
+                save_peft_adapter(tmp, factors, lora_settings(chunks),
+                                  base_model=src.lora.get("base_model"),
+                                  dtype=getattr(torch, dtype))
+        else:
+            from .lora import merged_stream
+
+            stream = merged_stream(chunks, export_hf_weights(
+                chunks, config, args, bucket_size_bytes=512 << 20, dtype=getattr(torch, dtype)))
+            write_hf_checkpoint(stream, tmp, a.max_shard_size, write=rank == 0)
+            if rank == 0:
+                copy_hf_side_files(hf_src, tmp)
         reference = tmp
     dist.barrier()
     if a.test_convert_precision:

@@ -15,19 +15,23 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.model.builder import unwrap  # noqa: F401  (re-exported)
+from megatron_grpo.model.lora import is_adapter_param
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def global_params(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(global name, parameter) of every parameter of this rank's chunks (global layer and,
-    under expert parallelism, global expert numbers: bridge/moe.py)."""
+    """(global name, parameter) of every base parameter of this rank's chunks (global layer
+    and, under expert parallelism, global expert numbers: bridge/moe.py; LoRA adapters are
+    not HF checkpoint tensors: bridge/lora.py moves them)."""
     from .moe import global_expert_name
 
     for chunk in chunks:
         model = unwrap(chunk)
         layers = model.decoder.layers if hasattr(model, "decoder") else []
         for name, param in model.named_parameters():
+            if is_adapter_param(name):
+                continue
             m = _LOCAL_LAYER.match(name)
             if m:
                 layer = layers[int(m.group(1))].layer_number - 1

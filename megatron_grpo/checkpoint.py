@@ -38,6 +38,7 @@ All ranks must see one shared file system (as for Megatron's own checkpoints).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .model.builder import unwrap
+from .model.lora import is_adapter_param, lora_settings
 from .platform.compat.megatron import (adam_step_fixed_on_load,
                                       torch_adam_distributed_optimizers, torch_optimizers)
 
@@ -283,6 +285,11 @@ def _sharded_state_dict(chunks, optimizer, scheduler, is_loading: bool,
     else:
         for i, chunk in enumerate(chunks):
             sd[f"model{i}"] = unwrap(chunk).sharded_state_dict(metadata=dict(metadata))
+    if lora_settings(chunks) is not None:
+        # LoRA: the frozen base comes from --model; a checkpoint holds the adapters only
+        # (and, below, their optimizer state: the optimizer holds nothing else).
+        for key in [k for k in sd if k.startswith("model")]:
+            sd[key] = {k: v for k, v in sd[key].items() if is_adapter_param(k)}
     if optimizer is not None:
         if is_loading:
             _prime_optimizer_state(optimizer)
@@ -372,6 +379,10 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
                                  "scheduler": scheduler is not None, "rng": save_rng,
                                  "extra_state": sorted((extra_state or {}).keys())},
                     "optim_sharding_type": optim_sharding_type}
+            settings = lora_settings(chunks)
+            if settings is not None:   # adapters only: export rebuilds the base from HF
+                meta["lora"] = {**dataclasses.asdict(settings), "base_model": os.path.abspath(
+                    hf_config_dir) if hf_config_dir else None}
             _write_atomic(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1))
             _fsync_tree(tmp)
             if os.path.exists(final):  # an earlier run reached this step: replace it
@@ -443,11 +454,13 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     sd = _sharded_state_dict(chunks, optimizer, None, True, meta["optim_sharding_type"],
                              qkv_metadata)
     loaded = dist_checkpointing.load(sd, dist_dir)
-    if len(chunks) == 1:
-        unwrap(chunks[0]).load_state_dict(loaded["model"])
-    else:
-        for i, chunk in enumerate(chunks):
-            unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    lora = lora_settings(chunks) is not None   # adapters only; the base came from --model
+    for i, chunk in enumerate(chunks):
+        missing, _ = unwrap(chunk).load_state_dict(
+            loaded["model" if len(chunks) == 1 else f"model{i}"], strict=not lora)
+        if lora and any(is_adapter_param(k) for k in missing):
+            raise RuntimeError(f"checkpoint {path}: adapter tensors missing: "
+                               f"{[k for k in missing if is_adapter_param(k)][:5]}")
     if optimizer is not None:
         # no_grad: with fp32 weights the distributed optimizer's main params are views
         # of the model's leaf params, and the dp_reshardable loader copies into them.

@@ -107,6 +107,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--output_dir", default=os.path.join(ROOT, "runs", "quickstart"))
     p.add_argument("--smoke", action="store_true", help="run the smoke job instead of GRPO")
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "quickstart_cpu.yaml"),
+                   help="the run's YAML (configs/quickstart_lora_cpu.yaml: the LoRA variant)")
     p.add_argument("--_forward", help=argparse.SUPPRESS)
     p.add_argument("--_generate", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -119,8 +121,10 @@ def main() -> None:
     if a.smoke or importlib.util.find_spec("megatron_grpo.trainer") is None:
         return smoke(a.output_dir)
     model_dir = build_tiny(a.output_dir)
-    cfg = os.path.join(ROOT, "configs", "quickstart_cpu.yaml")
-    out = os.path.join(a.output_dir, "grpo")
+    cfg = os.path.abspath(a.config)
+    name = os.path.splitext(os.path.basename(cfg))[0]
+    out = os.path.join(a.output_dir, {"quickstart_cpu": "grpo",
+                                      "quickstart_lora_cpu": "grpo_lora"}.get(name, name))
     if os.path.isdir(out):   # a demo starts fresh (megatron rlhf itself would resume)
         import shutil
 

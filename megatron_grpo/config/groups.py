@@ -64,6 +64,11 @@ def check_choices(obj: Any) -> None:
             raise ValueError(message)
 
 
+# PEFT / ms-swift names of the linears --target_modules may name (dense families), HF order.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj")
+
+
 class _Group:
     def __post_init__(self) -> None:
         check_choices(self)
@@ -196,8 +201,27 @@ class TrainingOptions(_Group):
                "ms-swift defaults to true; false here until the Transformer Engine (GPU) path "
                "has run on a GPU (on CPU the project's own attention keeps sequences apart).")
     tuner_type: Literal["full", "lora"] = opt(
-        "full", "full: train every parameter (the only one implemented); lora is not supported yet "
-                "(issue 15). ms-swift's old name --train_type is accepted too.")
+        "full", "full: train every parameter; lora: freeze the model and train LoRA adapters "
+                "on its linears (tensor-parallel, the reference policy is the base with adapters "
+                "off). ms-swift's old name --train_type is accepted too.")
+    lora_rank: int = opt(8, "LoRA rank r (tuner_type lora).")
+    lora_alpha: float = opt(32, "LoRA alpha: adapters are scaled by alpha / r (alpha / sqrt(r) "
+                                "with use_rslora).")
+    lora_dropout: float = opt(0.05, "Dropout on the adapters' input, in [0, 1).")
+    target_modules: List[str] = opt(
+        help="Linears that get adapters: all-linear, or PEFT names among q_proj k_proj v_proj "
+             "o_proj gate_proj up_proj down_proj.", factory=lambda: ["all-linear"])
+    use_rslora: bool = opt(False, "Rank-stabilised LoRA: scale alpha / sqrt(r) instead of "
+                                  "alpha / r.")
+    modules_to_save: List[str] = opt(
+        help="Modules trained in full beside the adapters (e.g. embed_tokens, lm_head): not "
+             "supported yet; only the empty list is accepted.", factory=list)
+    adapters: List[str] = opt(
+        help="A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to "
+             "start from; its r, alpha, target modules and rslora replace the lora_* options.",
+        factory=list)
+    merge_lora: bool = opt(False, "tuner_type lora: final_hf/ holds the merged model "
+                                  "(W + alpha/r B A) instead of the PEFT adapter.")
     dry_run: bool = opt(False, "Check everything that can be checked without starting a process "
                                "(options, the model's config.json against the parallel sizes, the "
                                "dataset, batch sizes, the world size from NPROC_PER_NODE x NNODES), "

@@ -191,9 +191,8 @@ LEGACY_FLAGS: Tuple[str, ...] = _names("""
 # Flags not supported yet, by the feature (an issue where one is filed) they belong to.
 UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
     "LoRA, issue 15": """
-        mcore_adapter mcore_ref_adapter adapters ref_adapters merge_lora target_modules
-        target_regex modules_to_save lora_rank lora_alpha lora_dropout lora_bias lora_dtype
-        use_rslora vllm_enable_lora tuner_backend use_swift_lora adapter_load ref_adapter_load
+        mcore_adapter mcore_ref_adapter ref_adapters target_regex lora_bias lora_dtype
+        vllm_enable_lora tuner_backend use_swift_lora adapter_load ref_adapter_load
     """,
     "MoE, issue 16": """
         moe_enable_deepep moe_shared_expert_overlap moe_layer_recompute router_replay_mode
@@ -389,7 +388,6 @@ UNSUPPORTED_VALUES: Dict[Tuple[str, str], str] = {
     ("rlhf_type", "kto"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("rlhf_type", "rm"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("rlhf_type", "gkd"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
-    ("tuner_type", "lora"): "LoRA, issue 15",
     ("moe_token_dispatcher_type", "flex"): "MoE: the flex dispatcher (DeepEP / HybridEP), GPU",
     ("moe_token_dispatcher_type", "allgather"):
         "MoE: Megatron's allgather dispatcher refuses variable sequence lengths",

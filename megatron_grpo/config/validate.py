@@ -170,10 +170,37 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
         _positive(p, "lr_decay_iters", t.lr_decay_iters)
     p.require(t.clip_grad >= 0, f"--clip_grad {t.clip_grad} must be >= 0 (0 disables clipping)")
     p.require(t.weight_decay >= 0, f"--weight_decay {t.weight_decay} must be >= 0")
-    p.require(t.tuner_type != "lora",
-              "--tuner_type lora is not supported yet (LoRA is issue 15); allowed: full. "
-              "Fix: --tuner_type full (full-parameter training)")
+    _check_lora(t, p)
     _check_recompute(t, p)
+
+
+def _check_lora(t, p: Problems) -> None:
+    """The LoRA options (tuner_type lora), one line each."""
+    from .groups import LORA_TARGET_MODULES as HF_TARGETS
+
+    if t.tuner_type != "lora":
+        for name, default in (("adapters", []), ("merge_lora", False)):
+            p.require(getattr(t, name) == default,
+                      f"--{name} {getattr(t, name)!r} needs --tuner_type lora (it is "
+                      f"{t.tuner_type!r}). Fix: add --tuner_type lora")
+        return
+    _positive(p, "lora_rank", t.lora_rank)
+    p.require(t.lora_alpha > 0, f"--lora_alpha {t.lora_alpha} must be > 0, e.g. --lora_alpha 32")
+    p.require(0 <= t.lora_dropout < 1, f"--lora_dropout {t.lora_dropout} must be in [0, 1)")
+    targets = list(t.target_modules or [])
+    bad = [m for m in targets if m != "all-linear" and m not in HF_TARGETS]
+    p.require(bool(targets) and not bad,
+              f"--target_modules {' '.join(targets) or '(empty)'}: {bad or 'nothing'} not "
+              f"supported; allowed: all-linear or any of {' '.join(HF_TARGETS)}")
+    p.require(not t.modules_to_save,
+              f"--modules_to_save {' '.join(t.modules_to_save)} is not supported yet (LoRA "
+              "adapters only, issue 15); allowed: nothing. Fix: drop --modules_to_save")
+    p.require(len(t.adapters) <= 1,
+              f"--adapters {' '.join(t.adapters)}: one adapter folder is allowed")
+    for folder in t.adapters:
+        p.require(os.path.isfile(os.path.join(folder, "adapter_config.json")),
+                  f"--adapters {folder!r}: no adapter_config.json there; pass a PEFT LoRA "
+                  "adapter folder (adapter_config.json + adapter_model.safetensors)")
 
 
 def _check_recompute(t, p: Problems) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms import compute_advantages, count_partials, sequence_kl_for_reward
+from ..model.lora import adapters_disabled
 from ..rewards import score
 from .batch import (Sample, collate, dp_indices, dp_shard, dp_unshard, micro_batches,
                     split_completion_values)
@@ -228,8 +229,9 @@ def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
         batches = micro_batches(part, mbs, pad_to_length=pad)
         if need_old:
             _per_token(policy_chunks, batches, part, "old_logps", temperature, vocab_size)
-        if ref is not None:
-            _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
+        if ref is not None:   # LoRA: `ref` is the policy; adapters off = the base model
+            with adapters_disabled(ref):
+                _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
 
 
 def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int) -> torch.Tensor:

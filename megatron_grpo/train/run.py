@@ -84,7 +84,9 @@ def build_run(cfg) -> Run:
                             seed=t.seed, shuffle=cfg.data.dataset_shuffle)
     steps = total_steps(cfg, len(dataset))
     policy = build_policy(cfg, steps)
-    ref = build_reference(cfg) if g.beta != 0.0 else None
+    # LoRA: the reference is the policy with its adapters off (rollout_step.fill_logps).
+    ref = None if g.beta == 0.0 else \
+        policy.chunks if t.tuner_type == "lora" else build_reference(cfg)
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
     reward_names = list(cfg.reward.reward_funcs)
@@ -184,30 +186,42 @@ def finish(run: Run) -> None:
     """The curve, the trained model as final_hf/, vLLM shut down."""
     out_dir = run.cfg.logging.output_dir
     png = run.logger.close()
-    save_final_hf(run.policy, run.cfg.model.model, out_dir)
+    save_final_hf(run.policy, run.cfg.model.model, out_dir,
+                  merge_lora=run.cfg.training.merge_lora)
     if dist.get_rank() == 0:
         print(f"[megatron-grpo] done: {run.step} steps; metrics in {out_dir}/metrics.jsonl"
               + (f", curve {png}" if png else ""), flush=True)
     run.engine.close()
 
 
-def save_final_hf(policy: Policy, hf_source: str, out_dir: str) -> None:
+def save_final_hf(policy: Policy, hf_source: str, out_dir: str, merge_lora: bool = True) -> None:
     """The trained model as an HF checkpoint in out_dir/final_hf (the bridge's one writer:
-    safetensors, an index when sharded, plus the source's config and tokenizer files).
+    safetensors, an index when sharded, plus the source's config and tokenizer files). A
+    LoRA model: merged (W + scale B A) with merge_lora, else the PEFT adapter files.
     Collective: every rank iterates the export; rank 0 writes, then renames atomically."""
     from bridge import export_hf_weights
     from bridge.convert import copy_hf_side_files, write_hf_checkpoint
+    from bridge.lora import gather_adapters, merged_stream, save_peft_adapter
+
+    from ..model.lora import lora_settings
 
     final = os.path.join(out_dir, "final_hf")
     rank0 = dist.get_rank() == 0
     if rank0:
         os.makedirs(final + ".tmp", exist_ok=True)
-    stream = export_hf_weights(policy.chunks, policy.config, policy.args,
-                               bucket_size_bytes=1 << 30)
-    # 1 GiB shards: rank 0 holds one shard besides the bucket, as the export's own buffer.
-    write_hf_checkpoint(stream, final + ".tmp", max_shard_size=1 << 30, write=rank0)
+    settings = lora_settings(policy.chunks)
+    if settings is not None and not merge_lora:   # LoRA: the PEFT adapter, no base weights
+        factors = gather_adapters(policy.chunks)
+        if rank0:
+            save_peft_adapter(final + ".tmp", factors, settings, base_model=hf_source)
+    else:
+        stream = merged_stream(policy.chunks, export_hf_weights(
+            policy.chunks, policy.config, policy.args, bucket_size_bytes=1 << 30))
+        # 1 GiB shards: rank 0 holds one shard besides the bucket, as the export's own buffer.
+        write_hf_checkpoint(stream, final + ".tmp", max_shard_size=1 << 30, write=rank0)
+        if rank0:
+            copy_hf_side_files(hf_source, final + ".tmp")   # config, tokenizer; no weights
     if rank0:
-        copy_hf_side_files(hf_source, final + ".tmp")   # config, tokenizer; no weights
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.replace(final + ".tmp", final)

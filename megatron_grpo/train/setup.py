@@ -87,6 +87,33 @@ def build_chunks(cfg, load_weights: bool = True):
     return config, args, chunks
 
 
+def lora_settings_of(cfg):
+    """The run's LoraSettings: from --adapters' adapter_config.json, else the lora_* options."""
+    from ..model.lora import LoraSettings, parse_target_modules
+
+    t = cfg.training
+    if t.adapters:
+        from bridge.lora import peft_settings
+
+        return peft_settings(t.adapters[0], seed=t.seed)
+    return LoraSettings(rank=t.lora_rank, alpha=float(t.lora_alpha), dropout=t.lora_dropout,
+                        targets=parse_target_modules(t.target_modules), rslora=t.use_rslora,
+                        seed=t.seed)
+
+
+def apply_tuner(cfg, config, args, chunks) -> None:
+    """--tuner_type lora: freeze `chunks`, add the adapters, load --adapters if given."""
+    if cfg.training.tuner_type != "lora":
+        return
+    from ..model.lora import apply_lora
+
+    apply_lora(chunks, config, args, lora_settings_of(cfg))
+    if cfg.training.adapters:
+        from bridge.lora import load_peft_adapter
+
+        load_peft_adapter(chunks, cfg.training.adapters[0])
+
+
 def total_steps(cfg, num_prompts: int) -> int:
     """Optimizer steps of the run: train_iters, or num_train_epochs over the prompts.
 
@@ -111,6 +138,7 @@ def build_policy(cfg, steps: int) -> Policy:
 
     t = cfg.training
     config, args, chunks = build_chunks(cfg)
+    apply_tuner(cfg, config, args, chunks)     # LoRA: base frozen before DDP sees it
     chunks = wrap_ddp(config, chunks,
                       use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(OptimizerConfig(

@@ -1,0 +1,224 @@
+"""LoRA adapters between Megatron (model/lora.py) and PEFT's files, and the merged stream.
+
+    settings = peft_settings(adapter_dir)                  # LoraSettings of a PEFT adapter
+    load_peft_adapter(chunks, adapter_dir)                 # each rank copies its slices
+    factors = gather_adapters(chunks)                      # {PEFT key: full tensor}, every rank
+    stream = merge_lora_stream(export_hf_weights(...), factors, settings)   # W + s B A
+    save_peft_adapter(out_dir, factors, settings, base_model=hf_dir)
+
+PEFT's names (what `PeftModel.save_pretrained` writes and vLLM's LoRA loader reads):
+`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` [r, in] and
+`...lora_B.weight` [out, r]. Megatron holds them per HF target (model/lora.py), A or B
+split over TP along the dimension its linear splits, so a rank's slice of a PEFT tensor
+is an even split along one axis: rows of B (column-parallel: q/k/v, gate/up) or
+columns of A (row-parallel: o_proj, down_proj).
+
+Merged sync: the bridge streams the base weights as always and each HF tensor a target
+covers gets `W += scale * B @ A` in its bucket slot, in place (the slot is a reused
+staging buffer, the model's own weights are not touched); the product is computed per
+tensor, so no second copy of the model exists. The factors are small (r (in + out) per
+target) and are gathered whole once per sync.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.model.lora import HF_MODULE, LoraSettings, adapters, lora_settings
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_key(layer: int, target: str, factor: str) -> str:
+    """PEFT's saved name of lora_A / lora_B of `target` in `layer`."""
+    return f"base_model.model.model.layers.{layer}.{HF_MODULE[target]}.{factor}.weight"
+
+
+def hf_weight_name(layer: int, target: str) -> str:
+    return f"model.layers.{layer}.{HF_MODULE[target]}.weight"
+
+
+def peft_settings(adapter_dir: str, seed: int = 42) -> LoraSettings:
+    """The LoraSettings of a PEFT LoRA adapter folder (--adapters)."""
+    from megatron_grpo.model.lora import parse_target_modules
+
+    path = os.path.join(adapter_dir, ADAPTER_CONFIG)
+    if not os.path.isfile(path):
+        raise ValueError(f"--adapters {adapter_dir!r}: no {ADAPTER_CONFIG} there; pass a PEFT "
+                         "LoRA adapter folder (adapter_config.json + adapter_model.safetensors)")
+    with open(path) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"--adapters {adapter_dir!r}: peft_type {cfg.get('peft_type')!r}; "
+                         "allowed: LORA")
+    targets = cfg.get("target_modules") or ["all-linear"]
+    if isinstance(targets, str) and targets != "all-linear":   # PEFT: a regex, full match
+        targets = [t for t in HF_MODULE if re.fullmatch(targets, f"model.layers.0.{HF_MODULE[t]}")]
+    elif isinstance(targets, str):
+        targets = [targets]
+    else:   # PEFT matches names by suffix; it saves all-linear expanded to module paths
+        targets = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
+    if cfg.get("modules_to_save"):
+        raise ValueError(f"--adapters {adapter_dir!r}: modules_to_save "
+                         f"{cfg['modules_to_save']} is not supported yet (LoRA adapters only)")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"--adapters {adapter_dir!r}: bias {cfg['bias']!r}; allowed: none")
+    return LoraSettings(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
+                        dropout=float(cfg.get("lora_dropout", 0.0)),
+                        targets=parse_target_modules(targets),
+                        rslora=bool(cfg.get("use_rslora", False)), seed=seed)
+
+
+def _split_axis(kind: str, factor: str) -> int | None:
+    """The axis along which TP splits a factor (None: replicated)."""
+    if kind == "column":
+        return 0 if factor == "lora_B" else None
+    return 1 if factor == "lora_A" else None
+
+
+def load_peft_adapter(chunks, adapter_dir: str) -> None:
+    """Copy a PEFT adapter's tensors into the adapters of `chunks` (this rank's slices).
+    Every expected tensor must be there with its shape; one ValueError lists problems."""
+    from safetensors import safe_open
+    from megatron.core import parallel_state as ps
+
+    from .load import check_checkpoint
+
+    path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
+    if not os.path.isfile(path):
+        raise ValueError(f"--adapters {adapter_dir!r}: no {ADAPTER_WEIGHTS} there")
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    work, expected = [], {}
+    for layer, _, adapter in adapters(chunks):
+        for factor in ("lora_A", "lora_B"):
+            for target, param in getattr(adapter, factor).items():
+                axis = _split_axis(adapter.kind, factor)
+                shape = list(param.shape)
+                if axis is not None:
+                    shape[axis] *= tp
+                key = peft_key(layer, target, factor)
+                expected[key] = tuple(shape)
+                work.append((key, param, axis))
+    with safe_open(path, framework="pt") as f:
+        found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        # Other stages' layers are in the file too: check only this rank's keys.
+        check_checkpoint({k: v for k, v in found.items() if k in expected}, expected,
+                         where=f"PEFT adapter {adapter_dir!r}")
+        with torch.no_grad():
+            for key, param, axis in work:
+                full = f.get_tensor(key)
+                if axis is not None:
+                    n = param.shape[axis]
+                    full = full.narrow(axis, tp_rank * n, n)
+                param.copy_(full)
+
+
+def gather_adapters(chunks, source=None) -> dict[str, torch.Tensor]:
+    """{PEFT key: full factor} of the whole model on every rank (CPU tensors).
+
+    TP: the split factor is all-gathered along its axis; PP: each stage's factors travel
+    to every stage (all_gather_object over the pipeline group). `source(param)` picks
+    what to gather (default the data; `lambda p: p.main_grad` gathers gradients).
+    LOCKSTEP: collective over the TP and PP groups."""
+    from megatron.core import parallel_state as ps
+
+    source = source or (lambda p: p.detach())
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    local: dict[str, torch.Tensor] = {}
+    for layer, _, adapter in adapters(chunks):
+        for factor in ("lora_A", "lora_B"):
+            for target, param in getattr(adapter, factor).items():
+                t = source(param)
+                t = torch.zeros_like(param) if t is None else t.contiguous()
+                axis = _split_axis(adapter.kind, factor)
+                if axis is not None and tp > 1:
+                    parts = [torch.empty_like(t) for _ in range(tp)]
+                    dist.all_gather(parts, t, group=tp_group)
+                    t = torch.cat(parts, dim=axis)
+                local[peft_key(layer, target, factor)] = t.cpu()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        everything = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(everything, local, group=ps.get_pipeline_model_parallel_group())
+        local = {k: v for part in everything for k, v in part.items()}
+    return local
+
+
+def delta(factors: dict[str, torch.Tensor], settings: LoraSettings, layer: int,
+          target: str) -> torch.Tensor | None:
+    """scale * B @ A of one target [out, in] in float32, or None when not adapted."""
+    a = factors.get(peft_key(layer, target, "lora_A"))
+    if a is None:
+        return None
+    b = factors[peft_key(layer, target, "lora_B")]
+    return (b.float() @ a.float()) * settings.scale
+
+
+def merge_lora_stream(stream, factors: dict[str, torch.Tensor], settings: LoraSettings
+                      ) -> Iterator[list]:
+    """The bridge stream with `W + scale * B @ A` in place of every adapted HF weight
+    (in the bucket's own slot; float32 product, cast to the stream's dtype)."""
+    by_name = {}
+    for key in factors:
+        if key.endswith("lora_A.weight"):
+            parts = key.split(".")                  # base_model.model.model.layers.N.mod.proj...
+            layer, target = int(parts[4]), parts[6]
+            by_name[hf_weight_name(layer, target)] = (layer, target)
+    for bucket in stream:
+        for name, tensor in bucket:
+            hit = by_name.get(name)
+            if hit is not None:
+                d = delta(factors, settings, *hit).to(tensor.device)
+                tensor.copy_((tensor.float() + d).to(tensor.dtype))
+        yield bucket
+
+
+def merged_stream(chunks, stream) -> Iterator[list]:
+    """`stream` (the bridge's export of `chunks`) merged with their adapters, if any.
+    LOCKSTEP: gathers the adapters (collective) when the model has any."""
+    settings = lora_settings(chunks)
+    if settings is None:
+        return stream
+    return merge_lora_stream(stream, gather_adapters(chunks), settings)
+
+
+def save_peft_adapter(out_dir: str, factors: dict[str, torch.Tensor], settings: LoraSettings,
+                      base_model: str | None = None, dtype: torch.dtype | None = None) -> None:
+    """Write `out_dir/adapter_config.json` + `adapter_model.safetensors` as PEFT does."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank,
+              "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+              "target_modules": list(settings.targets), "use_rslora": settings.rslora,
+              "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+              "init_lora_weights": True, "inference_mode": True,
+              "base_model_name_or_path": base_model}
+    with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    tensors = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in factors.items()}
+    save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def prepare_lora_export(chunks, config, args, lora: dict, base_model: str | None) -> None:
+    """`megatron export --to_hf` of a LoRA training checkpoint (adapters only): load the base
+    HF weights into `chunks` and add the adapters the checkpoint's metadata describes; the
+    caller then loads the adapters from the checkpoint. base_model: --model, else the run's."""
+    from megatron_grpo.model.lora import apply_lora
+
+    from .load import load_hf_weights
+
+    base = base_model or lora.get("base_model")
+    if not base or not os.path.isdir(base):
+        raise ValueError(f"--model {base!r}: a LoRA checkpoint holds adapters only; pass the "
+                         "base HF model folder the run trained on with --model")
+    load_hf_weights(chunks, config, args, base)
+    fields = {k: v for k, v in lora.items() if k in LoraSettings.__dataclass_fields__}
+    fields["targets"] = tuple(fields.get("targets", ()))
+    apply_lora(chunks, config, args, LoraSettings(**fields))

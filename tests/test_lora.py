@@ -1,0 +1,213 @@
+"""LoRA on Megatron against PEFT (issue 15): one 2-rank gloo world, TP=1, TP=2, PP=2, TP=2+SP.
+
+The reference is an independent implementation: a tiny Qwen2 in HF transformers wrapped
+by `peft` (every linear targeted, rslora, A and B set to random values so that every
+adapter shows in the output). The Megatron model loads the HF base through the bridge and
+the PEFT adapter folder through bridge/lora.py, then must give
+- the same logits (fp32, <= 1e-4) at every layout;
+- the same adapter gradients as PEFT for one CE loss (so TP=2 = TP=1 = PEFT), and no
+  gradient on any base parameter;
+- with adapters disabled, the base model's logits (the reference policy of a LoRA run);
+- a merged export stream (W + s B A per HF tensor) equal to PEFT's merge_and_unload;
+- a PEFT adapter written from the gathered factors that peft loads with the same logits.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+
+# (tp, pp, sequence parallel); SP runs under Megatron's DDP, whose finalize_model_grads
+# sums the sequence-partial adapter gradients over TP.
+LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 1, True)]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SEQ, MBS = 10, 2
+
+
+def _batch(vocab):
+    from tests.mcore_utils import fixed_batches
+
+    return fixed_batches(1, MBS, SEQ, vocab, seed=3)
+
+
+def _world(rank, world_size, model_dir, adapter_dir, out_dir):
+    from bridge import export_hf_weights, load_hf_weights
+    from bridge.convert import megatron_logits
+    from bridge.lora import (gather_adapters, load_peft_adapter, merge_lora_stream,
+                             peft_settings, save_peft_adapter)
+    from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
+    from megatron_grpo.model.lora import adapters_disabled, apply_lora
+    from megatron_grpo.platform import ParallelDims, init_parallel
+    out = {}
+    for tp, pp, sp in LAYOUTS:
+        init_parallel(ParallelDims(world_size=world_size, tp=tp, pp=pp))
+        config, args = build_transformer_config(model_dir, tp=tp, pp=pp, sequence_parallel=sp)
+        chunks = build_model(config, args)
+        load_hf_weights(chunks, config, args, model_dir)
+        settings = peft_settings(adapter_dir)
+        apply_lora(chunks, config, args, settings)
+        load_peft_adapter(chunks, adapter_dir)
+        if sp:
+            chunks = wrap_ddp(config, chunks)
+        ids, pos, labels = _batch(args.vocab_size)[0]
+        logits = megatron_logits(chunks, config, args, ids)
+        with adapters_disabled(chunks):
+            base_logits = megatron_logits(chunks, config, args, ids)
+        for c in chunks:
+            c.train()
+        _ce_backward(chunks, ids, pos, labels, args.vocab_size)
+        base_grads = [n for c in chunks for n, p in c.named_parameters()
+                      if "_lora." not in n and (p.grad is not None
+                                                or getattr(p, "main_grad", None) is not None)]
+        trainable = sorted(n for c in chunks for n, p in c.named_parameters() if p.requires_grad)
+        grads = gather_adapters(chunks, source=lambda p: p.main_grad if sp else p.grad)
+        factors = gather_adapters(chunks)
+        merged = {}
+        if tp == 2 and not sp:
+            stream = export_hf_weights(chunks, config, args, bucket_size_bytes=32 << 10)
+            for bucket in merge_lora_stream(stream, factors, settings):
+                merged.update({n: t.clone() for n, t in bucket})
+            if rank == 0:
+                save_peft_adapter(out_dir, factors, settings, base_model=model_dir)
+        out[tp, pp, sp] = dict(logits=logits, base_logits=base_logits, grads=grads,
+                           base_grads=base_grads, trainable=trainable, merged=merged)
+    return out
+
+
+def _ce_backward(chunks, ids, pos, labels, vocab):
+    """Token-mean CE over the HF vocab (as the PEFT reference computes it: Megatron's own
+    CE would include the padded vocab rows) through Megatron's pipeline schedule."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    def step(data_iterator, model):
+        next(data_iterator)
+        out = model(ids, pos, None)
+
+        def loss_fn(o):
+            full = gather_from_tensor_model_parallel_region(o)[..., :vocab].float()
+            loss = torch.nn.functional.cross_entropy(full.reshape(-1, vocab), labels.reshape(-1))
+            return loss, {"loss": loss.detach().clone()}
+        return out, loss_fn
+
+    data = [iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None])
+    get_forward_backward_func()(forward_step_func=step, data_iterator=data, model=chunks,
+                                num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS,
+                                forward_only=False)
+
+
+def _peft_model(model_dir, adapter_dir=None):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(base, adapter_dir)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=6, target_modules=TARGETS,
+                                            lora_dropout=0.0, use_rslora=True))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("lora")
+    model_dir = str(make_tiny_model(root / "base", family="qwen2", num_layers=2,
+                                    num_key_value_heads=2, vocab_size=999))
+    peft_model = _peft_model(model_dir)
+    adapter_dir = str(root / "adapter")
+    peft_model.save_pretrained(adapter_dir)
+    ids, _, labels = _batch(999)[0]
+    logits = peft_model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             labels.reshape(-1))
+    loss.backward()
+    grads = {n.replace(".default", ""): p.grad.clone()
+             for n, p in peft_model.named_parameters() if p.grad is not None}
+    with torch.no_grad(), peft_model.disable_adapter():
+        base_logits = peft_model(input_ids=ids).logits
+    merged = {k: v.clone() for k, v in peft_model.merge_and_unload().state_dict().items()}
+    ref = dict(logits=logits.detach(), base_logits=base_logits, grads=grads, merged=merged)
+    out_dir = str(root / "exported")
+    results = run_distributed(_world, world_size=2, args=(model_dir, adapter_dir, out_dir),
+                              timeout=400)
+    return dict(model_dir=model_dir, out_dir=out_dir, ids=ids, ref=ref, results=results)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_equal_peft(world, layout):
+    ref = world["ref"]
+    for r in world["results"]:
+        got = r[layout]
+        assert (got["logits"] - ref["logits"]).abs().max() <= 1e-4
+        assert (got["base_logits"] - ref["base_logits"]).abs().max() <= 1e-4
+        # the adapters matter: with them on, the logits are not the base's
+        assert (ref["logits"] - ref["base_logits"]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_adapter_grads_equal_peft(world, layout):
+    ref = world["ref"]["grads"]
+    for r in world["results"]:
+        got = r[layout]
+        assert got["base_grads"] == []
+        assert got["trainable"] and all("_lora.lora_" in n for n in got["trainable"])
+        assert sorted(got["grads"]) == sorted(ref)
+        for name, g in got["grads"].items():
+            scale = ref[name].abs().max().item()
+            assert scale > 0, name
+            assert (g - ref[name]).abs().max().item() <= 1e-4 * max(1.0, scale), name
+
+
+def test_merged_stream_equals_peft_merge(world):
+    ref = world["ref"]["merged"]
+    for r in world["results"]:
+        merged = r[(2, 1, False)]["merged"]
+        assert sorted(merged) == sorted(ref)
+        for name, t in merged.items():
+            assert (t - ref[name]).abs().max().item() <= 1e-5, name
+
+
+def test_exported_adapter_loads_in_peft(world):
+    model = _peft_model(world["model_dir"], world["out_dir"])
+    with torch.no_grad():
+        logits = model(input_ids=world["ids"]).logits
+    assert (logits - world["ref"]["logits"]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("saved, targets", [
+    (["q_proj", "v_proj"], ("q_proj", "v_proj")),
+    # peft saves all-linear expanded to module paths
+    (["model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"], ("o_proj", "down_proj")),
+    (r".*\.(q_proj|up_proj)", ("q_proj", "up_proj")),          # a regex, full match
+    ("all-linear", tuple(TARGETS))])
+def test_peft_settings_target_spellings(tmp_path, saved, targets):
+    import json
+
+    from bridge.lora import peft_settings
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": saved,
+         "use_rslora": True}))
+    s = peft_settings(str(tmp_path))
+    assert s.targets == targets
+    assert s.scale == 32 / 4          # rslora: alpha / sqrt(r)
+
+
+def test_peft_settings_rejects_what_is_not_supported(tmp_path):
+    import json
+
+    from bridge.lora import peft_settings
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+         "modules_to_save": ["lm_head"]}))
+    with pytest.raises(ValueError, match="modules_to_save"):
+        peft_settings(str(tmp_path))
