@@ -232,7 +232,7 @@ def test_moe_options_reach_the_transformer_config(tmp_path):
     from tests.test_config_validate import COUNTDOWN
     from tools.make_tiny_model import make_tiny_model
 
-    path = str(make_tiny_model(tmp_path / "m", family="qwen3_moe"))
+    path = str(make_tiny_model(tmp_path / "m", family="qwen3_moe", head_dim=32))
     cfg = parse_rlhf_args(["--model", path, "--dataset", COUNTDOWN, "--reward_funcs", "countdown",
                            "--moe_aux_loss_coeff", "0.01", "--moe_z_loss_coeff", "0.001",
                            "--moe_expert_capacity_factor", "1.5",
