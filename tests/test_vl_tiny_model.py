@@ -196,3 +196,37 @@ def test_vllm_samples_image_prompts_with_hf_logprobs(model_dir, hf_model):
         logp = torch.log_softmax(hf_logits(hf_model, enc, c["token_ids"]) / TEMPERATURE, -1)
         ref = logp[torch.arange(n - 1, n - 1 + len(c["token_ids"])), torch.tensor(c["token_ids"])]
         assert max(abs(a - b) for a, b in zip(c["logprobs"], ref.tolist())) < ATOL, (k, c, ref)
+
+
+# --------------------------------------------------------------------------- Megatron mrope
+def _mcore_mrope_rank(rank, world_size, position_ids, head_dim, mrope_section, theta):
+    from megatron_grpo.platform import cpu
+
+    cpu.install()   # MultimodalRotaryEmbedding builds its frequencies on "the CUDA device"
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import \
+        MultimodalRotaryEmbedding
+
+    rope = MultimodalRotaryEmbedding(kv_channels=head_dim, rotary_percent=1.0, rotary_base=theta)
+    return rope(position_ids, mrope_section)      # [s, b, 1, head_dim] angles
+
+
+def test_megatron_mrope_matches_hf(model_dir, hf_model):
+    """Megatron-Core's MultimodalRotaryEmbedding (GPTModel position_embedding_type="mrope",
+    TransformerConfig.mrope_section) on HF's get_rope_index positions gives HF's
+    rotary angles: the trainer can feed Megatron the [3, b, s] positions as they are."""
+    processor = load_processor(model_dir)
+    enc = encode(processor, PROMPTS[1], IMAGES[1]())
+    pos, _ = hf_model.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"],
+                                           enc["image_grid_thw"])              # [3, 1, s]
+    text = hf_model.config.text_config
+    section = text.rope_parameters["mrope_section"]
+    [angles] = run_distributed(_mcore_mrope_rank, world_size=1, timeout=120,
+                               args=(pos, text.hidden_size // text.num_attention_heads, section,
+                                     text.rope_parameters["rope_theta"]))
+    x = torch.zeros(1, pos.shape[-1], text.hidden_size)
+    cos, sin = hf_model.model.language_model.rotary_emb(x, pos)               # [1, s, head_dim]
+    assert torch.allclose(angles[:, 0, 0].cos(), cos[0], atol=1e-6)
+    assert torch.allclose(angles[:, 0, 0].sin(), sin[0], atol=1e-6)
+    # The image's row and column ids reach different frequency bands than a 1D ramp's.
+    ramp = torch.arange(pos.shape[-1]).view(1, 1, -1).expand(3, 1, -1)
+    assert not torch.allclose(hf_model.model.language_model.rotary_emb(x, ramp)[0], cos, atol=1e-3)
