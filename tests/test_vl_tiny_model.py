@@ -167,11 +167,16 @@ def _vllm_rank(rank, world_size, model_dir):
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256,
               seed=0, kv_cache_memory_bytes=32 << 20, limit_mm_per_prompt={"image": 1},
               logprobs_mode="processed_logprobs")
-    requests = [{"prompt": chat_text(processor, p), "multi_modal_data": {"image": img()}}
-                for p, img in zip(PROMPTS, IMAGES)]
+    # The first prompt as text, the second as token ids with ONE <|image_pad|> per image
+    # (what the chat template gives): vLLM expands the placeholder itself, so ids that
+    # the HF processor already expanded would be expanded again.
+    texts = [chat_text(processor, p) for p in PROMPTS]
+    requests = [{"prompt": texts[0], "multi_modal_data": {"image": IMAGES[0]()}},
+                {"prompt_token_ids": processor.tokenizer(texts[1])["input_ids"],
+                 "multi_modal_data": {"image": IMAGES[1]()}}]
     params = SamplingParams(n=2, max_tokens=5, temperature=TEMPERATURE, logprobs=0, seed=3)
     seen = []
-    for request, out in zip(requests, llm.generate(requests, params, use_tqdm=False)):
+    for out in llm.generate(requests, params, use_tqdm=False):
         for c in out.outputs:
             seen.append(dict(prompt_token_ids=list(out.prompt_token_ids),
                              token_ids=list(c.token_ids),
