@@ -38,10 +38,13 @@ import argparse
 import functools
 import json
 import pathlib
+import sys
 import tempfile
 
 import torch
 
+# Run as a script (`python tools/make_tiny_vl_model.py`), the repo root is not on the path.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from tools.make_tiny_model import (DTYPES, MIN_TOKENIZER_VOCAB,
                                    _init_tensor, _quiet_progress_bars, _train_qwen_tokenizer)
 
