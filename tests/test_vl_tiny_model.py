@@ -235,3 +235,77 @@ def test_megatron_mrope_matches_hf(model_dir, hf_model):
     # The image's row and column ids reach different frequency bands than a 1D ramp's.
     ramp = torch.arange(pos.shape[-1]).view(1, 1, -1).expand(3, 1, -1)
     assert not torch.allclose(hf_model.model.language_model.rotary_emb(x, ramp)[0], cos, atol=1e-3)
+
+
+# --------------------------------------------------------------------------- Megatron LM
+def text_only_checkpoint(vl_dir, out_dir):
+    """The language half of a Qwen2.5-VL folder as a Qwen2 checkpoint (same tensors, same
+    names: Qwen2.5-VL's language weights are saved as `model.*` / `lm_head.*`)."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vl = json.loads((vl_dir / "config.json").read_text())
+    text = dict(vl["text_config"], architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                rope_theta=vl["text_config"]["rope_parameters"]["rope_theta"])
+    (out_dir / "config.json").write_text(json.dumps(text))
+    tensors = load_file(vl_dir / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.startswith("visual.")},
+              out_dir / "model.safetensors")
+    return out_dir
+
+
+def _mcore_vl_rank(rank, world_size, text_dir, input_ids, position_ids, image_embeds,
+                   image_token_id, mrope_section):
+    """Megatron-Core's GPTModel with mrope on an image prompt: Megatron's own word
+    embeddings with the image rows replaced by the vision tower's output, passed as
+    `decoder_input` (the recipe of docs/vision-language.md)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (TransformerBlock,
+                                                             TransformerBlockSubmodules)
+
+    from bridge.load import load_hf_weights
+    from megatron_grpo.model import build_transformer_config, layer_spec
+    from megatron_grpo.platform import ParallelDims, init_parallel
+
+    init_parallel(ParallelDims(world_size=1, tp=1, pp=1), seed=1)
+    config, args = build_transformer_config(text_dir, mrope_section=list(mrope_section))
+    layer, final_norm = layer_spec(config)
+    block = ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer] * config.num_layers, layer_norm=final_norm))
+    model = GPTModel(config=config, transformer_layer_spec=block,
+                     vocab_size=args.padded_vocab_size,
+                     max_sequence_length=args.max_sequence_length,
+                     share_embeddings_and_output_weights=args.tie_word_embeddings,
+                     position_embedding_type="mrope", rotary_base=args.rotary_base)
+    load_hf_weights([model], config, args, text_dir)
+    model.eval()
+    with torch.no_grad():
+        emb = model.embedding.word_embeddings(input_ids)                  # [b, s, h]
+        emb[input_ids == image_token_id] = image_embeds.to(emb.dtype)     # in token order
+        logits = model(input_ids, position_ids, None,
+                       decoder_input=emb.transpose(0, 1).contiguous())    # [b, s, V_pad]
+    return logits[..., :args.vocab_size]
+
+
+def test_megatron_language_model_matches_hf_on_image_prompt(model_dir, hf_model, tmp_path):
+    """GPTModel(position_embedding_type="mrope") loaded by the bridge's Qwen2 rules, fed
+    HF's vision-tower output at the image tokens and get_rope_index's positions: HF's
+    logits (fp32, 1e-4; observed 2.9e-6, while a 1D position ramp moves them by 1.6 and
+    zeroed image rows by 3.9), so the language half of Qwen2.5-VL needs no new layers."""
+    processor = load_processor(model_dir)
+    enc = encode(processor, PROMPTS[0], IMAGES[0]())
+    ids = enc["input_ids"]
+    pos, _ = hf_model.model.get_rope_index(ids, enc["mm_token_type_ids"], enc["image_grid_thw"])
+    with torch.no_grad():
+        image_embeds = hf_model.model.get_image_features(
+            enc["pixel_values"], enc["image_grid_thw"]).pooler_output
+    image_embeds = torch.cat(list(image_embeds)) if isinstance(image_embeds, (list, tuple)) \
+        else image_embeds
+    text_cfg = hf_model.config.text_config
+    [logits] = run_distributed(
+        _mcore_vl_rank, world_size=1, timeout=180,
+        args=(str(text_only_checkpoint(model_dir, tmp_path / "text")), ids, pos, image_embeds,
+              hf_model.config.image_token_id, text_cfg.rope_parameters["mrope_section"]))
+    ref = hf_logits(hf_model, enc)
+    assert (logits[0].double() - ref).abs().max() < 1e-4
