@@ -264,12 +264,15 @@ def _mcore_vl_rank(rank, world_size, text_dir, input_ids, position_ids, image_em
     from megatron.core.transformer.transformer_block import (TransformerBlock,
                                                              TransformerBlockSubmodules)
 
+    from megatron.core import tensor_parallel
+
     from bridge.load import load_hf_weights
     from megatron_grpo.model import build_transformer_config, layer_spec
     from megatron_grpo.platform import ParallelDims, init_parallel
 
-    init_parallel(ParallelDims(world_size=1, tp=1, pp=1), seed=1)
-    config, args = build_transformer_config(text_dir, mrope_section=list(mrope_section))
+    init_parallel(ParallelDims(world_size=world_size, tp=world_size, pp=1), seed=1)
+    config, args = build_transformer_config(text_dir, tp=world_size,
+                                            mrope_section=list(mrope_section))
     layer, final_norm = layer_spec(config)
     block = ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=[layer] * config.num_layers, layer_norm=final_norm))
@@ -281,14 +284,17 @@ def _mcore_vl_rank(rank, world_size, text_dir, input_ids, position_ids, image_em
     load_hf_weights([model], config, args, text_dir)
     model.eval()
     with torch.no_grad():
-        emb = model.embedding.word_embeddings(input_ids)                  # [b, s, h]
+        # Vocab-parallel lookup: every TP rank gets the full [b, s, h] rows.
+        emb = model.embedding.word_embeddings(input_ids)
         emb[input_ids == image_token_id] = image_embeds.to(emb.dtype)     # in token order
         logits = model(input_ids, position_ids, None,
-                       decoder_input=emb.transpose(0, 1).contiguous())    # [b, s, V_pad]
+                       decoder_input=emb.transpose(0, 1).contiguous())    # [b, s, V_pad/tp]
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
     return logits[..., :args.vocab_size]
 
 
-def test_megatron_language_model_matches_hf_on_image_prompt(model_dir, hf_model, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_megatron_language_model_matches_hf_on_image_prompt(model_dir, hf_model, tmp_path, tp):
     """GPTModel(position_embedding_type="mrope") loaded by the bridge's Qwen2 rules, fed
     HF's vision-tower output at the image tokens and get_rope_index's positions: HF's
     logits (fp32, 1e-4; observed 2.9e-6, while a 1D position ramp moves them by 1.6 and
@@ -303,9 +309,10 @@ def test_megatron_language_model_matches_hf_on_image_prompt(model_dir, hf_model,
     image_embeds = torch.cat(list(image_embeds)) if isinstance(image_embeds, (list, tuple)) \
         else image_embeds
     text_cfg = hf_model.config.text_config
-    [logits] = run_distributed(
-        _mcore_vl_rank, world_size=1, timeout=180,
+    logits, *others = run_distributed(
+        _mcore_vl_rank, world_size=tp, timeout=180,
         args=(str(text_only_checkpoint(model_dir, tmp_path / "text")), ids, pos, image_embeds,
               hf_model.config.image_token_id, text_cfg.rope_parameters["mrope_section"]))
     ref = hf_logits(hf_model, enc)
     assert (logits[0].double() - ref).abs().max() < 1e-4
+    assert all(torch.equal(o, logits) for o in others)   # TP ranks agree
