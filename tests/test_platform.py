@@ -100,7 +100,7 @@ def _cpu_layer_probe(rank, world):
 def test_cpu_layer():
     from tests.harness import run_distributed
 
-    assert run_distributed(_cpu_layer_probe, 1) == [True]
+    assert run_distributed(_cpu_layer_probe, 1, fresh=True) == [True]  # needs a new process
 
 
 def _megatron(*args, env=None, timeout=60):
