@@ -11,11 +11,9 @@ COUNTDOWN = os.path.join(ROOT, "megatron_grpo", "data", "builtin", "countdown.js
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
-
+def model(tiny_model):
     # 2 layers, 4 attention heads, 2 kv heads
-    return str(make_tiny_model(tmp_path_factory.mktemp("dry") / "m", family="qwen2"))
+    return str(tiny_model(family="qwen2"))
 
 
 def _dry_run(model, out, *extra, nproc=4, nnodes=1):

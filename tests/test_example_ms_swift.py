@@ -7,10 +7,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_dense_colocate_example_dry_run(tmp_path):
-    from tools.make_tiny_model import make_tiny_model
-
-    model = str(make_tiny_model(tmp_path / "m", family="qwen2"))
+def test_dense_colocate_example_dry_run(tmp_path, tiny_model):
+    model = str(tiny_model(family="qwen2"))
     env = dict(os.environ, MODEL=model, OUTPUT_DIR=str(tmp_path / "out"),
                MEGATRON=f"{sys.executable} -m megatron_grpo.cli", NNODES="1")
     r = subprocess.run(["bash", "examples/ms_swift_dense_colocate.sh", "--dry_run", "true"],
