@@ -3,8 +3,8 @@
 Markers (registered in pytest.ini):
 - `multiprocess` is added to every test that starts gloo ranks: it reaches
   `tests.harness.run_distributed` (in its body, a fixture it uses, or a module-level
-  helper of a tests module they call), or the end-to-end tests' `_run`, which launches
-  the training CLI on several processes.
+  helper of a tests module they call), or one of `_LAUNCHERS`: functions that start the
+  training CLI on several processes without the harness.
 - `slow` is added to every `multiprocess` and `vllm` test: starting ranks or an engine
   alone costs more than the ~5 s a test of the fast subset may take. Single-process tests
   measured over ~5 s carry `@pytest.mark.slow` in their file.
@@ -21,7 +21,8 @@ import pytest
 from tests import harness
 
 _SPAWNERS = {"run_distributed"}  # names whose use marks a test as multi-process
-_LAUNCHERS = {("tests.test_trainer_e2e", "_run")}  # (module, name) of the CLI launchers
+_LAUNCHERS = {("tests.test_trainer_e2e", "_run"),  # (module, name)
+              ("tests.test_trainer_e2e", "test_two_nodes_over_loopback")}
 
 
 def _codes(code: types.CodeType):
@@ -37,6 +38,8 @@ def _spawns(func, seen: set) -> bool:
     code = getattr(func, "__code__", None)
     if code is None or code in seen:
         return False
+    if (func.__module__, func.__qualname__) in _LAUNCHERS:
+        return True
     seen.add(code)
     namespace = getattr(func, "__globals__", {})
     for c in _codes(code):
@@ -45,9 +48,8 @@ def _spawns(func, seen: set) -> bool:
         for name in c.co_names:
             obj = namespace.get(name)
             obj = getattr(obj, "__wrapped__", obj)
-            if not (isinstance(obj, types.FunctionType) and obj.__module__.startswith("tests.")):
-                continue
-            if (obj.__module__, obj.__qualname__) in _LAUNCHERS or _spawns(obj, seen):
+            if (isinstance(obj, types.FunctionType)
+                    and obj.__module__.startswith("tests.") and _spawns(obj, seen)):
                 return True
     return False
 
