@@ -29,6 +29,7 @@ def _line(stdout, key):
     return next(line for line in stdout.splitlines() if line.strip().startswith(key + " "))
 
 
+@pytest.mark.slow  # a CLI process each
 def test_dry_run_prints_the_plan_and_starts_nothing(model, tmp_path):
     out = str(tmp_path / "run")
     r = _dry_run(model, out, "--tensor_model_parallel_size", "2", "--num_generations", "4",
@@ -56,6 +57,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(model, tmp_path):
                      _line(r.stdout, "dataset"))
 
 
+@pytest.mark.slow
 def test_dry_run_checks_the_model_against_the_parallel_sizes(model, tmp_path):
     # 2 layers cannot be split into 4 pipeline stages; the error names the option.
     r = _dry_run(model, str(tmp_path / "run"), "--pipeline_model_parallel_size", "4",

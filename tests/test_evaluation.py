@@ -204,6 +204,7 @@ def test_eval_problem_lines(model_dir, extra, expected):
     assert expected in error_of(args(model_dir, *extra))
 
 
+@pytest.mark.slow  # a CLI process (dry run: imports, model and data checks)
 def test_dry_run_mentions_the_evaluation(tmp_path, tiny_model):
     model = str(tiny_model(family="qwen2"))
     argv = ["--dry_run", "true", "--model", model, "--dataset", f"{COUNTDOWN}#100",

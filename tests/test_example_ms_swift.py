@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # the example script runs the CLI (dry run)
 def test_dense_colocate_example_dry_run(tmp_path, tiny_model):
     model = str(tiny_model(family="qwen2"))
     env = dict(os.environ, MODEL=model, OUTPUT_DIR=str(tmp_path / "out"),
