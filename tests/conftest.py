@@ -66,6 +66,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(autouse=True)
+def _free_pooled_ranks_for_vllm(request):
+    """A vLLM engine wants the memory that idle pooled ranks hold (each has torch and
+    Megatron loaded): stop them first; the next world starts new ones."""
+    if request.node.get_closest_marker("vllm"):
+        harness.close_pool()
+    yield
+
+
 def pytest_sessionfinish(session, exitstatus):
     harness.close_pool()
 
