@@ -160,6 +160,22 @@ def _teardown():
         dist.destroy_process_group()
 
 
+def _stop(p, grace: float) -> None:
+    """Wait up to `grace` s for a rank process to end, then kill it and what it started
+    (a library's helper process would otherwise outlive the test run)."""
+    p.join(timeout=grace)
+    if p.is_alive():
+        try:
+            import psutil
+
+            for child in psutil.Process(p.pid).children(recursive=True):
+                child.kill()
+        except Exception:  # psutil missing, or the process just ended
+            pass
+        p.kill()
+        p.join()
+
+
 class _Pool:
     """Long-lived rank processes (module docstring), grown on demand, one environment."""
 
@@ -211,21 +227,14 @@ class _Pool:
                             [f for _, _, f in ranks], timeout, exiting, pooled=True)
         finally:
             for r in exiting:  # so that no task goes to a process on its way out
-                p = self.workers[r][0]
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+                _stop(self.workers[r][0], grace=30)
 
     def close(self):
         for p, tasks, _ in self.workers:
             if p.is_alive():
                 tasks.put(None)
         for p, _, _ in self.workers:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            _stop(p, grace=5)
         self.workers = []
 
 
@@ -286,10 +295,7 @@ def _collect(procs, queue, job, stack_files, timeout, exiting=None, pooled=False
         time.sleep(1.0)
     if errors or hung:
         for p in procs:  # the whole world: ranks of a failed world do not go on
-            p.join(timeout=5 if not pooled else 1)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            _stop(p, grace=1 if pooled else 5)
         parts = []
         for r in sorted(errors):
             parts.append(f"--- rank {r} failed ---\n{errors[r]}")
@@ -337,10 +343,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
         return _collect(procs, queue, 0, stack_files, timeout)
     finally:
         for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            _stop(p, grace=5)
 
 
 if __name__ == "__main__":  # pragma: no cover - manual smoke check
