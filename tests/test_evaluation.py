@@ -204,10 +204,9 @@ def test_eval_problem_lines(model_dir, extra, expected):
     assert expected in error_of(args(model_dir, *extra))
 
 
-def test_dry_run_mentions_the_evaluation(tmp_path):
-    from tools.make_tiny_model import make_tiny_model
-
-    model = str(make_tiny_model(tmp_path / "m", family="qwen2", hidden_size=128))
+@pytest.mark.slow  # a CLI process (dry run: imports, model and data checks)
+def test_dry_run_mentions_the_evaluation(tmp_path, tiny_model):
+    model = str(tiny_model(family="qwen2", hidden_size=128))
     argv = ["--dry_run", "true", "--model", model, "--dataset", f"{COUNTDOWN}#100",
             "--reward_funcs", "countdown", "--num_generations", "4", "--global_batch_size", "8",
             "--train_iters", "10", "--eval_steps", "4", "--split_dataset_ratio", "0.1",

@@ -13,10 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
+def model(tiny_model):
     # hidden 128 / 4 heads: head size 32, which vLLM-CPU's attention supports.
-    return str(make_tiny_model(tmp_path_factory.mktemp("ex") / "m", family="qwen2", hidden_size=128))
+    return str(tiny_model(family="qwen2", hidden_size=128))
 
 
 def _run(script, model, out, *args, timeout=300):
@@ -26,6 +25,7 @@ def _run(script, model, out, *args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # the example scripts run the CLI (dry run)
 @pytest.mark.parametrize("script,engine", [
     ("ms_swift_dense_colocate.sh", "colocate: 2 engines"),
     ("ms_swift_dense_server.sh", "server: 127.0.0.1:")])

@@ -49,6 +49,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # the Triton interpreter in a subprocess
 def test_triton_kernels_in_interpreter_match_reference():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))

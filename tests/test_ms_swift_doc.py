@@ -3,9 +3,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # a subprocess that imports the option groups
 def test_doc_up_to_date():
     r = subprocess.run([sys.executable, "tools/ms_swift_flags.py", "--check"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)

@@ -100,7 +100,7 @@ def _cpu_layer_probe(rank, world):
 def test_cpu_layer():
     from tests.harness import run_distributed
 
-    assert run_distributed(_cpu_layer_probe, 1) == [True]
+    assert run_distributed(_cpu_layer_probe, 1, fresh=True) == [True]  # needs a new process
 
 
 def _megatron(*args, env=None, timeout=60):
@@ -121,10 +121,8 @@ def test_cli_unknown_command():
     assert r.returncode == 2 and "valid commands: rlhf, rollout, export" in r.stderr
 
 
-def test_cli_tp3_on_two_ranks_fails_fast(tmp_path):
-    from tools.make_tiny_model import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "m", family="qwen2")
+def test_cli_tp3_on_two_ranks_fails_fast(tmp_path, tiny_model):
+    model = tiny_model(family="qwen2")
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "solution": "2"}\n' * 8)
     t0 = time.time()

@@ -146,6 +146,7 @@ def test_megatron_private_names_resolve():
 
 
 @needs_vllm
+@pytest.mark.slow  # imports vLLM
 def test_vllm_private_names_resolve():
     missing = []
     for name in compat_vllm.PRIVATE_NAMES:

@@ -63,4 +63,4 @@ def _suspend_probe(rank, world):
 
 
 def test_without_cuda_rewrite_suspends_and_restores():
-    assert run_distributed(_suspend_probe, 1) == [True]
+    assert run_distributed(_suspend_probe, 1, fresh=True) == [True]  # needs a new process
