@@ -211,3 +211,15 @@ def test_none_is_a_value_where_it_is_a_choice(model_dir, tmp_path):
     cfg = parse_rlhf_args(base(model_dir) + ["--config", str(path)])
     assert cfg.grpo.scale_rewards == "none" and cfg.logging.report_to == []
     assert cfg.training.train_iters is None
+
+
+@pytest.mark.parametrize("name", ["quickstart_cpu.yaml", "quickstart_lora_cpu.yaml"])
+def test_shipped_configs_parse(name, tmp_path, tiny_model, monkeypatch):
+    """Every YAML in configs/ passes the option checks as shipped (the quickstart builds
+    runs/quickstart/tiny-qwen2 first; a tiny model with vLLM-CPU's head size stands in)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = tiny_model(family="qwen2", hidden_size=128)
+    monkeypatch.chdir(root)
+    cfg = parse_rlhf_args(["--config", os.path.join("configs", name), "--model", str(model),
+                           "--output_dir", str(tmp_path / "out")])
+    assert cfg.training.tuner_type == ("lora" if "lora" in name else "full")
