@@ -189,6 +189,7 @@ class _Pool:
         self.tmp = tempfile.mkdtemp(prefix="mgrpo_pool_")
         self.workers: list[tuple[Any, Any, str]] = []  # (process, task queue, stack file)
         self.jobs = 0
+        self.reruns = 0  # worlds run again after a failed process-group start (run())
 
     def _spawn(self, index):
         tasks = self.ctx.Queue()
@@ -207,6 +208,7 @@ class _Pool:
             # fails ("connectFullMesh ... Connection closed by peer") before the body ran.
             # The failed world's processes are gone; run it once more on new ones.
             warnings.warn(f"process group start-up failed, world run again: {e}")
+            self.reruns += 1
             return self._run(fn, world_size, args, timeout)
 
     def _run(self, fn, world_size, args, timeout):
@@ -239,6 +241,11 @@ class _Pool:
 
 
 _POOL: _Pool | None = None
+
+
+def pool_reruns() -> int:
+    """How many worlds the pool has run again on new processes after a failed start."""
+    return 0 if _POOL is None else _POOL.reruns
 
 
 def close_pool():

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tests.harness import DistributedTestError, run_distributed
+from tests.harness import DistributedTestError, pool_reruns, run_distributed
 
 
 def _pid_and_env(rank, world):
@@ -31,9 +31,15 @@ def _hang_on_rank0(rank, world):
 
 
 def test_pool_reuses_processes_with_a_clean_state():
-    first = run_distributed(_pid_and_env, 2)
-    second = run_distributed(_pid_and_env, 2)
-    one = run_distributed(_pid_and_env, 1)
+    # A world whose process group failed to start runs again on new processes (seen on a
+    # busy machine): then the pids differ by design, so such an attempt is repeated.
+    for _ in range(3):
+        reruns = pool_reruns()
+        first = run_distributed(_pid_and_env, 2)
+        second = run_distributed(_pid_and_env, 2)
+        one = run_distributed(_pid_and_env, 1)
+        if pool_reruns() == reruns:
+            break
     assert [r[0] for r in first] == [r[0] for r in second] and one[0][0] == first[0][0]
     assert [r[1:3] for r in second] == [("0", "2"), ("1", "2")] and one[0][1:3] == ("0", "1")
     # Each world sees the environment and torch's default RNG state of a fresh process.
