@@ -2,6 +2,13 @@
 
     python tools/bench_bridge.py                      # ~400 MB fp32 Qwen2-shaped model, 4 ranks
     python tools/bench_bridge.py --layers 2 --iters 2 # quicker
+    python tools/bench_bridge.py --moe --ep 2 --etp 1 # Qwen3-MoE, experts split over 2 EP ranks
+
+With --moe the model is a Qwen3-MoE (make_tiny_model's qwen3_moe family: --experts routed
+experts of --moe_ffn each, top --topk, every layer sparse) under TP=2 x PP=2 with expert
+parallel --ep and expert tensor parallel --etp (default: TP) on the same 4 ranks; the
+floor then adds, per stage, the ETP all-gather of the experts' split tensors and one EP
+broadcast of the experts each EP rank owns.
 
 The model is built once with tools/make_tiny_model.py into --workdir (random weights),
 loaded by the bridge in 4 gloo ranks (TP=2 x PP=2), then, with barriers around each
@@ -44,14 +51,41 @@ def _args(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--bucket_mb", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--moe", action="store_true",
+                   help="a Qwen3-MoE (qwen3_moe family) instead of the dense Qwen2")
+    p.add_argument("--experts", type=int, default=8, help="--moe: routed experts per layer")
+    p.add_argument("--topk", type=int, default=2, help="--moe: experts per token")
+    p.add_argument("--moe_ffn", type=int, default=384,
+                   help="--moe: each expert's intermediate size (moe_intermediate_size)")
+    p.add_argument("--ep", type=int, default=1, help="--moe: expert model parallel size")
+    p.add_argument("--etp", type=int, default=None,
+                   help="--moe: expert tensor parallel size (default: TP = 2)")
     p.add_argument("--fsync", action="store_true",
                    help="disk round trip: fsync the written file (persisted, not only cached)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if not a.moe and (a.ep != 1 or a.etp is not None):
+        p.error(f"--ep {a.ep} / --etp {a.etp}: expert parallelism needs --moe")
+    return a
+
+
+def _family(a) -> str:
+    return "qwen3_moe" if a.moe else "qwen2"
+
+
+def _moe_sizes(a) -> dict | None:
+    """make_tiny_model's `moe=` of the --moe case (None: dense)."""
+    if not a.moe:
+        return None
+    return dict(num_experts=a.experts, num_experts_per_tok=a.topk,
+                moe_intermediate_size=a.moe_ffn)
 
 
 def _model_dir(a) -> str:
     name = f"qwen2_h{a.hidden}_l{a.layers}_f{a.ffn}_v{a.vocab}_{a.dtype}"
+    if a.moe:
+        name = (f"qwen3_moe_h{a.hidden}_l{a.layers}_e{a.experts}k{a.topk}_mf{a.moe_ffn}"
+                f"_v{a.vocab}_{a.dtype}")
     return os.path.join(a.workdir, name)
 
 
@@ -80,9 +114,9 @@ def _worker(a) -> None:
     from megatron_grpo.platform import ParallelDims, init_parallel, init_process_group
 
     init_process_group()
-    init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=2, pp=2))
+    init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=2, pp=2, ep=a.ep, etp=a.etp))
     path = _model_dir(a)
-    config, args = build_transformer_config(path, tp=2, pp=2, dtype=a.dtype)
+    config, args = build_transformer_config(path, tp=2, pp=2, dtype=a.dtype, ep=a.ep, etp=a.etp)
     chunks = build_model(config, args)
     load_hf_weights(chunks, config, args, path)
     groups = megatron_groups()
@@ -96,25 +130,46 @@ def _worker(a) -> None:
     results = {"ours (plain)": _timed(lambda: drain(False), a.iters),
                "ours (offload_bridge)": _timed(lambda: drain(True), a.iters)}
 
-    # Floor: what each stage gathers over TP and broadcasts over PP, as raw collectives.
-    items = _plan(chunks, config, args, groups, None, lambda p: p.detach())
+    # Floor: what each stage gathers over TP (ETP for experts), broadcasts over EP (the
+    # experts of each EP rank) and over PP, as raw collectives on preallocated buffers.
+    ep_rank, ep_ranks, ep_grp, etp_grp, etp = 0, [dist.get_rank()], None, None, 1
+    if getattr(config, "num_moe_experts", None):
+        from megatron.core import parallel_state as ps
+
+        from bridge.moe import ep_group, ep_layout
+
+        ep_rank = ep_layout(config)[0]
+        ep_grp, ep_ranks = ep_group()
+        etp_grp = ps.get_expert_tensor_parallel_group()
+        etp = ps.get_expert_tensor_parallel_world_size()
+    items = _plan(chunks, config, args, groups, None, lambda p: p.detach(), ep_rank)
     nbytes = lambda it: it.dtype.itemsize * int(torch.Size(it.shape).numel())  # noqa: E731
     total = sum(nbytes(it) for it in items)
-    per_stage = []
+    per_stage = []   # (dense TP-split bytes / tp, my experts' ETP-split bytes / etp,
+    #                  bytes of the experts each EP rank owns, all bytes of the stage)
     for stage in range(groups.pp):
         mine = [it for it in items if it.owner == stage]
-        split = sum(nbytes(it) for it in mine if it.unit.layout.tp_split) // groups.tp
-        per_stage.append((split, sum(nbytes(it) for it in mine)))
-    send = torch.empty(max(s for s, _ in per_stage), dtype=torch.uint8)
-    gathered = torch.empty(groups.tp * send.numel(), dtype=torch.uint8)
-    full = torch.empty(max(f for _, f in per_stage), dtype=torch.uint8)
+        dense = [it for it in mine if it.ep_owner is None]
+        experts = [it for it in mine if it.ep_owner == ep_rank]
+        split = sum(nbytes(it) for it in dense if it.unit.layout.tp_split) // groups.tp
+        esplit = sum(nbytes(it) for it in experts if it.unit.layout.tp_split) // etp
+        owned = [sum(nbytes(it) for it in mine if it.ep_owner == e) for e in range(len(ep_ranks))]
+        per_stage.append((split, esplit, owned, sum(nbytes(it) for it in mine)))
+    send = torch.empty(max(max(s, e) for s, e, _, _ in per_stage), dtype=torch.uint8)
+    gathered = torch.empty(max(groups.tp, etp) * send.numel(), dtype=torch.uint8)
+    full = torch.empty(max(f for _, _, _, f in per_stage), dtype=torch.uint8)
     gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def floor():
-        for stage, (split, owned) in enumerate(per_stage):
+        for stage, (split, esplit, owned, everything) in enumerate(per_stage):
             if stage == groups.pp_rank:
                 gather_into(gathered[:groups.tp * split], send[:split], group=groups.tp_group)
-            dist.broadcast(full[:owned], src=groups.pp_ranks[stage], group=groups.pp_group)
+                if etp_grp is not None:
+                    gather_into(gathered[:etp * esplit], send[:esplit], group=etp_grp)
+                if ep_grp is not None and len(ep_ranks) > 1:
+                    for e, n in enumerate(owned):
+                        dist.broadcast(full[:n], src=ep_ranks[e], group=ep_grp)
+            dist.broadcast(full[:everything], src=groups.pp_ranks[stage], group=groups.pp_group)
 
     results["floor: raw collectives"] = _timed(floor, a.iters)
     src, dst = torch.empty(total, dtype=torch.uint8), torch.empty(total, dtype=torch.uint8)
@@ -150,8 +205,12 @@ def _worker(a) -> None:
 def _report(a, results: dict, total: int) -> None:
     floor = max(results["floor: raw collectives"], results["floor: memcpy"])
     ours = results["ours (plain)"]
-    print(f"model: qwen2 hidden={a.hidden} layers={a.layers} ffn={a.ffn} vocab={a.vocab} "
-          f"{a.dtype}: {total / 1e6:.0f} MB HF tensors; TP=2 x PP=2, 4 gloo ranks; "
+    kind = (f"qwen3_moe hidden={a.hidden} layers={a.layers} experts={a.experts} top{a.topk} "
+            f"moe_ffn={a.moe_ffn}" if a.moe else
+            f"qwen2 hidden={a.hidden} layers={a.layers} ffn={a.ffn}")
+    mesh = f"; EP={a.ep} x ETP={a.etp or 2}" if a.moe else ""
+    print(f"model: {kind} vocab={a.vocab} "
+          f"{a.dtype}: {total / 1e6:.0f} MB HF tensors; TP=2 x PP=2{mesh}, 4 gloo ranks; "
           f"bucket {a.bucket_mb} MiB; best of {a.iters}; disk fsync={a.fsync}; "
           f"load_avg_1min={os.getloadavg()[0]:.1f}")
     print(f"{'path':<24} {'seconds':>8} {'GB/s':>7} {'vs ours':>8}")
@@ -171,9 +230,10 @@ def main(argv=None) -> None:
         from tools.make_tiny_model import make_tiny_model
 
         print(f"building {path} ...", flush=True)
-        make_tiny_model(path, family="qwen2", num_layers=a.layers, hidden_size=a.hidden,
+        make_tiny_model(path, family=_family(a), num_layers=a.layers, hidden_size=a.hidden,
                         num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                        intermediate_size=a.ffn, vocab_size=a.vocab, dtype=a.dtype)
+                        intermediate_size=a.ffn, vocab_size=a.vocab, dtype=a.dtype,
+                        moe=_moe_sizes(a))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
            os.path.abspath(__file__), "--worker"] + (argv if argv is not None else sys.argv[1:])

