@@ -34,28 +34,43 @@ def tok(tmp_path_factory):
 
 
 class Scripted:
-    """generate(): the next scripted reply of each trajectory, with made-up log-probs;
-    records every prompt it was given."""
+    """A scripted engine: the next scripted reply of each trajectory, with made-up
+    log-probs, decoded like an engine with continuous batching: every request in flight
+    takes one token per step, and a finished turn's next prompt joins at once. Records
+    every prompt, and `events`: (step, "done" | "submit", trajectory) in order."""
     tp_size = 1
 
     def __init__(self, tok, reply, stop=True):
         self.tok, self.reply, self.stop, self.prompts = tok, reply, stop, []
-        self.counter = 0
+        self.counter, self.events = 0, []
 
-    def generate(self, prompts, num_generations=1, **kw):
-        assert num_generations == 1
-        out = []
-        for i, p in enumerate(prompts):
-            self.prompts.append(list(p))
-            text = self.reply(self.tok.decode(p, skip_special_tokens=False))
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
-            if self.stop is True:                       # stopped at eos (else: a stop string)
-                ids = ids + [self.tok.convert_tokens_to_ids("<|im_end|>")]
-            logps = [-(self.counter + k + 1) / 100 for k in range(len(ids))]
-            self.counter += len(ids)
-            out.append(Completion(i, ids, text, not self.stop, logps,
-                                  "stop" if self.stop else "length"))   # stop=False: cut
-        return out
+    def _sample(self, p):
+        self.prompts.append(list(p))
+        text = self.reply(self.tok.decode(p, skip_special_tokens=False))
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if self.stop is True:                       # stopped at eos (else: a stop string)
+            ids = ids + [self.tok.convert_tokens_to_ids("<|im_end|>")]
+        logps = [-(self.counter + k + 1) / 100 for k in range(len(ids))]
+        self.counter += len(ids)
+        return Completion(0, ids, text, not self.stop, logps,
+                          "stop" if self.stop else "length")    # stop=False: cut
+
+    def generate_turns(self, prompts, next_turn, **kw):
+        running = {i: [self._sample(p), 0] for i, p in enumerate(prompts)}   # [turn, tokens]
+        step = 0
+        while running:
+            step += 1
+            for i in sorted(running):
+                c, made = running[i]
+                running[i][1] = made = made + 1
+                if made < len(c.token_ids):
+                    continue
+                del running[i]
+                self.events.append((step, "done", i))
+                nxt = next_turn(i, c)
+                if nxt is not None:
+                    self.events.append((step, "submit", i))
+                    running[i] = [self._sample(nxt), 0]
 
 
 def ids(tok, text):
@@ -114,6 +129,26 @@ def test_max_length_cuts_the_trajectory_and_max_turns_ends_it(tok):
                           [RolloutInferRequest([SYSTEM, USER]) for _ in range(2)])
     assert [t.num_turns for t in ts] == [3, 3] and not any(t.truncated for t in ts)
     assert sum(ts[0].loss_mask) == len(ts[0].logprobs) == 3 * len(turn1)
+
+
+def test_a_short_trajectory_never_waits_for_a_long_one(tok):
+    """Continuous batching across turns: with the scripted engine (one token per step), a
+    trajectory with short turns runs all its turns while a long one is still in its first;
+    each turn still samples from the exact ids of its own trajectory."""
+    long_call = "<tool_call>" + "+".join(["1"] * 40) + "</tool_call>"
+    engine = Scripted(tok, lambda p: long_call if "long" in p else "<tool_call>1</tool_call>")
+    sched = build_scheduler("calculator", max_turns=3, tokenizer=tok)
+    reqs = [RolloutInferRequest([{"role": "user", "content": w}]) for w in ("long", "short")]
+    long_t, short_t = run_trajectories(engine, tok, sched, reqs)
+    first_long_done = min(step for step, what, i in engine.events if what == "done" and i == 0)
+    short_submits = [step for step, what, i in engine.events if what == "submit" and i == 1]
+    assert len(short_submits) == 2 and max(short_submits) < first_long_done
+    assert long_t.num_turns == short_t.num_turns == 3
+    assert all(sum(t.loss_mask) == len(t.logprobs) for t in (long_t, short_t))
+    # every prompt the engine saw is a prefix of its own trajectory
+    full = [t.prompt_ids + t.completion_ids for t in (long_t, short_t)]
+    assert all(any(f[:len(p)] == p for f in full) for p in engine.prompts)
+    assert sum(1 for p in engine.prompts if full[1][:len(p)] == p) == 3
 
 
 def test_gym_number_guessing(tok):

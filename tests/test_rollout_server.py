@@ -165,6 +165,42 @@ def test_server_multi_turn_trajectories_are_token_exact(server):
         assert max_diff([t.logprobs], [model]) < ATOL
 
 
+def test_client_turns_never_wait_for_each_other():
+    """generate_turns sends each trajectory's turn as its own request, at once: here the
+    server (a stand-in for /v1/completions) holds trajectory 1's first turn until
+    trajectory 0's second turn has arrived, which a round barrier would never send (its
+    wait would run out). next_turn runs in the caller's thread; every request has its
+    own seed (the trajectories of a group share a prompt)."""
+    from megatron_grpo.rollout.colocate import Completion
+
+    client = RolloutClient(vllm_server_port=8000, seed=5, max_completion_length=3)
+    sent, arrived = [], threading.Event()
+
+    def completions(prompts, opts, seed):
+        [p] = prompts
+        assert opts.num_generations == 1 and opts.max_completion_length == 3
+        sent.append((p, seed))
+        if p == [1, 10]:
+            arrived.set()
+        if p == [2]:
+            assert arrived.wait(120), "trajectory 0's second turn was never sent"
+        return [Completion(0, [10], "x", False, [-0.5], "stop")]
+
+    client._completions, client._model = completions, "tiny"
+    threads, turns = set(), {0: 0, 1: 0}
+
+    def next_turn(i, c):
+        threads.add(threading.current_thread())
+        turns[i] += 1
+        assert c.prompt_index == i and c.token_ids == [10]
+        return None if turns[i] == (3 if i == 0 else 2) else [i + 1] + [10] * turns[i]
+
+    client.generate_turns([[1], [2]], next_turn)
+    assert turns == {0: 3, 1: 2} and threads == {threading.main_thread()}
+    assert [p for p, _ in sent].index([1, 10]) < [p for p, _ in sent].index([2, 10])
+    assert len({seed for _, seed in sent}) == len(sent) == 5
+
+
 def test_unreachable_server_fails_after_timeout():
     client = RolloutClient(vllm_server_port=free_port(), vllm_server_timeout=2)
     start = time.monotonic()

@@ -21,7 +21,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .colocate import Completion, SamplingOptions
 from .server import API_KEY_ENV
@@ -36,6 +36,8 @@ class RolloutClient:
 
     # Every rank talks to the server on its own: no rank has to join another's generate().
     tp_size = 1
+    # Requests generate_turns keeps in flight at once (one thread each).
+    max_concurrent_requests = 256
 
     def __init__(self, vllm_server_host: str = "127.0.0.1", vllm_server_port: int = 8000,
                  vllm_server_base_url: Optional[str] = None, vllm_server_timeout: float = 240.0,
@@ -61,6 +63,7 @@ class RolloutClient:
                                         max_completion_length, num_generations)
         self.seed = seed
         self._model: Optional[str] = None
+        self._calls = 0       # generate_turns calls (request seeds)
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, path: str, body: Optional[bytes] = None,
@@ -126,13 +129,18 @@ class RolloutClient:
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         if not prompts:
             return []
+        return self._completions(prompts, opts, self.seed)
+
+    def _completions(self, prompts: List[List[int]], opts: SamplingOptions,
+                     seed: Optional[int]) -> List[Completion]:
+        """One /v1/completions request: opts.num_generations completions per prompt."""
         payload = dict(model=self.model, prompt=prompts, n=opts.num_generations,
                        max_tokens=opts.max_completion_length, temperature=opts.temperature,
                        top_p=opts.top_p, top_k=opts.top_k,
                        repetition_penalty=opts.repetition_penalty, logprobs=0,
                        return_token_ids=True, skip_special_tokens=True)
-        if self.seed is not None:
-            payload["seed"] = self.seed
+        if seed is not None:
+            payload["seed"] = seed
         out = self._post_json("/v1/completions", payload)
         choices = sorted(out["choices"], key=lambda c: c["index"])
         # OpenAI order: choice index = prompt index * n + sample index.
@@ -145,6 +153,59 @@ class RolloutClient:
                 text=choice["text"], truncated=choice["finish_reason"] == "length",
                 logprobs=logprobs, finish_reason=choice["finish_reason"]))
         return result
+
+    def generate_turns(self, prompt_token_ids: Sequence[Sequence[int]],
+                       next_turn: Callable[[int, Completion], Optional[Sequence[int]]],
+                       **overrides) -> None:
+        """Continuous batching across turns: every chain's turn is its own request, all in
+        flight at once (a thread each, up to `max_concurrent_requests`; the server's engine
+        batches them). When prompt i's completion c comes back, `next_turn(i, c)` runs in
+        this thread and its answer (i's next prompt, or None: finished) is sent at once,
+        whatever the other requests are doing.
+
+        Seeds: with a client seed, each request gets its own, drawn from (seed, rank, call,
+        chain, turn): the chains of a group often share their prompt, and one seed for all
+        would sample them alike."""
+        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+        opts = SamplingOptions(**{**self.sampling.__dict__, **overrides, "num_generations": 1})
+        prompts = [[int(t) for t in p] for p in prompt_token_ids]
+        if not prompts:
+            return
+        self.model      # asked once here, not by every thread
+        self._calls += 1
+        turns = [0] * len(prompts)
+        pool = ThreadPoolExecutor(max_workers=min(len(prompts), self.max_concurrent_requests),
+                                  thread_name_prefix="rollout-turn")
+
+        def submit(i: int, ids: List[int]):
+            turns[i] += 1
+            return pool.submit(self._completions, [ids], opts, self._turn_seed(i, turns[i]))
+
+        running = {submit(i, p): i for i, p in enumerate(prompts)}
+        try:
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in sorted(done, key=running.get):
+                    i = running.pop(future)
+                    [c] = future.result()
+                    c.prompt_index = i
+                    ids = next_turn(i, c)
+                    if ids is not None:
+                        running[submit(i, [int(t) for t in ids])] = i
+        finally:
+            # On an error, requests still in flight are not waited for.
+            pool.shutdown(wait=not running, cancel_futures=True)
+
+    def _turn_seed(self, chain: int, turn: int) -> Optional[int]:
+        if self.seed is None:
+            return None
+        import random
+
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return random.Random(f"{self.seed}:{rank}:{self._calls}:{chain}:{turn}").randrange(2**31)
 
     def score(self, prompt_ids: Sequence[Sequence[int]],
               completion_ids: Sequence[Sequence[int]]) -> List[List[float]]:

@@ -3,6 +3,7 @@
     engine = ColocateEngine("path/to/hf_model", vllm_tensor_parallel_size=2, temperature=0.9,
                             num_generations=8, max_completion_length=512, seed=42)
     completions = engine.generate(prompt_token_ids)      # this rank's prompts
+    engine.generate_turns(first_prompts, next_turn)       # multi-turn, continuous batching
     load_weight_stream(engine, bridge_buckets)            # weights.py
 
 vLLM TP groups. Inside a torchrun world (torch.distributed already initialised),
@@ -15,6 +16,9 @@ same order with the same seed: `generate` all-gathers the ranks' prompts within
 the group, every member generates for all of them, and each rank keeps its own
 part. Different TP groups get different seeds (seed + group index), so two groups
 never draw the same samples. With a world of one rank vLLM runs plainly in-process.
+`generate_turns` (multi-turn) steps the engine itself and adds each trajectory's next
+turn between steps; a TP group's ranks all-gather the requests they have ready before
+every step, so their engines stay identical.
 
 Rollout log-probs. The engine runs with `logprobs_mode="processed_logprobs"`: the
 log-prob vLLM returns for a sampled token is taken from the distribution it was
@@ -208,6 +212,8 @@ class ColocateEngine:
         with without_cuda_rewrite():
             self.llm = LLM(**kwargs)
             self.tokenizer = self.llm.get_tokenizer()
+        self.engine_steps = 0     # engine steps run by generate_turns
+        self._requests = 0        # request ids of generate_turns
 
     def close(self) -> None:
         """Shut the engine down (at the end of a run).
@@ -270,6 +276,74 @@ class ColocateEngine:
                 c.prompt_index = i
                 result.append(c)
         return result
+
+    def generate_turns(self, prompt_token_ids: Sequence[Sequence[int]],
+                       next_turn: Callable[[int, Completion], Optional[Sequence[int]]],
+                       **overrides) -> None:
+        """Continuous batching across turns: one completion per prompt, and as soon as
+        prompt i's completion c is done, `next_turn(i, c)` gives i's next prompt (ids,
+        submitted to the engine at once while the others keep decoding) or None (i is
+        finished). Returns when every chain is finished. `overrides`: SamplingOptions
+        fields (num_generations is always 1).
+
+        vLLM's engine is driven step by step through its public `LLMEngine` calls
+        (`renderer.render_cmpl`, `add_request`, `step`, `has_unfinished_requests`, as
+        `LLM.generate` does inside): `LLM.generate` itself runs the engine until every
+        request of its call is done, which would make a finished turn wait for the
+        slowest of its round. `engine_steps` counts the steps.
+
+        Collective over the vLLM TP group, in lockstep: its ranks run the same engine, so
+        before every step they all-gather the requests each rank has ready (its own
+        chains' next turns) and all add the same requests in the same order (by rank);
+        a chain's `next_turn` runs on the rank that owns it. They stop together: the
+        engines are identical, so "nothing gathered and nothing unfinished" is too.
+        """
+        params = self._sampling_params(**{**overrides, "num_generations": 1})
+        compat.final_output_only(params)
+        engine = self.llm.llm_engine
+        member = self.rank - self.group_ranks[0]
+        ready = [(i, [int(t) for t in p]) for i, p in enumerate(prompt_token_ids)]
+        owner: Dict[str, tuple] = {}             # request id -> (member rank, chain index)
+        try:
+            self._run_turns(engine, params, member, ready, owner, next_turn)
+        except BaseException:
+            if owner:        # leave nothing behind for the engine's next caller
+                with without_cuda_rewrite():
+                    engine.abort_request(list(owner))
+            raise
+
+    def _run_turns(self, engine, params, member, ready, owner, next_turn) -> None:
+        """generate_turns' loop: gather what is ready, add it, step, hand out what finished."""
+        while True:
+            if self.tp_group is None:
+                batch = [(member, i, ids) for i, ids in ready]
+            else:
+                import torch.distributed as dist
+
+                gathered: List[Any] = [None] * self.tp_size
+                dist.all_gather_object(gathered, ready, group=self.tp_group)
+                batch = [(m, i, ids) for m, part in enumerate(gathered) for i, ids in part]
+            ready = []
+            with without_cuda_rewrite():
+                inputs = engine.renderer.render_cmpl([{"prompt_token_ids": ids}
+                                                      for _, _, ids in batch]) if batch else []
+                for (m, i, _), prompt in zip(batch, inputs):
+                    self._requests += 1
+                    request_id = f"mg-turn-{self._requests}"
+                    engine.add_request(request_id, prompt, params)
+                    owner[request_id] = (m, i)
+                if not engine.has_unfinished_requests():
+                    break
+                outputs = engine.step()
+                self.engine_steps += 1
+            for out in outputs:
+                if not out.finished:
+                    continue
+                m, i = owner.pop(out.request_id)
+                if m == member:
+                    ids = next_turn(i, _completion(i, out.outputs[0]))
+                    if ids is not None:
+                        ready.append((i, [int(t) for t in ids]))
 
     def score(self, prompt_ids: Sequence[Sequence[int]],
               completion_ids: Sequence[Sequence[int]]) -> List[List[float]]:

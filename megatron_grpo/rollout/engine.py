@@ -8,7 +8,7 @@ tests/test_rollout_engine.py holds both classes to this Protocol, signatures inc
 """
 from __future__ import annotations
 
-from typing import List, Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, List, Optional, Protocol, Sequence, runtime_checkable
 
 from .colocate import Completion
 from .weights import Bucket
@@ -26,6 +26,14 @@ class RolloutEngine(Protocol):
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], **overrides) -> List[Completion]:
         """`num_generations` completions per prompt, ordered by prompt then sample;
         `overrides`: any SamplingOptions field for this call."""
+
+    def generate_turns(self, prompt_token_ids: Sequence[Sequence[int]],
+                       next_turn: Callable[[int, Completion], Optional[Sequence[int]]],
+                       **overrides) -> None:
+        """Continuous batching across turns (multi-turn rollouts): one completion per
+        prompt; when prompt i's completion c is done, `next_turn(i, c)` (called in the
+        caller's thread) returns i's next prompt, sampled at once while the others go on,
+        or None when i is finished. Returns when every chain is finished."""
 
     def score(self, prompt_ids: Sequence[Sequence[int]],
               completion_ids: Sequence[Sequence[int]]) -> List[List[float]]:

@@ -18,10 +18,14 @@ adds for it, and only that text:
 A scheduler that rewrites earlier messages (full does not start with base) is refused:
 its trajectory would not be the tokens the model saw.
 
-All trajectories stay in flight together: each turn submits every unfinished
-trajectory's next prompt at once (one `engine.generate` call: vLLM batches them),
-and a trajectory that finishes drops out. Inside a colocated vLLM TP group the ranks
-keep calling together until every rank's trajectories are done.
+All trajectories stay in flight together, each at its own pace (continuous batching
+across turns): the engine's `generate_turns` hands each finished turn to the loop at
+once, the scheduler decides, and the trajectory's next turn enters the engine while the
+others keep decoding; no turn waits for the slowest of a round. Colocated, the engine
+is stepped with new requests added between steps (inside a vLLM TP group its ranks
+share what each has ready before every step); in server mode each trajectory's turn is
+its own request and the server's engine batches them. The scheduler's hooks run in the
+loop's thread, one turn at a time.
 
 Lengths. `max_completion_length` caps each turn (ms-swift's per-round scope);
 `max_length` caps the whole trajectory (prompt included): a trajectory that would pass
@@ -142,25 +146,14 @@ def _choice(c) -> ChatCompletionResponseChoice:
         logprobs={"content": [{"token": t, "logprob": x} for t, x in zip(c.token_ids, c.logprobs)]})
 
 
-def _anyone_active(local: bool, collective: bool) -> bool:
-    if not collective:
-        return local
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if local else 0], dtype=torch.int64)
-    dist.all_reduce(flag)
-    return bool(flag.item())
-
-
 def run_trajectories(engine, tokenizer, scheduler: RolloutScheduler,
                      requests: List[RolloutInferRequest], *, max_length: Optional[int] = None,
                      max_turns: Optional[int] = None,
                      enable_thinking: Optional[bool] = None) -> List[Trajectory]:
     """Roll every request out to the end of its trajectory (module docstring); one
     trajectory per request, in order. `engine`: a rollout.engine.RolloutEngine (its
-    generate is called with num_generations=1 per trajectory). Collective over the
-    world when the engine's vLLM TP group spans ranks (engine.tp_size > 1)."""
+    generate_turns drives the turns). Collective over the engine's vLLM TP group when it
+    spans ranks (engine.tp_size > 1): its ranks call together, with or without requests."""
     spans = TurnSpans(tokenizer, enable_thinking)
     call_hook(scheduler.on_trajectory_start(requests))
     states = []
@@ -170,17 +163,13 @@ def run_trajectories(engine, tokenizer, scheduler: RolloutScheduler,
         if max_length:
             ids = ids[-max_length:]                      # keep the question's end
         states.append(_State(req, ids, prompt_text=prompt_text))
-    collective = getattr(engine, "tp_size", 1) > 1
-    while True:
-        active = [s for s in states if not s.done]
-        if not _anyone_active(bool(active), collective):
-            break
-        outs = engine.generate([s.prompt_ids + s.ids for s in active], num_generations=1) \
-            if active or collective else []
-        if len(outs) != len(active):
-            raise RuntimeError(f"multi-turn: {len(outs)} completions for {len(active)} trajectories")
-        for s, c in zip(active, outs):
-            _advance(s, c, scheduler, spans, max_length, max_turns)
+
+    def next_turn(i: int, c) -> Optional[List[int]]:
+        s = states[i]
+        _advance(s, c, scheduler, spans, max_length, max_turns)
+        return None if s.done else s.prompt_ids + s.ids
+
+    engine.generate_turns([s.prompt_ids for s in states], next_turn)
     close = getattr(scheduler, "close", None)
     if callable(close):
         close()

