@@ -6,11 +6,11 @@ partials are summed (what the all-reduce does) before the coefficients are built
 import pytest
 import torch
 
-from megatron_grpo.algorithms import (LOSS_TYPES, aggregate_loss, compute_policy_loss, count_partials,
+from megatron_grpo.algorithms import (aggregate_loss, compute_policy_loss, count_partials,
                                       counts_from_masks, entropy_threshold, local_loss, loss_normalizer,
                                       token_coefficients)
 from megatron_grpo.algorithms.aggregation import COMPLETION_TOKENS, LOSS_TOKENS, SEQUENCES
-from tests.test_algorithms_policy_loss import LMAX, make_batch, reference_loss
+from tests.test_algorithms_policy_loss import LMAX, TOKEN_LOSS_TYPES, make_batch, reference_loss
 
 S, L = 8, 9
 
@@ -58,7 +58,7 @@ def step_loss(bt, logps, ranks, o, generation_counts=None):
     return total
 
 
-@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+@pytest.mark.parametrize("loss_type", TOKEN_LOSS_TYPES)  # real: test_algorithms_policy_loss
 def test_loss_and_grad_invariant_to_split(loss_type):
     bt = make_batch(31, b=S, l=L, empty_row=False)
     o = _options(loss_type)
@@ -77,7 +77,7 @@ def test_loss_and_grad_invariant_to_split(loss_type):
     assert ref_lp.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+@pytest.mark.parametrize("loss_type", TOKEN_LOSS_TYPES)  # real: test_algorithms_policy_loss
 def test_steps_per_generation_two(loss_type):
     """Two optimizer steps from one generation batch: each step's loss is split-invariant;
     dapo/cispo normalise by the generation batch's tokens, so the two steps add up to the

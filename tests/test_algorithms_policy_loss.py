@@ -9,10 +9,13 @@ import torch
 
 from megatron_grpo.algorithms import (LOSS_TYPES, compute_policy_loss, count_partials, entropy_threshold,
                                       local_loss, loss_normalizer, policy_metric_partials, finalize_metrics)
-from megatron_grpo.algorithms.policy_loss import LossTypeParams, discounted_suffix_sum, quantile
+from megatron_grpo.algorithms.aggregation import real_kl_loss
+from megatron_grpo.algorithms.policy_loss import LossConfig, LossTypeParams, discounted_suffix_sum, quantile
 
 B, L, LMAX = 6, 7, 9
 D = torch.float64
+# Per-token loss types; real (a group loss) has its own reference below.
+TOKEN_LOSS_TYPES = [t for t in LOSS_TYPES if t != "real"]
 
 
 def make_batch(seed, b=B, l=L, empty_row=True):
@@ -209,7 +212,7 @@ def _base(loss_type):
     return dict(loss_type=loss_type, epsilon=0.2, epsilon_high=1.1 if loss_type == "cispo" else 0.28)
 
 
-@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+@pytest.mark.parametrize("loss_type", TOKEN_LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
 @pytest.mark.parametrize("delta", [None, 1.3])
 def test_loss_types_and_levels(loss_type, level, delta):
@@ -239,7 +242,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+@pytest.mark.parametrize("loss_type", TOKEN_LOSS_TYPES)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_option_variants(loss_type, variant):
     o = dict(_base(loss_type), **VARIANTS[variant])
@@ -258,7 +261,7 @@ def test_per_token_advantages_and_extreme_kl():
     check_against_reference(5, dict(_base("dapo"), beta=0.2, importance_sampling_level="sequence"), bt)
 
 
-@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+@pytest.mark.parametrize("loss_type", TOKEN_LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_all_completions_overlong_gives_zero_loss_not_nan(loss_type, level):
     bt = make_batch(3)
@@ -356,7 +359,7 @@ def _with_padding(bt, value):
     return bt
 
 
-@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+@pytest.mark.parametrize("loss_type", TOKEN_LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
 @pytest.mark.parametrize("garbage", [float("nan"), float("inf"), float("-inf")])
 def test_padding_garbage_in_every_input_changes_nothing(loss_type, level, garbage):
@@ -407,7 +410,7 @@ def test_global_entropy_threshold_overrides_local():
 
 
 @pytest.mark.parametrize("kwargs,option,valid", [
-    (dict(loss_type="ppo"), "loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo"]),
+    (dict(loss_type="ppo"), "loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo", "real"]),
     (dict(importance_sampling_level="step"), "importance_sampling_level", ["token", "sequence", "sequence_token"]),
     (dict(kl_estimator="k4", beta=0.1), "kl_estimator", ["k1", "k2", "k3"]),
     (dict(rollout_importance_sampling_mode="clip"), "rollout_importance_sampling_mode",
@@ -450,8 +453,208 @@ def test_loss_type_options_reach_the_loss(tmp_path):
     opts = _loss_options(parse_rlhf_args(argv))
     assert opts.loss_type == "sapo"
     assert opts.loss_params == LossTypeParams(tau_pos=2.5, tau_neg=3.0, fipo_decay_rate=8.0, fipo_clip_range=None,
-                                              fipo_clip_high_only=False, fipo_safety_threshold=2.0)
+                                              fipo_clip_high_only=False, fipo_safety_threshold=2.0,
+                                              num_generations=8)
     with pytest.raises(ValueError, match="tau_neg"):
         _loss_options(parse_rlhf_args(argv[:-12] + ["--tau_neg", "0"]))
     with pytest.raises(ValueError, match="--loss_type fipo.*--context_parallel_size"):
         parse_rlhf_args(argv[:6] + ["--loss_type", "fipo", "--context_parallel_size", "2"])
+
+
+# ---------------------------------------------------------------- off-policy sequence mask
+
+def reference_keep(bt, logps, o, use_rollout):
+    """Rows the off-policy sequence mask keeps, from loops: drop row i when the mean over
+    its loss tokens of (behaviour - logp) exceeds delta and its mean advantage is < 0."""
+    keep = []
+    for i in range(bt["mask"].shape[0]):
+        filtered = o.get("overlong_filter", False) and bool(bt["truncated"][i])
+        toks = [] if filtered else [t for t in range(bt["mask"].shape[1]) if bt["mask"][i, t]]
+        if not toks:
+            keep.append(True)
+            continue
+        behaviour = bt["rollout"] if use_rollout else (logps.detach() if o.get("on_policy") else bt["old"])
+        gap = sum(float(behaviour[i, t] - logps[i, t].detach()) for t in toks) / len(toks)
+        a = (float(bt["adv"][i]) if bt["adv"].dim() == 1
+             else sum(float(bt["adv"][i, t]) for t in toks) / len(toks))
+        keep.append(not (gap > o["off_policy_sequence_mask_delta"] and a < 0))
+    return torch.tensor(keep)
+
+
+@pytest.mark.parametrize("loss_type", TOKEN_LOSS_TYPES)
+@pytest.mark.parametrize("use_rollout", [True, False])
+@pytest.mark.parametrize("variant", ["plain", "overlong_sequence"])
+def test_off_policy_sequence_mask(loss_type, use_rollout, variant):
+    bt = make_batch(41, b=8)
+    o = dict(_base(loss_type), beta=0.03, off_policy_sequence_mask_delta=0.02)
+    if variant == "overlong_sequence":
+        o.update(overlong_filter=True, importance_sampling_level="sequence")
+    lp = bt["logps"].clone().requires_grad_()
+    keep = reference_keep(bt, bt["logps"], o, use_rollout)
+    assert not keep.all() and keep.sum() >= 3      # the mask acts, and not on everything
+    # Reference: the dropped rows lose every token; normalisers as the aggregation counts
+    # them (generation tokens before any mask).
+    ref_bt = dict(bt, mask=bt["mask"] & keep.unsqueeze(-1))
+    ref_o = {k: v for k, v in o.items() if k != "off_policy_sequence_mask_delta"}
+    ref_o["generation_tokens"] = int(bt["mask"].sum())
+    if not use_rollout:
+        ref_bt["rollout"] = None
+    lp_ref = bt["logps"].clone().requires_grad_()
+    want = reference_loss(ref_bt, lp_ref, ref_o)
+    kwargs = {k: o[k] for k in IMPL_KEYS + ("off_policy_sequence_mask_delta",) if k in o}
+    out = compute_policy_loss(lp, bt["adv"], bt["mask"], old_logps=bt["old"], ref_logps=bt["ref"],
+                              truncated=bt["truncated"], rollout_logps=bt["rollout"] if use_rollout else None,
+                              **kwargs)
+    counts = count_partials(out.loss_mask, bt["mask"])
+    norm = loss_normalizer(loss_type, counts, generation_counts=counts, max_completion_length=LMAX)
+    got = local_loss(out.per_token_loss, out.loss_mask, loss_type, norm)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lp.grad, lp_ref.grad, rtol=1e-9, atol=1e-12)
+    assert torch.equal(out.loss_mask.any(-1) | ~bt["mask"].any(-1) | (bt["truncated"] & o.get("overlong_filter", False)),
+                       keep | ~bt["mask"].any(-1) | (bt["truncated"] & o.get("overlong_filter", False)))
+
+
+# ---------------------------------------------------------------- REAL (a group loss)
+
+G = 4
+
+
+def real_batch(seed):
+    """3 groups of G rows: group 0 mixed signs, group 1 all positive (contributes 0),
+    group 2 mixed with a zero advantage (non-positive) and a row without tokens."""
+    bt = make_batch(seed, b=3 * G, empty_row=False)
+    bt["mask"][9] = False
+    bt["old"] = bt["old"].masked_fill(~bt["mask"], float("nan"))
+    bt["adv"] = torch.tensor([0.7, -0.3, 1.2, -0.9,  0.5, 0.1, 2.0, 0.4,  0.0, -0.6, 0.8, 0.3], dtype=D)
+    return bt
+
+
+def reference_real(bt, logps, o):
+    """sum over groups with both signs of log(1 + sum_N e^{S/tau}) + log(1 + sum_P e^{-S/tau})
+    / number of groups, + beta * token mean of k3; S_i = mean token log-ratio, A_i its advantage
+    (both over the loss tokens; a row without any: S = 0, A = 0)."""
+    tau, beta = o.get("real_tau", 0.5), o.get("beta", 0.0)
+    keep = reference_keep(bt, logps, o, True) if "off_policy_sequence_mask_delta" in o else None
+    scores, advs, kl_sum, n_tok = [], [], torch.zeros((), dtype=D), 0
+    for i in range(bt["mask"].shape[0]):
+        dropped = (o.get("overlong_filter", False) and bool(bt["truncated"][i])) or \
+            (keep is not None and not keep[i])
+        toks = [] if dropped else [t for t in range(bt["mask"].shape[1]) if bt["mask"][i, t]]
+        old = (lambda t: logps[i, t].detach()) if o.get("on_policy") else (lambda t: bt["old"][i, t])
+        scores.append(sum(logps[i, t] - old(t) for t in toks) / len(toks) if toks else torch.zeros((), dtype=D))
+        advs.append(float(bt["adv"][i]) if toks else 0.0)
+        for t in toks:
+            d = bt["ref"][i, t] - logps[i, t]
+            kl_sum = kl_sum + torch.exp(d) - d - 1.0
+            n_tok += 1
+    total = torch.zeros((), dtype=D)
+    groups = len(scores) // G
+    for g in range(groups):
+        rows = range(g * G, (g + 1) * G)
+        pos = [i for i in rows if advs[i] > 0]
+        neg = [i for i in rows if advs[i] <= 0]
+        if pos and neg:
+            total = total + torch.log(1 + sum(torch.exp(scores[i] / tau) for i in neg)) \
+                + torch.log(1 + sum(torch.exp(-scores[i] / tau) for i in pos))
+    return total / groups + beta * kl_sum / max(n_tok, 1)
+
+
+def implementation_real(bt, logps, o, rows=None):
+    """The step loss as the trainer builds it: global counts, then each micro-batch's share
+    (`rows`: the micro-batches' row ranges; default one micro-batch)."""
+    cfg = LossConfig(loss_type="real", beta=o.get("beta", 0.0), overlong_filter=o.get("overlong_filter", False),
+                     off_policy_sequence_mask_delta=o.get("off_policy_sequence_mask_delta"),
+                     loss_params=LossTypeParams(real_tau=o.get("real_tau", 0.5), num_generations=G))
+    n = bt["mask"].shape[0]
+    rows = rows or [range(0, n)]
+    outs = []
+    for r in rows:
+        sl = slice(r.start, r.stop)
+        outs.append(compute_policy_loss(
+            logps[sl], bt["adv"][sl], bt["mask"][sl], cfg,
+            old_logps=None if o.get("on_policy") else bt["old"][sl], ref_logps=bt["ref"][sl],
+            truncated=bt["truncated"][sl], rollout_logps=bt["rollout"][sl]))
+    counts = sum(count_partials(out.loss_mask, bt["mask"][r.start:r.stop]) for out, r in zip(outs, rows))
+    norm = loss_normalizer("real", counts)
+    loss = torch.zeros((), dtype=D)
+    for out in outs:
+        loss = loss + local_loss(out.per_token_loss, out.loss_mask, "real", norm)
+        if out.per_token_kl is not None:
+            loss = loss + real_kl_loss(out.per_token_kl, out.loss_mask, cfg.beta, counts)
+    return loss, outs
+
+
+REAL_VARIANTS = {
+    "plain": dict(),
+    "tau_kl": dict(real_tau=1.7, beta=0.05),
+    "on_policy": dict(on_policy=True, beta=0.02),
+    "overlong": dict(overlong_filter=True),
+    "off_policy_mask": dict(off_policy_sequence_mask_delta=0.0, beta=0.02),
+}
+
+
+@pytest.mark.parametrize("variant", list(REAL_VARIANTS))
+def test_real_against_reference(variant):
+    o = REAL_VARIANTS[variant]
+    bt = real_batch(17)
+    if variant == "overlong":
+        bt["truncated"] = torch.zeros(3 * G, dtype=torch.bool)
+        bt["truncated"][[1, 10]] = True       # group 0 keeps both signs; group 2 loses a positive row
+    lp, lp_ref = bt["logps"].clone().requires_grad_(), bt["logps"].clone().requires_grad_()
+    got, _ = implementation_real(bt, lp, o)
+    want = reference_real(bt, lp_ref, o)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lp.grad, lp_ref.grad, rtol=1e-9, atol=1e-12)
+    # group 1 (all positive) gets no gradient from the group loss
+    if not o.get("beta"):
+        assert torch.equal(lp.grad[G:2 * G], torch.zeros_like(lp.grad[G:2 * G]))
+    assert lp.grad[:G].abs().sum() > 0
+
+
+def test_real_loss_independent_of_the_micro_batch_split():
+    bt, o = real_batch(5), dict(beta=0.03)
+    whole, _ = implementation_real(bt, bt["logps"], o)
+    split, _ = implementation_real(bt, bt["logps"], o, rows=[range(0, G), range(G, 3 * G)])
+    torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-14)
+
+
+def test_real_option_errors():
+    bt = real_batch(1)
+    cfg = LossConfig(loss_type="real", loss_params=LossTypeParams(num_generations=5))
+    with pytest.raises(ValueError, match="whole groups.*num_generations=5"):
+        compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], cfg, old_logps=bt["old"])
+    for bad in (dict(top_entropy_quantile=0.5), dict(rollout_importance_sampling_mode="token_mask"),
+                dict(importance_sampling_level="sequence")):
+        with pytest.raises(ValueError, match=f"loss_type='real' does not use {next(iter(bad))}"):
+            LossConfig(loss_type="real", **bad)
+    with pytest.raises(ValueError, match="real_tau"):
+        LossTypeParams(real_tau=0.0)
+
+
+def test_real_options_from_the_command_line(tmp_path):
+    """--loss_type real --real_tau / --off_policy_sequence_mask_delta reach LossOptions;
+    the micro-batch must hold whole groups; scale_rewards becomes none."""
+    import json
+
+    from megatron_grpo.config import parse_rlhf_args
+    from megatron_grpo.train.setup import loss_options as _loss_options
+    from tests.test_config_parse import COUNTDOWN
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    argv = ["--model", str(tmp_path), "--dataset", COUNTDOWN, "--reward_funcs", "countdown",
+            "--loss_type", "real", "--num_generations", "4", "--micro_batch_size", "4",
+            "--global_batch_size", "8", "--real_tau", "0.7", "--off_policy_sequence_mask_delta", "0.1"]
+    cfg = parse_rlhf_args(argv)
+    opts = _loss_options(cfg)
+    assert opts.loss_type == "real" and opts.off_policy_sequence_mask_delta == 0.1
+    assert (opts.loss_params.real_tau, opts.loss_params.num_generations) == (0.7, 4)
+    assert cfg.grpo.scale_rewards == "none"
+    with pytest.raises(ValueError, match="--loss_type real needs whole groups.*--micro_batch_size 2.*"
+                                         "--num_generations 4"):
+        parse_rlhf_args(argv[:10] + ["--micro_batch_size", "2"] + argv[12:])
+    with pytest.raises(ValueError, match="--loss_type real does not use --top_entropy_quantile"):
+        parse_rlhf_args(argv + ["--top_entropy_quantile", "0.5"])

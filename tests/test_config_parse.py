@@ -145,7 +145,7 @@ def test_every_option_has_help_and_is_in_help_text():
         assert info.help.strip(), f"--{name} has no help text"
         assert f"--{name} " in text
     # Literal choices are printed.
-    assert "{grpo,bnpo,dr_grpo,dapo,cispo,sapo,fipo}" in text and "{colocate,server}" in text
+    assert "{grpo,bnpo,dr_grpo,dapo,cispo,sapo,fipo,real}" in text and "{colocate,server}" in text
 
 
 def test_help_exits(capsys):
@@ -185,7 +185,7 @@ def test_option_names_are_ms_swift_spellings():
                  "report_to", "num_iterations", "save_steps", "save_total_limit", "logging_steps"]:
         assert name in table, name
     choices = typing.get_args(typing.get_type_hints(GRPOOptions)["loss_type"])
-    assert set(choices) == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo"}
+    assert set(choices) == {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo", "real"}
 
 
 def test_rollout_server_args(model_dir):

@@ -54,8 +54,8 @@ def test_unsupported_flags_collected_with_others(model_dir):
 
 
 def test_unsupported_value(model_dir):
-    message = error_of(args(model_dir, "--loss_type", "real"))
-    assert message.startswith("--loss_type 'real' is an ms-swift value not supported yet (loss type real")
+    message = error_of(args(model_dir, "--lr_decay_style", "WSD"))
+    assert message.startswith("--lr_decay_style 'WSD' is an ms-swift value not supported yet (learning-rate")
 
 
 def test_yaml_key_rejected_too(model_dir, tmp_path):

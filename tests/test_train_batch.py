@@ -23,3 +23,19 @@ def test_dp_unshard_refuses_a_share_of_the_wrong_shape():
     shards[1] = [shards[1][0]]
     with pytest.raises(ValueError, match="DP rank 1"):
         dp_unshard(shards, 8, 4)
+
+
+@pytest.mark.parametrize("n,per_step,dp,group", [(16, 8, 2, 4), (24, 12, 3, 2), (16, 16, 2, 4), (8, 8, 1, 4)])
+def test_dp_shard_keeps_groups_whole(n, per_step, dp, group):
+    """loss_type real: each rank gets whole groups (every dp-th group of a step)."""
+    batch = [(j // group, j) for j in range(n)]                 # (group id, sample)
+    shards = [dp_shard(batch, per_step, dp, r, group) for r in range(dp)]
+    for r in range(dp):
+        for part in shards[r]:
+            ids = [g for g, _ in part]
+            assert len(part) == per_step // dp
+            assert all(ids[i:i + group] == [ids[i]] * group for i in range(0, len(ids), group))
+            assert sorted(set(ids)) == [g for g in sorted(set(ids)) if (g % (per_step // group)) % dp == r]
+    assert dp_unshard(shards, n, per_step, group) == batch
+    with pytest.raises(ValueError, match="whole groups"):
+        dp_indices(n, per_step, per_step, 0, group)

@@ -11,8 +11,9 @@ import torch
 from tests.harness import run_distributed
 from tests.mcore_utils import TINY_QWEN2, setup
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo", "real"]
 N_SAMPLES, VOCAB = 8, TINY_QWEN2["vocab_size"]
+REAL_GROUP = 2      # real: groups of 2 consecutive samples, kept whole on each DP rank
 
 
 def make_samples(seed=0):
@@ -45,7 +46,8 @@ def _grads(rank, world, cases, tp=1):
     from megatron_grpo.model import wrap_ddp
     from megatron_grpo.train import (LossOptions, micro_batches, step_entropy_threshold,
                                      train_micro_batches)
-    from megatron_grpo.train.batch import collate
+    from megatron_grpo.algorithms import LossTypeParams
+    from megatron_grpo.train.batch import collate, dp_shard
     from megatron.core import parallel_state as ps
 
     config, args, chunks = setup(world, tp=tp)
@@ -62,10 +64,15 @@ def _grads(rank, world, cases, tp=1):
         q = case[4] if len(case) > 4 else 1.0
         step_threshold = case[5] if len(case) > 5 else True
         step = [samples[i] for i in parts]
-        mine = step[dp_rank::dp]
-        opts = LossOptions(loss_type=loss_type, beta=beta, epsilon_high=0.28,
-                           overlong_filter=True, top_entropy_quantile=q,
-                           rollout_importance_sampling_mode="token_truncate")
+        if loss_type == "real":     # a group loss: no per-token options, whole groups per rank
+            mine = dp_shard(step, len(step), dp, dp_rank, REAL_GROUP)[0]
+            opts = LossOptions(loss_type="real", beta=beta, overlong_filter=True,
+                               loss_params=LossTypeParams(num_generations=REAL_GROUP))
+        else:
+            mine = step[dp_rank::dp]
+            opts = LossOptions(loss_type=loss_type, beta=beta, epsilon_high=0.28,
+                               overlong_filter=True, top_entropy_quantile=q,
+                               rollout_importance_sampling_mode="token_truncate")
         # Global counts: of the step, and (dapo/cispo) of the whole generation batch.
         full = collate(step)
         step_counts = count_partials(full["completion_mask"] & ~full["truncated"][:, None],
@@ -78,7 +85,8 @@ def _grads(rank, world, cases, tp=1):
         threshold = step_entropy_threshold(chunks, batches, opts, vocab_size=VOCAB) \
             if q < 1.0 and step_threshold else None
         parts_out = train_micro_batches(chunks, batches, opts, normalizer=norm,
-                                        vocab_size=VOCAB, entropy_threshold_value=threshold)
+                                        vocab_size=VOCAB, entropy_threshold_value=threshold,
+                                        step_counts=step_counts)
         grads = {}
         for name, p in chunks[0].module.named_parameters():
             g = p.main_grad.detach().clone()

@@ -40,6 +40,16 @@ dapo     token mean over the whole GENERATION batch (all `steps_per_generation` 
 cispo    normalised like dapo (TRL and ms-swift share the code path).
 fipo     normalised like dapo (ms-swift).
 sapo     normalised like grpo (ms-swift).
+real     its per-token loss is each row's share of its group's loss (policy_loss.real_row_losses),
+         weighted like grpo, which gives the mean over the step's groups (S / G of them):
+         ms-swift's per micro-batch sum over groups / groups, averaged over micro-batches.
+         Its KL term (beta != 0, not kl_in_reward) is normalised apart, as ms-swift's token
+         mean of the KL: `real_kl_loss` with the step's loss tokens (the same caveat as bnpo).
+
+Off-policy sequence mask (`off_policy_sequence_mask_delta`): it needs the current
+log-probs, so the counts above are those of the loss mask BEFORE it (overlong filter
+only). grpo/sapo/real (S rows), dr_grpo, dapo/cispo/fipo do not change; bnpo and real's
+KL divide by those tokens, where ms-swift divides by the micro-batch's tokens after it.
 
 Context parallelism: a completion split over CP ranks must count once in S, and n_i must
 be its full length (pass `sequence_token_counts`); count partials are then taken on one CP
@@ -87,10 +97,11 @@ LOSS_NORMALIZERS = {
     "cispo": _generation_token_norm,
     "sapo": _grpo_norm,
     "fipo": _generation_token_norm,
+    "real": _grpo_norm,
 }
 
 # Which loss types weigh tokens by 1 / (tokens of their own completion).
-_PER_SEQUENCE_MEAN = {"grpo", "sapo"}
+_PER_SEQUENCE_MEAN = {"grpo", "sapo", "real"}
 
 
 def count_partials(loss_mask: torch.Tensor, completion_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -158,3 +169,11 @@ def local_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, loss_type:
     coef = token_coefficients(loss_type, loss_mask, normalizer, dtype=per_token_loss.dtype, **kwargs)
     return aggregate_loss(per_token_loss, coef)
 
+
+
+def real_kl_loss(per_token_kl: torch.Tensor, loss_mask: torch.Tensor, beta: float,
+                 step_counts: torch.Tensor) -> torch.Tensor:
+    """loss_type='real': beta * sum_t m_t KL_t / max(N_step, 1), this micro-batch's share of
+    the KL term (a token mean over the step, module docstring); 0-d in the KL's dtype."""
+    norm = loss_normalizer("bnpo", step_counts)
+    return beta * local_loss(per_token_kl, loss_mask, "bnpo", norm)

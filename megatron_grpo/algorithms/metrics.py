@@ -23,7 +23,7 @@ clip_ratio/region_mean  completion mean of the fraction clipped either way
     ratios, which depend on the split.) Logged for grpo, bnpo, dr_grpo, dapo and fipo.
 cispo_clip_ratio        cispo instead of clip_ratio/*: completion mean of the fraction of its
                         loss tokens with ratio > epsilon_high and A > 0 (the only clip cispo has)
-    sapo has no hard clip and logs neither (as ms-swift).
+    sapo and real have no hard clip and log neither (as ms-swift).
 fipo/future_kl_mean, fipo/influence_weight_mean, fipo/safety_keep_ratio
                         fipo: token means over loss tokens of policy_loss.fipo_influence's
                         F_t, I_t and safety mask (ms-swift's names)
@@ -133,7 +133,7 @@ def policy_metric_partials(out: PolicyLossOutput, *, loss_type: str, epsilon: fl
     rows = {"n": mask}
     if loss_type == "cispo":
         rows["cispo"] = (ratio > epsilon_high) & (adv > 0) & mask
-    elif loss_type != "sapo":
+    elif loss_type not in ("sapo", "real"):
         low = (ratio < 1.0 - epsilon) & (adv < 0)
         high = (ratio > 1.0 + epsilon_high) & (adv > 0)
         rows.update(low=low & mask, high=high & mask, region=(low | high) & mask)

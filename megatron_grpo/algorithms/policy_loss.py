@@ -31,6 +31,15 @@ Order of operations (ms-swift's Megatron GRPO loss), per token t of completion i
      fipo (FIPO, https://arxiv.org/abs/2603.19835): the grpo term times a detached influence
         weight from the discounted future KL of each token (`fipo_influence`):
         l = -min(coef1 A, coef2 A) * sg(I_t)
+     real (REAL, https://arxiv.org/abs/2602.05630): a group-level loss on the sequence
+        scores S_i = mean_t (logp_t - old_t) (token log-ratios, whatever the importance-
+        sampling level), `real_row_losses`; the rows of one group (num_generations
+        consecutive rows, so a micro-batch holds whole groups) split by their advantage
+        into P (A_i > 0) and N (A_i <= 0); only groups with both contribute:
+          loss_g = log(1 + sum_{i in N} exp(S_i / tau)) + log(1 + sum_{i in P} exp(-S_i / tau)),
+        tau = real_tau. Steps 4 and 6 do not apply (LossConfig refuses them), and the KL
+        term of step 5 is NOT added to the per-token loss: REAL normalises it on its own
+        (token mean, aggregation.py), so it comes back in `per_token_kl` only.
 4. `top_entropy_quantile` q < 1: l <- l * [H_t >= tau], tau the (1 - q) quantile of the
    entropies of the loss-mask tokens (`entropy_threshold`; pass the global tau in
    distributed use). The KL term below is not masked (ms-swift).
@@ -46,6 +55,12 @@ Order of operations (ms-swift's Megatron GRPO loss), per token t of completion i
      sequence_truncate  W_t = min(rho_seq, C)
      sequence_mask      W_t = rho_t if rho_seq <= C else 0
    l <- l * W_t (the KL term included).
+7. off-policy sequence mask (`off_policy_sequence_mask_delta` d, DeepSeek-V3.2): drop every
+   token of completion i from the loss mask when
+     mean_t (behaviour_t - logp_t) > d  and  A_i < 0,
+   behaviour = the rollout log-probs when given, else the old ones (ms-swift); A_i the
+   completion's mean advantage. Applied to the loss mask, so it acts on whatever the
+   aggregation does with it (ms-swift masks completion_mask before aggregating).
 
 Every per-token input (logps, old/ref/rollout log-probs, [B, L] advantages, entropy) may
 hold anything in its padding, NaN and inf included: each is passed through `torch.where`
@@ -132,9 +147,11 @@ class LossTypeParams:
     fipo_clip_range: Optional[float] = 0.2        # fipo: influence clipped to 1 +- this; None/0: off
     fipo_clip_high_only: bool = True              # fipo: clip to [1, 1 + range] instead
     fipo_safety_threshold: Optional[float] = 4.0  # fipo: A < 0 and ratio above it -> I in [0.8, 1]
+    real_tau: float = 0.5                         # real: temperature of the sequence scores
+    num_generations: int = 1                      # real: rows per group (consecutive rows)
 
     def __post_init__(self) -> None:
-        for name in ("tau_pos", "tau_neg", "fipo_decay_rate"):
+        for name in ("tau_pos", "tau_neg", "fipo_decay_rate", "real_tau", "num_generations"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
         if self.fipo_clip_range is not None and self.fipo_clip_range < 0:
@@ -170,8 +187,16 @@ def sapo_surrogate(coef1: torch.Tensor, advantages: torch.Tensor, logps: torch.T
     return -torch.where(advantages > 0, gate(params.tau_pos), gate(params.tau_neg)) * advantages
 
 
+def real_surrogate(coef1: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor,
+                   epsilon_low: float, epsilon_high: float, delta: Optional[float],
+                   params: LossTypeParams) -> torch.Tensor:
+    """REAL has no per-token term: compute_policy_loss builds it from whole rows."""
+    return torch.zeros_like(logps)
+
+
 # loss_type -> policy term. How each loss_type is normalised lives in aggregation.py;
-# fipo's influence weight is applied in compute_policy_loss (it needs the whole rows).
+# fipo's influence weight and real's group loss are applied in compute_policy_loss (they
+# need whole rows).
 LOSS_TYPES: Dict[str, Callable[..., torch.Tensor]] = {
     "grpo": clipped_surrogate,
     "bnpo": clipped_surrogate,
@@ -180,7 +205,48 @@ LOSS_TYPES: Dict[str, Callable[..., torch.Tensor]] = {
     "cispo": cispo_surrogate,
     "sapo": sapo_surrogate,
     "fipo": clipped_surrogate,
+    "real": real_surrogate,
 }
+
+
+def real_row_losses(scores: torch.Tensor, seq_advantages: torch.Tensor, has_tokens: torch.Tensor,
+                    num_generations: int, real_tau: float) -> torch.Tensor:
+    """REAL's group loss, spread over the rows of each group -> [B] row values v_i.
+
+    scores [B] S_i (mean token log-ratio, with gradient), seq_advantages [B] A_i,
+    has_tokens [B] bool (the row has loss tokens); rows i*G .. i*G+G-1 form group i,
+    G = num_generations. With P = {A_i > 0}, N = {A_i <= 0} of a group g that has both:
+        loss_g = logsumexp([0, S_N / tau]) + logsumexp([0, -S_P / tau])
+    and v_i = loss_g * G / k_g on the k_g rows of g that have tokens (0 elsewhere), so
+    the grpo weighting (1/n_i per token, 1/S over the step's S rows; aggregation.py)
+    gives sum_g loss_g / (S / G): the mean over the step's groups, groups without both
+    signs counting as 0 -- ms-swift's per micro-batch sum over valid groups / groups.
+    """
+    b = scores.shape[0]
+    if b % num_generations:
+        raise ValueError(f"loss_type='real' needs whole groups in a micro-batch: {b} rows is not a "
+                         f"multiple of num_generations={num_generations}")
+    s = (scores / real_tau).view(-1, num_generations)                                # [g, G]
+    pos = (seq_advantages > 0).view(-1, num_generations)                             # [g, G]
+    valid = pos.any(dim=1) & (~pos).any(dim=1)                                       # [g]
+    zero = torch.zeros_like(s[:, :1])
+    neg_inf = torch.full_like(s, float("-inf"))
+    neg = torch.logsumexp(torch.cat([torch.where(pos, neg_inf, s), zero], dim=1), dim=1)
+    pos_l = torch.logsumexp(torch.cat([torch.where(pos, -s, neg_inf), zero], dim=1), dim=1)
+    group_loss = torch.where(valid, neg + pos_l, torch.zeros_like(neg))              # [g]
+    rows = has_tokens.view(-1, num_generations)
+    k = rows.sum(dim=1, keepdim=True).clamp(min=1).to(s.dtype)                        # [g, 1]
+    v = group_loss.unsqueeze(-1) * num_generations / k                               # [g, G]
+    return torch.where(rows, v, torch.zeros_like(v)).reshape(b)
+
+
+def off_policy_sequence_keep(logps: torch.Tensor, behaviour_logps: torch.Tensor,
+                             seq_advantages: torch.Tensor, mask: torch.Tensor, delta: float,
+                             sequence_sums: Optional[SequenceSums] = None) -> torch.Tensor:
+    """Off-policy sequence mask -> [B] bool, False for the completions to drop:
+    mean_t (behaviour_t - logp_t) over `mask` > delta and A_i < 0 (module docstring, 7)."""
+    gap = masked_sequence_mean((behaviour_logps - logps).detach(), mask, sequence_sums)  # [B]
+    return ~((gap > delta) & (seq_advantages < 0))
 
 
 def discounted_suffix_sum(d: torch.Tensor, gamma: float, block: int = 128) -> torch.Tensor:
@@ -360,7 +426,8 @@ class LossConfig:
     overlong_filter: bool = False
     rollout_importance_sampling_mode: Optional[str] = None
     rollout_importance_sampling_threshold: float = 2.0
-    loss_params: LossTypeParams = LossTypeParams()    # sapo / fipo options
+    off_policy_sequence_mask_delta: Optional[float] = None  # None: off
+    loss_params: LossTypeParams = LossTypeParams()    # sapo / fipo / real options
 
     def __post_init__(self) -> None:
         check_option("loss_type", self.loss_type, LOSS_TYPES)
@@ -372,6 +439,13 @@ class LossConfig:
                          ROLLOUT_IS_MODES)
         if not 0.0 < self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile!r} must be in (0, 1]")
+        if self.loss_type == "real":
+            # REAL's loss lives on sequence scores: these per-token options would change nothing.
+            for name, off in (("top_entropy_quantile", 1.0), ("rollout_importance_sampling_mode", None),
+                              ("importance_sampling_level", "token")):
+                if getattr(self, name) != off:
+                    raise ValueError(f"loss_type='real' does not use {name} (got {getattr(self, name)!r}); "
+                                     f"leave it at {off!r}")
 
 
 def compute_policy_loss(
@@ -430,6 +504,12 @@ def compute_policy_loss(
     adv = advantages.detach()
     adv = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logps.dtype).expand_as(logps)  # [B, L]
     adv = _zero_outside(adv, mask)  # per-token advantages have padding too
+    if c.off_policy_sequence_mask_delta is not None:
+        behaviour = old if rollout_logps is None else _zero_outside(rollout_logps.detach(), mask)
+        seq_adv = masked_sequence_mean(adv, loss_mask, sequence_sums)                # [B]
+        keep = off_policy_sequence_keep(logps, behaviour, seq_adv, loss_mask,
+                                        c.off_policy_sequence_mask_delta, sequence_sums)
+        loss_mask = loss_mask & keep.unsqueeze(-1)
 
     is_weights = None
     if c.rollout_importance_sampling_mode is not None:
@@ -446,6 +526,14 @@ def compute_policy_loss(
     if loss_type == "fipo":
         fipo = fipo_influence(logps - old, coef1, adv, loss_mask, delta, c.loss_params)
         per_token = per_token * fipo["influence_weight"]
+    if loss_type == "real":
+        # Scores and advantages over the final loss mask (an emptied row: score 0, A 0), as ms-swift.
+        scores = masked_sequence_mean(logps - old, loss_mask, sequence_sums)          # [B]
+        seq_adv = masked_sequence_mean(adv, loss_mask, sequence_sums)                 # [B]
+        n = loss_mask.sum(dim=-1).to(logps.dtype)
+        n = n if sequence_sums is None else sequence_sums(n.unsqueeze(-1))[:, 0]
+        per_token = real_row_losses(scores, seq_adv, n > 0, c.loss_params.num_generations,
+                                    c.loss_params.real_tau).unsqueeze(-1).expand_as(logps)
 
     entropy_mask = threshold = None
     if top_entropy_quantile < 1.0:
@@ -460,7 +548,8 @@ def compute_policy_loss(
     per_token_kl = None
     if use_kl:
         per_token_kl = KL_ESTIMATORS[c.kl_estimator](logps, _zero_outside(ref_logps.detach(), mask))
-        per_token = per_token + beta * per_token_kl
+        if loss_type != "real":     # real: normalised apart (aggregation.py)
+            per_token = per_token + beta * per_token_kl
 
     if is_weights is not None:
         per_token = per_token * is_weights

@@ -269,13 +269,16 @@ class GRPOOptions(_Group):
                                               "None: equal to epsilon.")
     delta: Optional[float] = opt(None, "Two-sided GRPO: clip the ratio of negative-advantage tokens "
                                        "at delta (> 1 + epsilon_high recommended). None: off.")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo"] = opt(
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo", "real"] = opt(
         "grpo", "Loss aggregation: grpo (per-sequence mean), bnpo (token mean per batch), dr_grpo "
                 "(sum / (batch x max_completion_length)), dapo (token mean over the step), cispo, "
-                "sapo (soft gate, normalised as grpo), fipo (future-KL weighted, normalised as dapo).")
+                "sapo (soft gate, normalised as grpo), fipo (future-KL weighted, normalised as dapo), "
+                "real (REAL: a loss on the groups' sequence scores, mean over groups; micro-batches "
+                "hold whole groups, scale_rewards none).")
     tau_pos: float = opt(1.0, "sapo: gate temperature for positive advantages (> 0).")
     tau_neg: float = opt(1.05, "sapo: gate temperature for negative advantages (> 0; > tau_pos "
                                "constrains negative updates more).")
+    real_tau: float = opt(0.5, "real: temperature of the sequence scores (> 0).")
     fipo_decay_rate: float = opt(32.0, "fipo: half-life in tokens of the future-KL discount "
                                        "(gamma = 2 ** (-1 / fipo_decay_rate)).")
     fipo_clip_range: Optional[float] = opt(0.2, "fipo: clip the influence weight to 1 +- this; "
@@ -303,6 +306,10 @@ class GRPOOptions(_Group):
         None, "Correct the vLLM/trainer mismatch with importance weights. None: off.")
     rollout_importance_sampling_threshold: float = opt(2.0, "Truncation/mask threshold of the "
                                                             "rollout importance weights.")
+    off_policy_sequence_mask_delta: Optional[float] = opt(
+        None, "Drop a completion from the loss when its mean log-ratio (rollout, else old, minus "
+              "current log-probs) exceeds this and its advantage is negative (DeepSeek-V3.2). "
+              "None: off.")
     log_rollout_offpolicy_metrics: bool = opt(False, "Log rollout_correction/* even without "
                                                      "rollout_importance_sampling_mode.")
 

@@ -236,8 +236,6 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         teacher_model teacher_model_type teacher_model_revision teacher_model_server
         teacher_tag_key offload_teacher_model teacher_kl_coef
     """,
-    "loss type real (a group-level loss: micro-batches holding whole groups)": "real_tau",
-    "off-policy sequence masking": "off_policy_sequence_mask_delta",
     "reward models": "reward_model reward_model_plugin",
     "reference model sync (TR-DPO style)": "sync_ref_model ref_model_sync_steps ref_model_mixup_alpha",
     "asynchronous generation": "async_generate",
@@ -383,7 +381,6 @@ ACCEPTED_WITHOUT_EFFECT: Dict[str, str] = {
 
 # Choice values of implemented options that ms-swift accepts and this project does not (yet).
 UNSUPPORTED_VALUES: Dict[Tuple[str, str], str] = {
-    ("loss_type", "real"): "loss type real (a group-level loss: micro-batches holding whole groups)",
     ("rlhf_type", "dpo"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("rlhf_type", "kto"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("rlhf_type", "rm"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",

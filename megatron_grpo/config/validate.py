@@ -369,6 +369,8 @@ def _check_loss(cfg: "GRPOConfig", p: Problems) -> None:
     p.require(g.loss_type != "fipo" or cfg.parallel.context_parallel_size == 1,
               "--loss_type fipo is not supported with --context_parallel_size > 1 yet (its future "
               "KL runs along whole completions); use another loss_type or --context_parallel_size 1")
+    if g.loss_type == "real":
+        _check_real(cfg, p)
     p.require(0 < g.top_entropy_quantile <= 1,
               f"--top_entropy_quantile {g.top_entropy_quantile} must be in (0, 1]; 1.0 keeps all tokens")
     p.require(g.max_resample_times >= 0, f"--max_resample_times {g.max_resample_times} must be >= 0")
@@ -387,6 +389,26 @@ def _check_loss(cfg: "GRPOConfig", p: Problems) -> None:
         logger.warning("--scale_rewards gdpo does not support --kl_in_reward true; using "
                        "--kl_in_reward false (the KL penalty goes into the loss)")
         g.kl_in_reward = False
+
+
+def _check_real(cfg: "GRPOConfig", p: Problems) -> None:
+    """REAL's loss compares the completions of one group: each micro-batch must hold whole
+    groups, and rewards stay unscaled (ms-swift forces scale_rewards none)."""
+    g, mbs = cfg.grpo, cfg.training.micro_batch_size
+    p.require(mbs % g.num_generations == 0,
+              f"--loss_type real needs whole groups in each micro-batch: --micro_batch_size {mbs} is "
+              f"not a multiple of --num_generations {g.num_generations}. Fix: --micro_batch_size "
+              f"{g.num_generations * max(1, mbs // g.num_generations)}")
+    p.require(g.real_tau > 0, f"--real_tau {g.real_tau} must be > 0")
+    for name, off in (("top_entropy_quantile", 1.0), ("rollout_importance_sampling_mode", None),
+                      ("importance_sampling_level", "token")):
+        p.require(getattr(g, name) == off,
+                  f"--loss_type real does not use --{name} (got {getattr(g, name)}): its loss is on "
+                  f"whole sequences. Fix: drop --{name}")
+    if g.scale_rewards not in (None, "none"):
+        logger.warning(f"--loss_type real: --scale_rewards {g.scale_rewards} is ignored; using none "
+                       "(REAL does not normalise rewards, as ms-swift)")
+    g.scale_rewards = "none"
 
 
 def _check_rewards(cfg: "GRPOConfig", p: Problems) -> None:

@@ -134,27 +134,32 @@ def micro_batches(samples: Sequence[Sample], micro_batch_size: int,
 # The batch's n samples form n / per_step optimizer steps of per_step consecutive samples;
 # DP rank r trains on every dp-th sample of each step, starting at r:
 #     sample i of rank r's share of step k  =  sample k * per_step + r + dp * i of the batch.
+# With `group` > 1 (loss_type real: its loss needs each group's rows together) the unit is
+# a block of `group` consecutive samples instead of one: rank r takes blocks r, r + dp, ...
 # `dp_indices` is the one statement of that rule; `dp_shard` applies it, `dp_unshard` undoes it.
 
-def dp_indices(n: int, per_step: int, dp: int, dp_rank: int) -> list[list[int]]:
+def dp_indices(n: int, per_step: int, dp: int, dp_rank: int, group: int = 1) -> list[list[int]]:
     """Batch indices of DP rank `dp_rank`'s samples, one list per optimizer step."""
-    return [list(range(k * per_step + dp_rank, (k + 1) * per_step, dp))
-            for k in range(n // per_step)]
+    if group > 1 and per_step % (group * dp):
+        raise ValueError(f"a step of {per_step} samples does not split into whole groups of "
+                         f"{group} over {dp} data-parallel ranks")
+    return [[k * per_step + b * group + j for b in range(dp_rank, per_step // group, dp)
+             for j in range(group)] for k in range(n // per_step)]
 
 
-def dp_shard(items: Sequence, per_step: int, dp: int, dp_rank: int) -> list[list]:
+def dp_shard(items: Sequence, per_step: int, dp: int, dp_rank: int, group: int = 1) -> list[list]:
     """DP rank `dp_rank`'s items of a generation batch, one list per optimizer step."""
-    return [[items[j] for j in idx] for idx in dp_indices(len(items), per_step, dp, dp_rank)]
+    return [[items[j] for j in idx] for idx in dp_indices(len(items), per_step, dp, dp_rank, group)]
 
 
-def dp_unshard(shards: Sequence[Sequence[Sequence]], n: int, per_step: int) -> list:
+def dp_unshard(shards: Sequence[Sequence[Sequence]], n: int, per_step: int, group: int = 1) -> list:
     """Inverse of `dp_shard`: `shards[r]` is DP rank r's `dp_shard` (values in its layout)
     -> the n values in batch order. Raises when a rank's share does not fit the layout."""
     dp = len(shards)
     out: list = [None] * n
     filled = [False] * n
     for rank, shard in enumerate(shards):
-        idx = dp_indices(n, per_step, dp, rank)
+        idx = dp_indices(n, per_step, dp, rank, group)
         if [len(part) for part in shard] != [len(part) for part in idx]:
             raise ValueError(f"DP rank {rank}'s share has {[len(p) for p in shard]} values per "
                              f"step; the layout of {n} samples wants {[len(p) for p in idx]}")

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from ..algorithms import (compute_policy_loss, entropy_threshold, local_loss, merge_partials,
                           policy_metric_partials, rollout_metric_partials)
+from ..algorithms.aggregation import real_kl_loss
 from ..algorithms.policy_loss import LossConfig, loss_mask_after_overlong_filter
 from ..kernels import vocab_parallel_logprobs
 from ..model.builder import unwrap
@@ -308,7 +309,8 @@ def step_entropy_threshold(chunks, micro_batches: list[dict], opts: LossOptions,
 
 def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
                         normalizer: torch.Tensor, vocab_size: int,
-                        entropy_threshold_value: Optional[torch.Tensor] = None) -> dict:
+                        entropy_threshold_value: Optional[torch.Tensor] = None,
+                        step_counts: Optional[torch.Tensor] = None) -> dict:
     """Forward + backward of one optimizer step's micro-batches on this rank.
 
     `normalizer` is the global denominator from `algorithms.loss_normalizer` (counts
@@ -319,6 +321,8 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
     those of whole completions, equal on every CP rank: reduce them over DP only.
     `entropy_threshold_value`: top_entropy_quantile's threshold for the whole step
     (`step_entropy_threshold`); None computes it per micro-batch.
+    `step_counts`: the step's global count partials, for loss_type real's KL term (a token
+    mean over the step, normalised apart from its group loss: algorithms/aggregation.py).
     """
     from megatron.core import parallel_state as ps
 
@@ -355,6 +359,8 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
                 coef_kwargs["sequence_token_counts"] = seq_sums(n)[:, 0]
             loss = local_loss(out.per_token_loss, out.loss_mask, opts.loss_type, normalizer,
                               **coef_kwargs)
+            if opts.loss_type == "real" and out.per_token_kl is not None:
+                loss = loss + real_kl_loss(out.per_token_kl, out.loss_mask, opts.beta, step_counts)
             metric_kwargs = {"sequence_sums": seq_sums} if seq_sums is not None else {}
             p = policy_metric_partials(out, loss_type=opts.loss_type, epsilon=opts.epsilon,
                                        epsilon_high=opts.epsilon_high,

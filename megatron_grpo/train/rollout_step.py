@@ -234,7 +234,7 @@ def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
                 _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
 
 
-def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int) -> torch.Tensor:
+def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int, group: int = 1) -> torch.Tensor:
     """The sequence KL of every sample of the generation batch ([n] float64, the same on
     every rank), for `kl_in_reward`: sum over the completion of old - ref log-probs.
 
@@ -251,9 +251,9 @@ def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int) -> torc
     shards = dict(x for x in all_gather_objects(local) if x is not None)
     if len(shards) != dp:
         missing = [j for r in range(dp) if r not in shards
-                   for idx in dp_indices(n, per_step, dp, r) for j in idx]
+                   for idx in dp_indices(n, per_step, dp, r, group) for j in idx]
         raise RuntimeError(f"kl_in_reward: no sequence KL for samples {sorted(missing)[:8]} of {n}")
-    return torch.tensor(dp_unshard([shards[r] for r in range(dp)], n, per_step),
+    return torch.tensor(dp_unshard([shards[r] for r in range(dp)], n, per_step, group),
                         dtype=torch.float64)
 
 
@@ -294,7 +294,7 @@ def rollout_phase(run) -> RolloutBatch:
     run.sync.take_back()
     samples, per_step = gen.samples, run.per_step
     steps = [samples[k * per_step:(k + 1) * per_step] for k in range(g.steps_per_generation)]
-    mine = dp_shard(samples, per_step, run.dp, run.dp_rank)
+    mine = dp_shard(samples, per_step, run.dp, run.dp_rank, run.dp_group)
     pad = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
     if run.policy.config.sequence_parallel:   # the sequence is split over TP ranks
         tp = cfg.parallel.tensor_model_parallel_size
@@ -303,7 +303,7 @@ def rollout_phase(run) -> RolloutBatch:
     fill_logps(run.policy.chunks, run.ref, mine, cfg.training.micro_batch_size, pad,
                need_old=run.need_old_logps, temperature=run.loss.temperature,
                vocab_size=run.policy.args.vocab_size)
-    kl_values = reward_kl_values(mine, len(samples), per_step, run.dp, run.dp_rank) \
+    kl_values = reward_kl_values(mine, len(samples), per_step, run.dp, run.dp_rank, run.dp_group) \
         if run.kl_in_reward else None
     logprobs_seconds = time.perf_counter() - t0
     gen = finish_batch(gen, g.num_generations, reward_names=run.reward_names,

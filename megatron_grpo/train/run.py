@@ -50,6 +50,13 @@ class Run:
         return g.generation_batch_size // g.steps_per_generation
 
     @property
+    def dp_group(self) -> int:
+        """Consecutive samples kept together on one DP rank (train/batch.py's layout):
+        whole groups for loss_type real, whose loss compares a group's rows; else 1."""
+        g = self.cfg.grpo
+        return g.num_generations if g.loss_type == "real" else 1
+
+    @property
     def kl_in_reward(self) -> bool:
         return bool(self.cfg.grpo.kl_in_reward) and self.cfg.grpo.beta != 0.0
 

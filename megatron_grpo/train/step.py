@@ -29,8 +29,8 @@ def optimizer_step(run, batch: RolloutBatch, k: int) -> dict:
     full = collate(batch.steps[k])
     loss_mask = full["completion_mask"] & ~(full["truncated"][:, None]
                                             if g.overlong_filter else False)
-    norm = loss_normalizer(g.loss_type, count_partials(loss_mask, full["completion_mask"]),
-                           generation_counts=batch.gen_counts,
+    counts = count_partials(loss_mask, full["completion_mask"])
+    norm = loss_normalizer(g.loss_type, counts, generation_counts=batch.gen_counts,
                            max_completion_length=g.max_completion_length)
     for c in policy.chunks:
         c.zero_grad_buffer()
@@ -41,7 +41,8 @@ def optimizer_step(run, batch: RolloutBatch, k: int) -> dict:
     threshold = step_entropy_threshold(policy.chunks, batches, opts, vocab_size=vocab) \
         if opts.top_entropy_quantile < 1.0 else None
     parts = train_micro_batches(policy.chunks, batches, opts, normalizer=norm,
-                                vocab_size=vocab, entropy_threshold_value=threshold)
+                                vocab_size=vocab, entropy_threshold_value=threshold,
+                                step_counts=counts)
     # Replicated kv heads (kv heads < TP) must get the sum of their replicas' gradients
     # before clipping and the update (model/kv_replication.py).
     sync_replicated_kv_grads(policy.chunks, policy.config, policy.args)
