@@ -395,7 +395,7 @@ def _check_real(cfg: "GRPOConfig", p: Problems) -> None:
     """REAL's loss compares the completions of one group: each micro-batch must hold whole
     groups, and rewards stay unscaled (ms-swift forces scale_rewards none)."""
     g, mbs = cfg.grpo, cfg.training.micro_batch_size
-    p.require(mbs % g.num_generations == 0,
+    p.require(g.num_generations < 1 or mbs % g.num_generations == 0,  # < 1: reported elsewhere
               f"--loss_type real needs whole groups in each micro-batch: --micro_batch_size {mbs} is "
               f"not a multiple of --num_generations {g.num_generations}. Fix: --micro_batch_size "
               f"{g.num_generations * max(1, mbs // g.num_generations)}")
