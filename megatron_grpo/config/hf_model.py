@@ -35,10 +35,15 @@ def model_max_len(model_dir: str) -> int:
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
+def head_size(config: Dict[str, Any]) -> int:
+    """The attention head size of an HF config dict: head_dim when it names one, else
+    hidden / heads."""
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
 def head_dim(model_dir: str) -> int:
-    """The attention head size: head_dim when config.json names it, else hidden / heads."""
-    c = text_config(model_dir)
-    return int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    """The attention head size of the model in model_dir (see head_size)."""
+    return head_size(text_config(model_dir))
 
 
 def vllm_is_cpu_build() -> bool:

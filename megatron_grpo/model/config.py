@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..config.hf_model import head_size
 from .families import Family, detect_family
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -109,7 +110,7 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
                          f"evenly into --pipeline_model_parallel_size {pp} x "
                          f"--virtual_pipeline_model_parallel_size {vpp or 1} = {stages} stages")
     params_dtype = to_dtype(dtype)
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    head_dim = head_size(hf)
     # With fewer kv heads than TP ranks, every rank keeps a replica of its kv head
     # (the bridge replicates the weights); Megatron then sees tp query groups.
     num_query_groups = max(kv_heads, tp) if kv_heads < tp else kv_heads

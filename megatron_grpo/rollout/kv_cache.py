@@ -38,7 +38,7 @@ import math
 import os
 from typing import Any, Dict, Mapping, Optional, Union
 
-from ..config.hf_model import model_max_len, text_config
+from ..config.hf_model import head_size, model_max_len, text_config
 from ..config.sizes import parse_size
 
 HEADROOM = 1.25           # over the computed need: allocator slack, block rounding of prompts
@@ -58,7 +58,7 @@ def kv_bytes_per_token(model_dir: str, *, tensor_parallel_size: int = 1, dtype: 
     layers = c["num_hidden_layers"]
     heads = c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads") or heads
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    head_dim = head_size(c)
     if kv_cache_dtype and str(kv_cache_dtype).startswith("fp8"):
         nbytes = 1
     else:
