@@ -26,8 +26,7 @@ from .groups import check_choices, opt
 from .parse import collect_values, field_table, format_help
 
 # ms-swift `swift rollout` flags that belong to the trainer here (module docstring).
-TRAINER_SIDE = ("multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env", "context_manager",
-                "external_plugins")
+TRAINER_SIDE = ("multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env", "external_plugins")
 
 
 @dataclass
