@@ -244,6 +244,33 @@ def test_options(tmp_path):
         "--max_completion_length", "16", "--vllm_max_model_len", "256"))
 
 
+def test_example_format_rewards_score_hand_built_trajectories():
+    """examples/plugins/{tool_call,guess}_reward.py: the tool ran (a tool message after a
+    model turn) and answered a number 1, an error 0.75; a valid guess 1; otherwise 0.25 per
+    marker the model wrote (not the system prompt's)."""
+    from megatron_grpo.rewards.registry import REWARDS, load_plugins
+
+    load_plugins([os.path.join(os.path.dirname(PLUGIN), "tool_call_reward.py"),
+                  os.path.join(os.path.dirname(PLUGIN), "guess_reward.py")])
+    tool, guess = REWARDS["tool_call_format"], REWARDS["guess_format"]
+    system = {"role": "system", "content": "write <tool_call>EXPR</tool_call> or <guess>N</guess>"}
+
+    def said(*turns):
+        return [system, USER] + [{"role": r, "content": c} for r, c in turns]
+
+    runs = [said(("assistant", "<tool_call>2*3</tool_call>"), ("tool", "6"), ("assistant", "6")),
+            said(("assistant", "<tool_call></tool_call>"), ("tool", "error: invalid syntax")),
+            said(("assistant", "x </tool_call> y <tool_call>")),      # both markers, no call
+            said(("assistant", "<tool_call>2*3</tool_call> and on")),  # cut: the tool never ran
+            said(("assistant", "nothing"))]
+    assert tool([""] * 5, messages=runs) == [1.0, 0.75, 0.5, 0.5, 0.0]
+    games = [said(("assistant", "<guess>3</guess>"), ("user", "higher")),
+             said(("assistant", "<guess>x</guess>"), ("user", "Reply with <guess>N</guess>.")),
+             said(("assistant", "<guess> hm"), ("user", "Reply with <guess>N</guess>.")),
+             said(("assistant", "7"))]
+    assert guess([""] * 4, messages=games) == [1.0, 0.5, 0.25, 0.0]
+
+
 RUN_PLUGIN = """
 from megatron_grpo.multi_turn import MultiTurnScheduler, multi_turns
 
