@@ -13,8 +13,14 @@
 # Your own scheduler or environment, as in ms-swift (multi_turns['name'] = cls):
 #   ... --external_plugins examples/plugins/react_calculator.py --multi_turn_scheduler react_calculator
 #
-# A tiny model: python tools/make_tiny_model.py --family qwen2 --output_dir runs/tiny_qwen2
-# (random weights: it rarely calls the tool; a real instruct model does).
+# A tiny random model writes the call only when the markers are single tokens of its
+# vocabulary (as in Qwen2.5's):
+#   python tools/make_tiny_model.py --family qwen2 --hidden_size 128 --intermediate_size 256 \
+#       --vocab_size 400 --added_tokens '<tool_call>' '</tool_call>' --output_dir runs/tiny_qwen2
+# With the format reward (--reward_funcs tool_call_format --external_plugins
+# examples/plugins/tool_call_reward.py) and the CPU quickstart's recipe it learns to call
+# the calculator within ~30 steps (tests/test_multi_turn_e2e.py has the exact flags); the
+# accuracy reward needs a model that can do arithmetic (e.g. a real instruct model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -244,6 +244,94 @@ def test_options(tmp_path):
         "--max_completion_length", "16", "--vllm_max_model_len", "256"))
 
 
+def test_example_format_rewards_score_hand_built_trajectories():
+    """examples/plugins/{tool_call,guess}_reward.py: the tool ran (a tool message after a
+    model turn) and answered a number 1, an error 0.75; a valid guess 1; otherwise 0.25 per
+    marker the model wrote (not the system prompt's)."""
+    from megatron_grpo.rewards.registry import REWARDS, load_plugins
+
+    load_plugins([os.path.join(os.path.dirname(PLUGIN), "tool_call_reward.py"),
+                  os.path.join(os.path.dirname(PLUGIN), "guess_reward.py")])
+    tool, guess = REWARDS["tool_call_format"], REWARDS["guess_format"]
+    system = {"role": "system", "content": "write <tool_call>EXPR</tool_call> or <guess>N</guess>"}
+
+    def said(*turns):
+        return [system, USER] + [{"role": r, "content": c} for r, c in turns]
+
+    runs = [said(("assistant", "<tool_call>2*3</tool_call>"), ("tool", "6"), ("assistant", "6")),
+            said(("assistant", "<tool_call></tool_call>"), ("tool", "error: invalid syntax")),
+            said(("assistant", "x </tool_call> y <tool_call>")),      # both markers, no call
+            said(("assistant", "<tool_call>2*3</tool_call> and on")),  # cut: the tool never ran
+            said(("assistant", "nothing"))]
+    assert tool([""] * 5, messages=runs) == [1.0, 0.75, 0.5, 0.5, 0.0]
+    games = [said(("assistant", "<guess>3</guess>"), ("user", "higher")),
+             said(("assistant", "<guess>x</guess>"), ("user", "Reply with <guess>N</guess>.")),
+             said(("assistant", "<guess> hm"), ("user", "Reply with <guess>N</guess>.")),
+             said(("assistant", "7"))]
+    assert guess([""] * 4, messages=games) == [1.0, 0.5, 0.25, 0.0]
+
+
+RUN_PLUGIN = """
+from megatron_grpo.multi_turn import MultiTurnScheduler, multi_turns
+
+
+class OwnLoop(MultiTurnScheduler):
+    async def run(self, infer_request, request_config, **kwargs):
+        return await self.infer_engine.infer_async(infer_request, request_config)
+
+
+class Inherits(OwnLoop):
+    def step(self, infer_request, response_choice, current_turn):
+        return {"infer_request": infer_request}
+
+
+multi_turns["own_loop"] = OwnLoop
+multi_turns["inherits_own_loop"] = Inherits
+"""
+
+
+def test_a_scheduler_with_its_own_run_is_refused_by_name(tmp_path):
+    """ms-swift lets a scheduler override run() (its own rollout loop over the engine);
+    here the loop drives vLLM, so the options check refuses it, naming the class and what
+    to override instead (also when run() comes from a base class)."""
+    from tests.test_config_validate import args, error_of
+
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "qwen2"}')
+    plugin = tmp_path / "own_loop.py"
+    plugin.write_text(RUN_PLUGIN)
+    msg = error_of(args(str(d), "--external_plugins", str(plugin), "--multi_turn_scheduler",
+                        "own_loop", "--max_turns", "2"))
+    assert "--multi_turn_scheduler 'own_loop': OwnLoop overrides run()" in msg
+    assert "put its logic in step()" in msg and "check_finished()" in msg
+    with pytest.raises(ValueError, match=r"Inherits overrides run\(\) \(in its base OwnLoop\)"):
+        build_scheduler("inherits_own_loop", max_turns=2, tokenizer=None)
+
+
+def test_rollout_server_refuses_scheduler_flags_naming_the_trainer(tmp_path):
+    """ms-swift's `swift rollout --multi_turn_scheduler ...` runs the scheduler on the server;
+    here the trainer runs it in server mode too: `megatron rollout` refuses the flags by name,
+    with their values, and says to pass them to `megatron rlhf`."""
+    from megatron_grpo.config import parse_rollout_args
+    from megatron_grpo.config.errors import ConfigError
+
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(ConfigError) as e:
+        parse_rollout_args(["--model", str(d), "--multi_turn_scheduler", "calculator",
+                            "--max_turns=3", "--port", "8001", "--gym_env", "guess_number"])
+    msg = str(e.value)
+    assert "--multi_turn_scheduler calculator: --multi_turn_scheduler is not an option of " \
+           "`megatron rollout`" in msg
+    assert "Fix: pass --multi_turn_scheduler calculator to `megatron rlhf ... --vllm_mode " \
+           "server`" in msg
+    assert "pass --max_turns=3 to" in msg and "pass --gym_env guess_number to" in msg
+    assert "unknown option" not in msg and "--port" not in msg      # the rest parses as usual
+    assert parse_rollout_args(["--model", str(d), "--port", "8001"]).port == 8001
+
+
 def test_collate_masks_tool_tokens_and_places_per_token_values():
     import torch
 

@@ -21,6 +21,11 @@ Simplifications made on purpose:
   tokens (default: ``vocab_size``; fewer when the corpus has no more merges).
   The model's ``vocab_size`` may be larger, like Qwen's padded vocabulary; ids
   past the tokenizer are "dead" rows the model can still score and sample.
+- ``added_tokens`` (e.g. ``("<tool_call>", "</tool_call>")``, as Qwen2.5 has them) are
+  regular added tokens after the special ones: each is one token, and decoding with
+  ``skip_special_tokens`` keeps them. A random model writes a single token now and then,
+  where it would almost never spell out a multi-token marker (the multi-turn learning
+  tests rely on it).
 - Weights are not HF's init: every tensor is drawn from its own generator
   seeded by ``(seed, parameter name)``, at a scale that keeps every part of
   the network visible in the logits (see ``_init_tensor``), so tests that
@@ -171,8 +176,9 @@ def _corpus(seed: int = 0, num_lines: int = 3000) -> list[str]:
 
 
 # --------------------------------------------------------------------------- tokenizers
-def _train_qwen_tokenizer(vocab_size: int):
-    """Byte-level BPE shaped like Qwen2's tokenizer.json; returns a `tokenizers.Tokenizer`."""
+def _train_qwen_tokenizer(vocab_size: int, added_tokens: tuple[str, ...] = ()):
+    """Byte-level BPE shaped like Qwen2's tokenizer.json; returns a `tokenizers.Tokenizer`
+    of at most `vocab_size` tokens, `added_tokens` included."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -183,13 +189,14 @@ def _train_qwen_tokenizer(vocab_size: int):
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(QWEN_SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(QWEN_SPECIAL_TOKENS) - len(added_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is encodable
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer)
     # Added after training so that they take the last ids, as in Qwen's vocab.
     tok.add_special_tokens(list(QWEN_SPECIAL_TOKENS))
+    tok.add_tokens(list(added_tokens))
     return tok
 
 
@@ -218,7 +225,8 @@ def _train_sentencepiece(vocab_size: int) -> bytes:
 
 
 @functools.lru_cache(maxsize=32)
-def _tokenizer_files(family: str, vocab_size: int, model_max_length: int) -> tuple[tuple[str, bytes], ...]:
+def _tokenizer_files(family: str, vocab_size: int, model_max_length: int,
+                     added_tokens: tuple[str, ...] = ()) -> tuple[tuple[str, bytes], ...]:
     """Train and save the tokenizer once per process; returns (file name, bytes) pairs.
 
     Training is the slow part of building a model (~0.1-0.5 s), and tests build many models.
@@ -229,7 +237,7 @@ def _tokenizer_files(family: str, vocab_size: int, model_max_length: int) -> tup
         out = pathlib.Path(tmp) / "out"
         if family in ("qwen2", "qwen3"):
             hf_tok = PreTrainedTokenizerFast(
-                tokenizer_object=_train_qwen_tokenizer(vocab_size),
+                tokenizer_object=_train_qwen_tokenizer(vocab_size, added_tokens),
                 eos_token="<|im_end|>",
                 pad_token="<|endoftext|>",
                 bos_token=None,
@@ -247,7 +255,7 @@ def _tokenizer_files(family: str, vocab_size: int, model_max_length: int) -> tup
         else:
             src = pathlib.Path(tmp) / "src"
             src.mkdir()
-            (src / "tokenizer.model").write_bytes(_train_sentencepiece(vocab_size))
+            (src / "tokenizer.model").write_bytes(_train_sentencepiece(vocab_size - len(added_tokens)))
             (src / "tokenizer_config.json").write_text(json.dumps({
                 "tokenizer_class": "LlamaTokenizer",
                 "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
@@ -257,7 +265,9 @@ def _tokenizer_files(family: str, vocab_size: int, model_max_length: int) -> tup
                 "chat_template": LLAMA_TEMPLATE,
             }))
             # transformers converts the sentencepiece model into a fast tokenizer.json.
-            AutoTokenizer.from_pretrained(src).save_pretrained(out)
+            llama_tok = AutoTokenizer.from_pretrained(src)
+            llama_tok.add_tokens(list(added_tokens))
+            llama_tok.save_pretrained(out)
             # Drop the loading-context keys from_pretrained leaves in the saved config.
             config_path = out / "tokenizer_config.json"
             tok_config = json.loads(config_path.read_text())
@@ -390,6 +400,7 @@ def make_tiny_model(
     rms_norm_eps: float = 1e-6,
     tokenizer_vocab_size: int | None = None,
     moe: dict | None = None,
+    added_tokens: tuple[str, ...] = (),
 ) -> pathlib.Path:
     """Write a tiny HF checkpoint of `family` into `out_dir` and return its path.
 
@@ -401,19 +412,25 @@ def make_tiny_model(
 
     vLLM's CPU attention only supports head_dim in {32, 64, 80, 96, ...}: the default
     64 hidden / 4 heads (head_dim 16) is fine for HF and Megatron but not for a vLLM
-    engine; use e.g. hidden_size=128 there.
+    engine; use e.g. hidden_size=128 there. `added_tokens`: regular (not special)
+    tokens added after the special ones, one id each (module docstring).
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     _check_args(family, num_layers, hidden_size, num_attention_heads, num_key_value_heads,
                 intermediate_size, vocab_size, head_dim, dtype, tokenizer_vocab_size)
+    if (vocab_size if tokenizer_vocab_size is None else tokenizer_vocab_size) - len(added_tokens) \
+            < MIN_TOKENIZER_VOCAB[family]:
+        raise ValueError(f"added_tokens={tuple(added_tokens)} leave the {family} tokenizer fewer "
+                         f"than {MIN_TOKENIZER_VOCAB[family]} tokens; raise vocab_size")
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     # Tokenizer first: its special-token ids go into config.json / generation_config.json.
     tok_vocab = vocab_size if tokenizer_vocab_size is None else tokenizer_vocab_size
     tok_family = "llama" if family == "llama" else "qwen3"  # Qwen tokenizers are one kind
-    for name, data in _tokenizer_files(tok_family, tok_vocab, max_position_embeddings):
+    for name, data in _tokenizer_files(tok_family, tok_vocab, max_position_embeddings,
+                                       tuple(added_tokens)):
         (out_dir / name).write_bytes(data)
     vocab = json.loads((out_dir / "tokenizer.json").read_text())
     token_id = {t["content"]: t["id"] for t in vocab["added_tokens"]}
@@ -492,9 +509,12 @@ def main(argv=None) -> None:
     parser.add_argument("--rms_norm_eps", type=float, default=1e-6)
     parser.add_argument("--tokenizer_vocab_size", type=int, default=None,
                         help="tokens the tokenizer is trained for (default: vocab_size)")
+    parser.add_argument("--added_tokens", nargs="*", default=(),
+                        help="regular added tokens, one id each, e.g. '<tool_call>' '</tool_call>'")
     args = vars(parser.parse_args(argv))
     if args["max_shard_size"] is not None and args["max_shard_size"].isdigit():
         args["max_shard_size"] = int(args["max_shard_size"])  # bytes
+    args["added_tokens"] = tuple(args["added_tokens"])
     path = make_tiny_model(args.pop("output_dir"), **args)
     print(path)
 

@@ -6,6 +6,12 @@
 The vLLM options share their names and defaults with `megatron rlhf`;
 `--host`/`--port`/`--api_key` follow ms-swift's `swift rollout`, except that the
 server binds 127.0.0.1 unless told otherwise.
+
+Multi-turn: ms-swift's `swift rollout` may run the scheduler on the server
+(`--multi_turn_scheduler`, `--max_turns`, `--use_gym_env`, `--gym_env`, plugins with
+`--external_plugins`). Here the trainer runs it in server mode too (each turn of a
+trajectory is its own request to this server, token ids in and out), so those flags
+are refused by name with the command to move them to (TRAINER_SIDE).
 """
 from __future__ import annotations
 
@@ -18,6 +24,9 @@ from .errors import Problems
 from .validate import check_vllm_model, check_vllm_memory
 from .groups import check_choices, opt
 from .parse import collect_values, field_table, format_help
+
+# ms-swift `swift rollout` flags that belong to the trainer here (module docstring).
+TRAINER_SIDE = ("multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env", "external_plugins")
 
 
 @dataclass
@@ -67,6 +76,7 @@ def parse_rollout_args(argv: Optional[Sequence[str]] = None) -> RolloutServerCon
         print(format_help(groups, prog="megatron rollout"))
         raise SystemExit(0)
     p = Problems()
+    argv = _drop_trainer_side(argv, p)
     values = collect_values(argv, field_table(groups), groups, p)
     try:
         cfg = RolloutServerConfig(**values)
@@ -74,3 +84,28 @@ def parse_rollout_args(argv: Optional[Sequence[str]] = None) -> RolloutServerCon
         p.add(e)
     p.raise_if_any()
     return cfg
+
+
+def _drop_trainer_side(argv: Sequence[str], p: Problems) -> list:
+    """argv without the TRAINER_SIDE flags (and their values), each one a problem that says
+    where it goes."""
+    kept: list = []
+    i = 0
+    while i < len(argv):
+        name, eq, inline = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
+        name = name.replace("-", "_")
+        if name not in TRAINER_SIDE:
+            kept.append(argv[i])
+            i += 1
+            continue
+        flag = [argv[i]]
+        i += 1
+        while not eq and i < len(argv) and not argv[i].startswith("--"):
+            flag.append(argv[i])
+            i += 1
+        given = " ".join(flag)
+        p.add(f"{given}: --{name} is not an option of `megatron rollout` (ms-swift's server-side "
+              "scheduler): the trainer runs the multi-turn scheduler in server mode too, each "
+              f"turn its own request to this server. Fix: pass {given} to `megatron rlhf ... "
+              "--vllm_mode server` and start `megatron rollout` without it")
+    return kept

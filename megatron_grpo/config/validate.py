@@ -501,7 +501,7 @@ def check_vllm_model(model: Optional[str], max_model_len: Optional[int], p: Prob
 
 def _check_multi_turn(cfg: "GRPOConfig", p: Problems) -> None:
     """--multi_turn_scheduler / --max_turns / --gym_env (plugins are loaded by _check_rewards)."""
-    from megatron_grpo.multi_turn import env_names, scheduler_names
+    from megatron_grpo.multi_turn import check_scheduler, env_names, scheduler_names
 
     v = cfg.rollout
     if v.use_gym_env and v.multi_turn_scheduler is None:
@@ -516,6 +516,10 @@ def _check_multi_turn(cfg: "GRPOConfig", p: Problems) -> None:
               f"registered: {names}. Fix: pick one, or register it in a plugin file passed with "
               "--external_plugins (multi_turns['name'] = cls)"):
         return
+    try:
+        check_scheduler(v.multi_turn_scheduler)
+    except ValueError as e:
+        p.add(str(e))
     p.require(v.max_turns is not None or cfg.data.max_length is not None,
               f"--multi_turn_scheduler {v.multi_turn_scheduler} without --max_turns or --max_length "
               "leaves trajectories unbounded. Fix: e.g. --max_turns 4")

@@ -13,9 +13,10 @@ anything heavy starts. An ms-swift plugin changes its import line only:
 """
 from .scheduler import (ChatCompletionResponseChoice, ChatMessage, Env, Messages,
                         MultiTurnScheduler, RolloutInferRequest, RolloutScheduler, build_scheduler,
-                        call_hook, env_names, envs, multi_turns, register_env, register_scheduler,
-                        scheduler_names)
+                        call_hook, check_scheduler, env_names, envs, multi_turns, register_env,
+                        register_scheduler, scheduler_names)
 
 __all__ = ["ChatCompletionResponseChoice", "ChatMessage", "Env", "Messages", "MultiTurnScheduler",
-           "RolloutInferRequest", "RolloutScheduler", "build_scheduler", "call_hook", "env_names",
-           "envs", "multi_turns", "register_env", "register_scheduler", "scheduler_names"]
+           "RolloutInferRequest", "RolloutScheduler", "build_scheduler", "call_hook",
+           "check_scheduler", "env_names", "envs", "multi_turns", "register_env",
+           "register_scheduler", "scheduler_names"]

@@ -28,8 +28,9 @@ Per turn of a trajectory, in this order (`current_turn` counts from 1):
 `on_trajectory_start(requests)` runs once before the first turn and may replace
 `requests[i].messages` (a gym environment's first observation). Hooks may be plain or
 `async def` (ms-swift's current ones are async; its docs show plain ones): both run.
-Overriding `run()` (ms-swift's fully custom rollout) is not supported: the loop here
-keeps every trajectory in flight together, token-exact.
+Overriding `run()` (ms-swift's fully custom rollout, which calls the engine itself) is
+not supported: the loop here keeps every trajectory in flight together, token-exact.
+Such a scheduler is refused by name when the options are checked (check_scheduler).
 """
 from __future__ import annotations
 
@@ -205,6 +206,24 @@ def env_names() -> List[str]:
     return sorted(envs)
 
 
+def check_scheduler(name: str) -> None:
+    """Refuse a registered scheduler the loop cannot drive: one that overrides ms-swift's
+    `run()` (its own rollout loop over the engine; there is no engine call to hand it here)."""
+    cls = multi_turns[name]
+    for klass in cls.__mro__:
+        if klass in (MultiTurnScheduler, RolloutScheduler, object):
+            break
+        if "run" in vars(klass):
+            where = "" if klass is cls else f" (in its base {klass.__qualname__})"
+            raise ValueError(
+                f"--multi_turn_scheduler {name!r}: {cls.__qualname__} overrides run(){where}, "
+                "ms-swift's fully custom rollout; not supported: the rollout loop here drives "
+                "vLLM itself (every trajectory in flight together, token-exact). Fix: drop run() "
+                "and put its logic in step() (append the next messages, or return "
+                "response_token_ids / response_loss_mask), check_finished(), "
+                "on_trajectory_start() and on_turn_end()")
+
+
 def build_scheduler(name: str, *, max_turns: Optional[int], tokenizer: Any, gym_env: Optional[str] = None,
                     args: Any = None) -> RolloutScheduler:
     """The scheduler registered as `name` (built-ins, plugins loaded beforehand)."""
@@ -213,5 +232,6 @@ def build_scheduler(name: str, *, max_turns: Optional[int], tokenizer: Any, gym_
         raise ValueError(f"--multi_turn_scheduler {name!r} is not a registered scheduler; "
                          f"registered: {scheduler_names()}. Fix: pick one, or register it in a "
                          "plugin file passed with --external_plugins (multi_turns['name'] = cls)")
+    check_scheduler(name)
     cls = multi_turns[name]
     return cls(None, max_turns, tokenizer=tokenizer, gym_env=gym_env, args=args)
