@@ -204,7 +204,7 @@ def _worker(a, path: str) -> None:
     from megatron_grpo.rollout.verify import (StreamFingerprints, WeightSyncError,
                                               check_weight_sync)
     from megatron_grpo.rollout.weights import load_weight_stream
-    from bridge.lora import gather_adapters, merged_stream
+    from megatron_grpo.model.lora_peft import gather_adapters, merged_stream
     from megatron_grpo.model.lora import LoraSettings, apply_lora
 
     init_process_group()

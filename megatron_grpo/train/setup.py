@@ -93,7 +93,7 @@ def lora_settings_of(cfg):
 
     t = cfg.training
     if t.adapters:
-        from bridge.lora import peft_settings
+        from megatron_grpo.model.lora_peft import peft_settings
 
         return peft_settings(t.adapters[0], seed=t.seed)
     return LoraSettings(rank=t.lora_rank, alpha=float(t.lora_alpha), dropout=t.lora_dropout,
@@ -109,7 +109,7 @@ def apply_tuner(cfg, config, args, chunks) -> None:
 
     apply_lora(chunks, config, args, lora_settings_of(cfg))
     if cfg.training.adapters:
-        from bridge.lora import load_peft_adapter
+        from megatron_grpo.model.lora_peft import load_peft_adapter
 
         load_peft_adapter(chunks, cfg.training.adapters[0])
 
