@@ -40,7 +40,8 @@ from megatron_grpo.model.kv_replication import (checkpoint_load_metadata, legacy
 from megatron_grpo.model.lora import is_adapter_param, lora_settings
 from megatron_grpo.model.lora_peft import (gather_adapters, merged_stream, prepare_lora_export,
                                            save_peft_adapter)
-from megatron_grpo.platform import ParallelDims, init_parallel, init_process_group
+from megatron_grpo.config.parallel import ParallelDims
+from megatron_grpo.platform import init_parallel, init_process_group
 
 META_FILE = "megatron_grpo_convert.json"
 
@@ -80,6 +81,7 @@ class ConvertArgs:
     overwrite: bool
     max_shard_size: int
     merge_lora: bool = False
+    dims: ParallelDims | None = None     # the layout, checked against the world size
 
 
 def parse_args(argv: list[str]) -> ConvertArgs:
@@ -120,26 +122,10 @@ def check_args(argv: list[str], world_size: int) -> ConvertArgs:
         raise ValueError(f"{src_flag} {src!r}: not a folder; it must name the checkpoint to convert")
     if a.to_hf:
         _check_qkv_layout(a)                 # resolves the source: raises naming what is missing
-    if a.context_parallel_size < 1:
-        raise ValueError(f"--context_parallel_size {a.context_parallel_size} must be >= 1")
+    a.dims = ParallelDims.from_options(a, world_size)   # raises naming the sizes
     if a.context_parallel_size > 1 and a.test_convert_precision:
         raise ValueError("--test_convert_precision true runs a full-sequence forward; use it "
                          "with --context_parallel_size 1 (CP does not change the weights)")
-    model_parallel = (a.tensor_model_parallel_size * a.pipeline_model_parallel_size
-                      * a.context_parallel_size)
-    if world_size % model_parallel:
-        raise ValueError(f"--tensor_model_parallel_size {a.tensor_model_parallel_size} x "
-                         f"--pipeline_model_parallel_size {a.pipeline_model_parallel_size} x "
-                         f"--context_parallel_size {a.context_parallel_size} = "
-                         f"{model_parallel} does not divide the {world_size} processes "
-                         "(NPROC_PER_NODE / --nproc_per_node)")
-    etp = a.expert_tensor_parallel_size or a.tensor_model_parallel_size
-    expert_mp = etp * a.expert_model_parallel_size * a.pipeline_model_parallel_size
-    if a.expert_model_parallel_size < 1 or etp < 1 or world_size % expert_mp:
-        raise ValueError(f"--expert_tensor_parallel_size {etp} x --expert_model_parallel_size "
-                         f"{a.expert_model_parallel_size} x --pipeline_model_parallel_size "
-                         f"{a.pipeline_model_parallel_size} = {expert_mp} must divide the "
-                         f"{world_size} processes (NPROC_PER_NODE / --nproc_per_node)")
     if os.path.isdir(a.output_dir) and os.listdir(a.output_dir) and not a.overwrite:
         raise ValueError(f"--output_dir {a.output_dir!r} already holds files; pass "
                          "--overwrite true to replace them, or choose another folder")
@@ -291,12 +277,8 @@ def main(argv: list[str]) -> int:
     a = check_args(argv, dist.get_world_size())
     rank = dist.get_rank()
     dist.barrier()  # every rank has checked the output folder before anything is written
-    tp, pp, vpp = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                   a.virtual_pipeline_model_parallel_size)
-    cp, ep, etp = (a.context_parallel_size, a.expert_model_parallel_size,
-                   a.expert_tensor_parallel_size)
-    init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp, cp=cp,
-                               ep=ep, etp=etp))
+    dims = init_parallel(a.dims)
+    tp, pp, vpp, cp, ep, etp = dims.tp, dims.pp, dims.vpp, dims.cp, dims.ep, dims.etp
     from megatron.core import dist_checkpointing
 
     src = None if a.to_mcore else mcore_source(a.mcore_model)

@@ -48,13 +48,8 @@ def build_parallel(cfg):
     from ..platform import ParallelDims, init_parallel, init_process_group
 
     init_process_group()
-    p = cfg.parallel
-    dims = ParallelDims(world_size=dist.get_world_size(), tp=p.tensor_model_parallel_size,
-                        pp=p.pipeline_model_parallel_size,
-                        vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
-                        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
-    init_parallel(dims, seed=cfg.training.seed)
-    return dims
+    dims = ParallelDims.from_options(cfg.parallel, dist.get_world_size())
+    return init_parallel(dims, seed=cfg.training.seed)
 
 
 def _dtype(cfg) -> str:
