@@ -17,7 +17,7 @@ import torch
 from tests.harness import run_distributed
 from tests.test_rollout_colocate import (ATOL, engine_kwargs, hf_logprobs, max_diff, needs_vllm,
                                          tiny_vllm_model)
-from tests.test_sync_megatron import COMPLETIONS, PROMPTS
+from tests.test_rollout_sync import COMPLETIONS, PROMPTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -8,7 +8,7 @@
 
 One process by default (a gloo world of one, Megatron TP=1, vLLM in-process, CPU);
 with --tp N, N ranks under torchrun (Megatron TP=N colocated with vLLM TP=N, the
-layout of tests/test_sync_megatron.py). The model is built once with tools/make_tiny_model.py into --workdir (random weights), loaded
+layout of tests/test_rollout_sync.py). The model is built once with tools/make_tiny_model.py into --workdir (random weights), loaded
 into Megatron by the bridge, changed (a seeded perturbation, so the first sync
 really moves vLLM), and a ColocateEngine is started on the original HF folder.
 Then, interleaved, the fastest of --iters runs of each (after one untimed warm-up):
