@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 from safetensors import safe_open
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".distcp")
 
 
 class HFCheckpoint:
@@ -63,3 +65,56 @@ class HFCheckpoint:
             return tensor_slice[:]
         index = (slice(start, stop),) if axis == 0 else (slice(None), slice(start, stop))
         return tensor_slice[index]
+
+
+def copy_hf_side_files(src: str, dst: str) -> None:
+    """config.json, tokenizer and generation files: everything but the weights."""
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, os.path.join(dst, name))
+
+
+def write_hf_checkpoint(buckets, out_dir: str, max_shard_size: int, write: bool) -> list[str]:
+    """Write a bridge stream as HF safetensors (shards + index when more than one file).
+
+    Every rank must iterate the stream (it is collective); only `write` ranks keep and
+    write the tensors, holding at most one shard in memory. Returns the keys in order.
+    """
+    from safetensors.torch import save_file
+
+    names, shard, shard_bytes, files, weight_map, total = [], {}, 0, [], {}, 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard and write:
+            name = f"shard-{len(files):05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name),
+                      metadata={"format": "pt"})
+            files.append((name, list(shard)))
+        shard, shard_bytes = {}, 0
+
+    for bucket in buckets:
+        for name, tensor in bucket:
+            names.append(name)
+            nbytes = tensor.numel() * tensor.element_size()
+            total += nbytes
+            if shard and shard_bytes + nbytes > max_shard_size:
+                flush()
+            if write:  # a copy: the bucket's buffer is reused for the next bucket
+                shard[name] = tensor.clone()
+            shard_bytes += nbytes
+    flush()
+    if not write:
+        return names
+    if len(files) == 1:
+        os.replace(os.path.join(out_dir, files[0][0]), os.path.join(out_dir, "model.safetensors"))
+        return names
+    for i, (tmp_name, keys) in enumerate(files):
+        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        os.replace(os.path.join(out_dir, tmp_name), os.path.join(out_dir, final))
+        weight_map.update({k: final for k in keys})
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names

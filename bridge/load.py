@@ -12,12 +12,11 @@ headers and fails the same way, so a bad checkpoint cannot hang the others.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import torch
-
-from megatron_grpo.model import detect_family, load_hf_config
 
 from .hf_checkpoint import HFCheckpoint
 from .mappings import ModelDims, get_mapping
@@ -59,16 +58,26 @@ def manifest(config, args) -> dict[str, tuple[int, ...]]:
     return get_mapping(args.family).manifest(config, args, ModelDims.from_config(config, args))
 
 
+def _check_architecture(hf_dir: str, family) -> None:
+    """The checkpoint's config.json names one of the architectures of the family the model
+    was built as (`family.name`, `family.architectures`)."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        archs = json.load(f).get("architectures") or []
+    if archs and not set(archs) & set(family.architectures):
+        raise ValueError(f"checkpoint {hf_dir!r} is a {'/'.join(archs)} model (config.json "
+                         f"`architectures`) but the Megatron model was built as {family.name} "
+                         f"({', '.join(family.architectures)})")
+
+
 def load_hf_weights(chunks, config, args, hf_dir: str | os.PathLike) -> None:
     """Copy the HF checkpoint in `hf_dir` into `chunks` (this rank's GPTModel chunks)."""
     from megatron.core import parallel_state as ps
 
     hf_dir = os.fspath(hf_dir)
-    if os.path.isfile(os.path.join(hf_dir, "config.json")):
-        family = detect_family(load_hf_config(hf_dir))  # names the supported ones if not
-        if family.name != args.family.name:
-            raise ValueError(f"checkpoint {hf_dir!r} is a {family.name} model but the Megatron "
-                             f"model was built as {args.family.name}")
+    _check_architecture(hf_dir, args.family)
     mapping = get_mapping(args.family)
     dims = ModelDims.from_config(config, args)
     tp_rank = ps.get_tensor_model_parallel_rank()

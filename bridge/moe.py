@@ -15,10 +15,13 @@ tensors, and no rank gathers every expert of a layer.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from .params import Groups
+if TYPE_CHECKING:   # params imports this module
+    from .params import Groups
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
 _GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.weight)(\d+)\Z")
@@ -54,8 +57,6 @@ def expert_owner(expert: int, config) -> int:
 def expert_groups(groups: Groups) -> Groups:
     """`groups` with its TP fields replaced by the expert tensor parallel group (what the
     TP gather of a routed expert's shards runs over)."""
-    from dataclasses import replace
-
     from megatron.core import parallel_state as ps
 
     group = ps.get_expert_tensor_parallel_group()

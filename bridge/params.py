@@ -14,18 +14,29 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.model.builder import unwrap  # noqa: F401  (re-exported)
-from megatron_grpo.model.lora import is_adapter_param
+from .moe import global_expert_name
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# In the name of every LoRA adapter parameter (megatron_grpo/model/lora.py names them so) and
+# in no base parameter's: adapters are not tensors of the HF checkpoint.
+ADAPTER_MARK = "_lora.lora_"
+
+
+def is_adapter_param(name: str) -> bool:
+    return ADAPTER_MARK in name
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers (GPTModel has a `decoder`)."""
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
 
 
 def global_params(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(global name, parameter) of every base parameter of this rank's chunks (global layer
     and, under expert parallelism, global expert numbers: bridge/moe.py; LoRA adapters are
-    not HF checkpoint tensors: bridge/lora.py moves them)."""
-    from .moe import global_expert_name
-
+    not HF checkpoint tensors: megatron_grpo/model/lora_peft.py moves them)."""
     for chunk in chunks:
         model = unwrap(chunk)
         layers = model.decoder.layers if hasattr(model, "decoder") else []

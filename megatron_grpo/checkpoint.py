@@ -52,6 +52,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bridge.hf_checkpoint import copy_hf_side_files
+
 from .model.builder import unwrap
 from .model.lora import is_adapter_param, lora_settings
 from .platform.compat.megatron import (adam_step_fixed_on_load,
@@ -61,6 +63,7 @@ logger = logging.getLogger("megatron_grpo.checkpoint")
 
 FORMAT_VERSION = 1
 META_FILE = "checkpoint.json"
+HF_CONFIG_DIR = "hf_config"   # config.json and tokenizer files beside the weights
 LATEST_FILE = "latest"
 # How DistributedOptimizer lays out its state on disk (Megatron's names).
 # fully_reshardable: gathered to canonical per-parameter tensors, loads under any
@@ -364,8 +367,6 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
             import megatron.core
 
             if hf_config_dir:
-                from bridge.convert import HF_CONFIG_DIR, copy_hf_side_files
-
                 copy_hf_side_files(hf_config_dir, os.path.join(tmp, HF_CONFIG_DIR))
             first = next((p for c in chunks for p in c.parameters()), None)
             meta = {"format_version": FORMAT_VERSION, "step": step, "time": time.time(),

@@ -92,7 +92,7 @@ def _export(argv: list[str]) -> int:
     argv, nproc = launch.pop_nproc_flag(argv)
     spec = launch.launch_spec(nproc)
     try:
-        from bridge import convert
+        from megatron_grpo import convert
     except ImportError as e:
         raise SystemExit(f"megatron export: checkpoint conversion is not available yet ({e})")
     if hasattr(convert, "check_args"):

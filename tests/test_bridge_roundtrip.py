@@ -53,7 +53,7 @@ def _world(rank, world_size, all_paths, ids):
 
 def _family(rank, world_size, paths, ids, bytes_read):
     from bridge import export_hf_weights, load_hf_weights
-    from bridge.convert import megatron_logits
+    from megatron_grpo.convert import megatron_logits
     from bridge.params import global_params
     from megatron.core import parallel_state as ps
     from megatron_grpo.model import build_model, build_transformer_config

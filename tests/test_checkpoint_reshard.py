@@ -43,7 +43,7 @@ def hf_model(tmp_path_factory):
 
 
 def _convert(argv):
-    from bridge.convert import main
+    from megatron_grpo.convert import main
 
     with contextlib.redirect_stdout(io.StringIO()):
         main(argv)
@@ -89,7 +89,7 @@ def _logits_and_loss(rank, world, hf, mcore, save, save_metadata=None):
     HF-vocab logits [B, S, V] and the token-mean cross-entropy of one fixed batch."""
     from megatron.core import dist_checkpointing
 
-    from bridge.convert import _sharded_state_dict, megatron_logits
+    from megatron_grpo.convert import _sharded_state_dict, megatron_logits
     from bridge.load import load_hf_weights
     from megatron_grpo.model import build_model, build_transformer_config, unwrap
     from megatron_grpo.model.kv_replication import checkpoint_load_metadata
@@ -277,7 +277,7 @@ def test_legacy_replicated_checkpoint_loads_at_its_own_tp_only(hf_model, tmp_pat
 
 
 def test_legacy_replicated_checkpoint_refused_before_start_up(hf_model, tmp_path):
-    from bridge.convert import check_args
+    from megatron_grpo.convert import check_args
 
     mcore = tmp_path / "mcore"
     hf_config = mcore / "hf_config"

@@ -1,9 +1,10 @@
-"""Bad `megatron rlhf` configurations fail fast (< 5 s), in one line naming the option."""
+"""Bad `megatron rlhf` configurations fail fast, in one line naming the option: before torch,
+Megatron, vLLM or transformers is imported (what makes a start-up slow), whatever the
+machine's speed."""
 import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -44,15 +45,14 @@ def test_bad_config_fails_fast(case, setup_files):
     argv = ["--rlhf_type", "grpo", "--model", model, "--dataset", good,
             "--reward_funcs", "accuracy", "--num_generations", "4", "--global_batch_size", "8"]
     # Later flags win, so a case overrides the defaults above.
-    t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv, *extra],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60,
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_grpo.cli", "rlhf",
+                        *argv, *extra], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, NPROC_PER_NODE="2"))
-    elapsed = time.time() - t0
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert option in r.stderr and valid in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
-    assert elapsed < 5, f"{case}: {elapsed:.1f} s (must fail before heavy start-up)"
+    heavy = _imported(r.stderr) & set(HEAVY)
+    assert not heavy, f"{case}: imported {sorted(heavy)} before failing"
 
 
 HEAVY = ("torch", "vllm", "megatron", "transformers")

@@ -2,7 +2,6 @@
 import json
 import logging
 import os
-import time
 
 import pytest
 
@@ -143,11 +142,9 @@ def test_model_and_dataset_errors(model_dir, tmp_path):
     assert "--dataset is required" in msg
 
 
-def test_bad_config_fails_fast(model_dir):
-    # The launcher promises under 5 s for a bad configuration; parsing must not import torch.
-    start = time.time()
-    error_of(args(model_dir, "--num_generations", "5"))
-    assert time.time() - start < 2.0
+def test_bad_config_fails(model_dir):
+    # That this happens before anything heavy is imported: tests/test_cli_errors.py.
+    assert "--num_generations" in error_of(args(model_dir, "--num_generations", "5"))
 
 
 def test_server_mode_forces_sleep_level_0(model_dir, caplog):

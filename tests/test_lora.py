@@ -3,7 +3,7 @@
 The reference is an independent implementation: a tiny Qwen2 in HF transformers wrapped
 by `peft` (every linear targeted, rslora, A and B set to random values so that every
 adapter shows in the output). The Megatron model loads the HF base through the bridge and
-the PEFT adapter folder through bridge/lora.py, then must give
+the PEFT adapter folder through megatron_grpo/model/lora_peft.py, then must give
 - the same logits (fp32, <= 1e-4) at every layout;
 - the same adapter gradients as PEFT for one CE loss (so TP=2 = TP=1 = PEFT), and no
   gradient on any base parameter;
@@ -33,8 +33,8 @@ def _batch(vocab):
 
 def _world(rank, world_size, model_dir, adapter_dir, out_dir):
     from bridge import export_hf_weights, load_hf_weights
-    from bridge.convert import megatron_logits
-    from bridge.lora import (gather_adapters, load_peft_adapter, merge_lora_stream,
+    from megatron_grpo.convert import megatron_logits
+    from megatron_grpo.model.lora_peft import (gather_adapters, load_peft_adapter, merge_lora_stream,
                              peft_settings, save_peft_adapter)
     from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
     from megatron_grpo.model.lora import adapters_disabled, apply_lora
@@ -191,7 +191,7 @@ def test_exported_adapter_loads_in_peft(world):
 def test_peft_settings_target_spellings(tmp_path, saved, targets):
     import json
 
-    from bridge.lora import peft_settings
+    from megatron_grpo.model.lora_peft import peft_settings
 
     (tmp_path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": saved,
@@ -204,7 +204,7 @@ def test_peft_settings_target_spellings(tmp_path, saved, targets):
 def test_peft_settings_rejects_what_is_not_supported(tmp_path):
     import json
 
-    from bridge.lora import peft_settings
+    from megatron_grpo.model.lora_peft import peft_settings
 
     (tmp_path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],

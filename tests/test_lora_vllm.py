@@ -1,8 +1,8 @@
 """Merged LoRA sync into vLLM (issue 15): vLLM's log-probs equal HF with the merged adapter.
 
 A tiny Qwen2 and a PEFT adapter on every linear (random A and B, so every adapter moves
-the log-probs) are loaded into a Megatron TP=2 model (bridge + bridge/lora.py); the
-merged stream (W + scale B A per HF tensor, bridge/lora.merged_stream) goes into a
+the log-probs) are loaded into a Megatron TP=2 model (bridge + megatron_grpo/model/lora_peft.py); the
+merged stream (W + scale B A per HF tensor, model/lora_peft.merged_stream) goes into a
 colocated vLLM engine per rank (vLLM TP=1), the fingerprint check passes, and vLLM's
 per-token prompt log-probs equal HF transformers' on peft's merge_and_unload of the same
 adapter (float32, 1e-5 per token), while the adapter moves them by far more.
@@ -17,7 +17,7 @@ import torch
 from tests.harness import run_distributed
 from tests.test_rollout_colocate import (ATOL, engine_kwargs, hf_logprobs, max_diff, needs_vllm,
                                          tiny_vllm_model)
-from tests.test_sync_megatron import COMPLETIONS, PROMPTS
+from tests.test_rollout_sync import COMPLETIONS, PROMPTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -26,7 +26,7 @@ def _body(rank, world_size, model_dir, adapter_dir):
     import torch.distributed as dist
 
     from bridge import export_hf_weights, load_hf_weights
-    from bridge.lora import load_peft_adapter, merged_stream, peft_settings
+    from megatron_grpo.model.lora_peft import load_peft_adapter, merged_stream, peft_settings
     from megatron_grpo.model import build_model, build_transformer_config
     from megatron_grpo.model.lora import apply_lora
     from megatron_grpo.platform import ParallelDims, init_parallel

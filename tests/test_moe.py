@@ -76,7 +76,7 @@ def _grads(chunks, config, args, ids, weight):
 
 def _world(rank, world_size, paths, ids, grad_ids, grad_weight):
     from bridge import export_hf_weights, load_hf_weights
-    from bridge.convert import megatron_logits
+    from megatron_grpo.convert import megatron_logits
     from bridge.hf_checkpoint import HFCheckpoint
     from megatron_grpo.model import build_model, build_transformer_config
     from megatron_grpo.model.builder import wrap_ddp

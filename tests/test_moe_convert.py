@@ -15,7 +15,7 @@ from tests.harness import run_distributed
 
 
 def _convert(rank, world_size, argvs):
-    from bridge.convert import main
+    from megatron_grpo.convert import main
 
     logs = []
     for argv in argvs:

@@ -8,7 +8,7 @@
 
 One process by default (a gloo world of one, Megatron TP=1, vLLM in-process, CPU);
 with --tp N, N ranks under torchrun (Megatron TP=N colocated with vLLM TP=N, the
-layout of tests/test_sync_megatron.py). The model is built once with tools/make_tiny_model.py into --workdir (random weights), loaded
+layout of tests/test_rollout_sync.py). The model is built once with tools/make_tiny_model.py into --workdir (random weights), loaded
 into Megatron by the bridge, changed (a seeded perturbation, so the first sync
 really moves vLLM), and a ColocateEngine is started on the original HF folder.
 Then, interleaved, the fastest of --iters runs of each (after one untimed warm-up):
@@ -204,7 +204,7 @@ def _worker(a, path: str) -> None:
     from megatron_grpo.rollout.verify import (StreamFingerprints, WeightSyncError,
                                               check_weight_sync)
     from megatron_grpo.rollout.weights import load_weight_stream
-    from bridge.lora import gather_adapters, merged_stream
+    from megatron_grpo.model.lora_peft import gather_adapters, merged_stream
     from megatron_grpo.model.lora import LoraSettings, apply_lora
 
     init_process_group()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 from .errors import Problems
 from .hf_model import VLLM_CPU_HEAD_SIZES, head_dim, model_max_len, vllm_is_cpu_build
+from .parallel import ParallelDims, divisors
 from .sizes import parse_size
 
 if TYPE_CHECKING:
@@ -36,10 +37,6 @@ WORLD_OPTIONS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "context_parallel_size", "micro_batch_size", "global_batch_size",
                  "generation_batch_size", "steps_per_generation", "num_generations",
                  "vllm_tensor_parallel_size", "vllm_mode", "use_vllm")
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _require(ok: bool, message: str) -> None:
@@ -154,7 +151,7 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
         p.require(t.global_batch_size % t.micro_batch_size == 0,
                   f"--global_batch_size {t.global_batch_size} is not a multiple of --micro_batch_size "
                   f"{t.micro_batch_size}. Valid micro_batch_size values: "
-                  f"{_divisors(t.global_batch_size)}")
+                  f"{divisors(t.global_batch_size)}")
     if t.train_iters is not None:
         _positive(p, "train_iters", t.train_iters)
     p.require(t.num_train_epochs > 0, f"--num_train_epochs {t.num_train_epochs} must be > 0")
@@ -279,7 +276,7 @@ def _check_moe(cfg: "GRPOConfig", p: Problems) -> None:
     p.require(ep < 1 or experts % ep == 0,
               f"--expert_model_parallel_size {ep} does not divide the model's {experts} experts "
               f"(config.json num_experts); valid values: "
-              f"{[e for e in _divisors(experts)]}")
+              f"{[e for e in divisors(experts)]}")
     p.require(par.tensor_model_parallel_size == 1 or par.sequence_parallel,
               f"--tensor_model_parallel_size {par.tensor_model_parallel_size} with an MoE model "
               "needs sequence parallelism (Megatron's MoE layer trains under TP only with it). "
@@ -704,6 +701,7 @@ def evaluates(cfg: "GRPOConfig") -> bool:
 class WorldPlan:
     """Sizes derived from the config and the world size."""
     world_size: int
+    dims: ParallelDims             # the degrees, checked against the world size
     dp: int                        # data-parallel ranks = world / (TP x PP x CP)
     num_microbatches: int          # per rank per optimizer step
     num_rollout_prompts: int       # prompts per rollout, all ranks
@@ -728,28 +726,12 @@ def validate_world(cfg: "GRPOConfig", world_size: int,
 
 def _world_plan(cfg: "GRPOConfig", world_size: int, p: Problems) -> WorldPlan:
     par, t, g, v = cfg.parallel, cfg.training, cfg.grpo, cfg.rollout
-    if not p.require(world_size >= 1, f"world size {world_size} must be >= 1"):
+    try:
+        dims = ParallelDims.from_options(par, world_size)
+    except ValueError as e:
+        p.require(False, str(e))
         return None
-    mp = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
-    if not p.require(
-            world_size % mp == 0,
-            f"world size {world_size} is not divisible by tensor_model_parallel_size "
-            f"{par.tensor_model_parallel_size} x pipeline_model_parallel_size "
-            f"{par.pipeline_model_parallel_size} x context_parallel_size {par.context_parallel_size} "
-            f"= {mp}. Valid world sizes: multiples of {mp} ({[mp * k for k in range(1, 5)]}...); "
-            f"valid TP x PP x CP products for {world_size} ranks: {_divisors(world_size)}. "
-            "Fix: change NPROC_PER_NODE/NNODES or the parallel sizes"):
-        return None
-    dp = world_size // mp
-    etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
-    expert_mp = etp * par.expert_model_parallel_size * par.pipeline_model_parallel_size
-    if not p.require(
-            expert_mp >= 1 and world_size % expert_mp == 0,
-            f"world size {world_size} is not divisible by expert_tensor_parallel_size {etp} x "
-            f"expert_model_parallel_size {par.expert_model_parallel_size} x "
-            f"pipeline_model_parallel_size {par.pipeline_model_parallel_size} = {expert_mp}. "
-            "Fix: lower --expert_model_parallel_size or change NPROC_PER_NODE/NNODES"):
-        return None
+    dp = dims.dp
     per_step = t.micro_batch_size * dp
     p.require(t.global_batch_size % per_step == 0,
               f"--global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
@@ -768,13 +750,14 @@ def _world_plan(cfg: "GRPOConfig", world_size: int, p: Problems) -> WorldPlan:
         vtp = v.vllm_tensor_parallel_size
         if p.require(world_size % vtp == 0,
                      f"--vllm_tensor_parallel_size {vtp} does not divide the world size "
-                     f"{world_size}; valid values: {_divisors(world_size)}"):
+                     f"{world_size}; valid values: {divisors(world_size)}"):
             engines = world_size // vtp
             p.require(num_prompts % engines == 0,
                       f"the {num_prompts} prompts of a rollout do not split evenly over {engines} "
                       f"colocated vLLM engines (world size {world_size} / vllm_tensor_parallel_size "
                       f"{vtp}). Fix: make generation_batch_size / num_generations a multiple of "
                       f"{engines}, or raise vllm_tensor_parallel_size")
-    return WorldPlan(world_size=world_size, dp=dp, num_microbatches=t.global_batch_size // per_step,
+    return WorldPlan(world_size=world_size, dims=dims, dp=dp,
+                     num_microbatches=t.global_batch_size // per_step,
                      num_rollout_prompts=num_prompts, prompts_per_dp_rank=num_prompts // dp,
                      num_vllm_engines=engines)

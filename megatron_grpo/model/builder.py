@@ -9,25 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from bridge.params import unwrap  # noqa: F401  (re-exported: one definition, the bridge's)
+
 from .config import ModelArgs
-
-try:  # Transformer Engine exists only on GPU machines.
-    import transformer_engine  # noqa: F401
-
-    HAVE_TE = True
-except Exception:  # ImportError, or a broken CUDA install
-    HAVE_TE = False
-
-
-def unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers (GPTModel has a `decoder`)."""
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
-def use_transformer_engine() -> bool:
-    return HAVE_TE and torch.cuda.is_available()
+from .kv_replication import install_grouped_qkv_checkpointing
+from .te import HAVE_TE, use_transformer_engine  # noqa: F401  (re-exported)
 
 
 def _moe_spec_kwargs(config) -> dict:
@@ -120,8 +106,6 @@ def build_model(config, args: ModelArgs, use_te: bool | None = None,
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     # Replicated kv heads are saved in the TP-independent HF-grouped layout.
-    from .kv_replication import install_grouped_qkv_checkpointing
-
     install_grouped_qkv_checkpointing(chunks, config, args)
     if wrap_with_ddp:
         chunks = wrap_ddp(config, chunks)

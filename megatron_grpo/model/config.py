@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from ..config.hf_model import head_size
 from .families import Family, detect_family
+from .moe import moe_config_kwargs
+from .te import use_transformer_engine
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -151,8 +153,6 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
         cross_entropy_loss_fusion=False,
     )
     if family.moe:
-        from .moe import moe_config_kwargs
-
         kwargs.update(moe_config_kwargs(hf, family, tp=tp, ep=ep, etp=etp, options=moe))
     elif ep > 1 or (etp is not None and etp != tp):
         raise ValueError(f"--expert_model_parallel_size {ep} / --expert_tensor_parallel_size "
@@ -200,8 +200,6 @@ def megatron_attention_backend(name: str, use_te: bool | None = None):
     holds Megatron's local attention whatever the value: local, unfused and auto name it
     (AttnBackend.local), flash and fused would be Transformer Engine kernels: refused."""
     from megatron.core.transformer.enums import AttnBackend
-
-    from .builder import use_transformer_engine
 
     use_te = use_transformer_engine() if use_te is None else use_te
     if use_te:

@@ -45,7 +45,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .builder import unwrap
+from bridge.params import unwrap
 
 _QKV_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 

@@ -52,7 +52,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .builder import unwrap
+from bridge.params import ADAPTER_MARK as _MARK, is_adapter_param, unwrap  # noqa: F401
+
 
 from ..config.groups import LORA_TARGET_MODULES as HF_TARGETS  # PEFT names, HF order
 # The HF module path of each target inside `model.layers.N`.
@@ -66,13 +67,6 @@ LINEARS = {
     "mlp.linear_fc1": ("column", ("gate_proj", "up_proj")),
     "mlp.linear_fc2": ("row", ("down_proj",)),
 }
-_MARK = "_lora.lora_"   # in the name of every adapter parameter, in no base parameter's
-
-
-def is_adapter_param(name: str) -> bool:
-    return _MARK in name
-
-
 def parse_target_modules(values) -> tuple[str, ...]:
     """--target_modules: `all-linear` or PEFT names -> the HF targets, in HF order."""
     values = [values] if isinstance(values, str) else list(values or ["all-linear"])

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from .families import Family
+from .te import use_transformer_engine
 
 # Megatron's allgather dispatcher raises on variable_seq_lengths (which GRPO batches need).
 DISPATCHERS = ("alltoall",)
@@ -71,8 +72,6 @@ class MoEOptions:
     def check(self, on_gpu: bool | None = None) -> None:
         """ValueError naming the option for values this machine cannot run."""
         if on_gpu is None:
-            from .builder import use_transformer_engine
-
             on_gpu = use_transformer_engine()
         if self.token_dispatcher_type not in DISPATCHERS:
             raise ValueError(f"--moe_token_dispatcher_type {self.token_dispatcher_type!r} is not "
@@ -163,8 +162,6 @@ def moe_config_kwargs(hf: dict, family: Family, *, tp: int, ep: int = 1, etp: in
 def _grouped_gemm(value: bool | None) -> bool:
     if value is not None:
         return bool(value)
-    from .builder import use_transformer_engine
-
     return use_transformer_engine()
 
 

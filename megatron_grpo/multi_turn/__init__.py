@@ -15,6 +15,7 @@ from .scheduler import (ChatCompletionResponseChoice, ChatMessage, Env, Messages
                         MultiTurnScheduler, RolloutInferRequest, RolloutScheduler, build_scheduler,
                         call_hook, check_scheduler, env_names, envs, multi_turns, register_env,
                         register_scheduler, scheduler_names)
+from . import builtin  # noqa: F401,E402  (registers the built-ins; after the registries exist)
 
 __all__ = ["ChatCompletionResponseChoice", "ChatMessage", "Env", "Messages", "MultiTurnScheduler",
            "RolloutInferRequest", "RolloutScheduler", "build_scheduler", "call_hook",

@@ -192,17 +192,11 @@ def register_env(name: str) -> Callable[[type], type]:
     return deco
 
 
-def _builtins() -> None:
-    from . import builtin  # noqa: F401  (registers the built-ins)
-
-
 def scheduler_names() -> List[str]:
-    _builtins()
     return sorted(multi_turns)
 
 
 def env_names() -> List[str]:
-    _builtins()
     return sorted(envs)
 
 
@@ -227,7 +221,6 @@ def check_scheduler(name: str) -> None:
 def build_scheduler(name: str, *, max_turns: Optional[int], tokenizer: Any, gym_env: Optional[str] = None,
                     args: Any = None) -> RolloutScheduler:
     """The scheduler registered as `name` (built-ins, plugins loaded beforehand)."""
-    _builtins()
     if name not in multi_turns:
         raise ValueError(f"--multi_turn_scheduler {name!r} is not a registered scheduler; "
                          f"registered: {scheduler_names()}. Fix: pick one, or register it in a "

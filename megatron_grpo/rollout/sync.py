@@ -52,7 +52,7 @@ class WeightSync:
         """Stream the policy's HF weights into vLLM (collective over every trainer rank);
         with check_weight_sync, prove vLLM holds them. Returns the engine's load info."""
         from bridge import BucketBuffer, export_hf_weights
-        from bridge.lora import merged_stream
+        from megatron_grpo.model.lora_peft import merged_stream
 
         from .verify import StreamFingerprints, check_weight_sync
 
@@ -66,7 +66,7 @@ class WeightSync:
         stream = export_hf_weights(policy.chunks, policy.config, policy.args,
                                    bucket_size_bytes=bucket, offload_bridge=r.offload_bridge,
                                    staging=self.staging)
-        # LoRA: W + scale * B @ A per HF tensor, in its bucket slot (bridge/lora.py)
+        # LoRA: W + scale * B @ A per HF tensor, in its bucket slot (megatron_grpo/model/lora_peft.py)
         stream = merged_stream(policy.chunks, stream)
         expected = StreamFingerprints() if r.check_weight_sync else None
         if expected is not None:

@@ -207,8 +207,8 @@ def save_final_hf(policy: Policy, hf_source: str, out_dir: str, merge_lora: bool
     LoRA model: merged (W + scale B A) with merge_lora, else the PEFT adapter files.
     Collective: every rank iterates the export; rank 0 writes, then renames atomically."""
     from bridge import export_hf_weights
-    from bridge.convert import copy_hf_side_files, write_hf_checkpoint
-    from bridge.lora import gather_adapters, merged_stream, save_peft_adapter
+    from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
+    from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter
 
     from ..model.lora import lora_settings
 

@@ -48,13 +48,8 @@ def build_parallel(cfg):
     from ..platform import ParallelDims, init_parallel, init_process_group
 
     init_process_group()
-    p = cfg.parallel
-    dims = ParallelDims(world_size=dist.get_world_size(), tp=p.tensor_model_parallel_size,
-                        pp=p.pipeline_model_parallel_size,
-                        vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
-                        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
-    init_parallel(dims, seed=cfg.training.seed)
-    return dims
+    dims = ParallelDims.from_options(cfg.parallel, dist.get_world_size())
+    return init_parallel(dims, seed=cfg.training.seed)
 
 
 def _dtype(cfg) -> str:
@@ -93,7 +88,7 @@ def lora_settings_of(cfg):
 
     t = cfg.training
     if t.adapters:
-        from bridge.lora import peft_settings
+        from megatron_grpo.model.lora_peft import peft_settings
 
         return peft_settings(t.adapters[0], seed=t.seed)
     return LoraSettings(rank=t.lora_rank, alpha=float(t.lora_alpha), dropout=t.lora_dropout,
@@ -109,7 +104,7 @@ def apply_tuner(cfg, config, args, chunks) -> None:
 
     apply_lora(chunks, config, args, lora_settings_of(cfg))
     if cfg.training.adapters:
-        from bridge.lora import load_peft_adapter
+        from megatron_grpo.model.lora_peft import load_peft_adapter
 
         load_peft_adapter(chunks, cfg.training.adapters[0])
 

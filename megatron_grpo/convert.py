@@ -25,9 +25,25 @@ import os
 import shutil
 from dataclasses import dataclass
 
-HF_CONFIG_DIR = "hf_config"
+import torch
+import torch.distributed as dist
+
+from bridge.export import export_hf_weights
+from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
+from bridge.load import load_hf_weights
+from bridge.params import unwrap
+from megatron_grpo.checkpoint import HF_CONFIG_DIR, META_FILE as TRAIN_META, find_latest_checkpoint
+from megatron_grpo.config.hf_model import head_size
+from megatron_grpo.model import build_model, build_transformer_config, load_hf_config
+from megatron_grpo.model.kv_replication import (checkpoint_load_metadata, legacy_replicated_layout,
+                                                saved_query_groups)
+from megatron_grpo.model.lora import is_adapter_param, lora_settings
+from megatron_grpo.model.lora_peft import (gather_adapters, merged_stream, prepare_lora_export,
+                                           save_peft_adapter)
+from megatron_grpo.config.parallel import ParallelDims
+from megatron_grpo.platform import init_parallel, init_process_group
+
 META_FILE = "megatron_grpo_convert.json"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".distcp")
 
 
 def _bool(value: str) -> bool:
@@ -65,6 +81,7 @@ class ConvertArgs:
     overwrite: bool
     max_shard_size: int
     merge_lora: bool = False
+    dims: ParallelDims | None = None     # the layout, checked against the world size
 
 
 def parse_args(argv: list[str]) -> ConvertArgs:
@@ -105,26 +122,10 @@ def check_args(argv: list[str], world_size: int) -> ConvertArgs:
         raise ValueError(f"{src_flag} {src!r}: not a folder; it must name the checkpoint to convert")
     if a.to_hf:
         _check_qkv_layout(a)                 # resolves the source: raises naming what is missing
-    if a.context_parallel_size < 1:
-        raise ValueError(f"--context_parallel_size {a.context_parallel_size} must be >= 1")
+    a.dims = ParallelDims.from_options(a, world_size)   # raises naming the sizes
     if a.context_parallel_size > 1 and a.test_convert_precision:
         raise ValueError("--test_convert_precision true runs a full-sequence forward; use it "
                          "with --context_parallel_size 1 (CP does not change the weights)")
-    model_parallel = (a.tensor_model_parallel_size * a.pipeline_model_parallel_size
-                      * a.context_parallel_size)
-    if world_size % model_parallel:
-        raise ValueError(f"--tensor_model_parallel_size {a.tensor_model_parallel_size} x "
-                         f"--pipeline_model_parallel_size {a.pipeline_model_parallel_size} x "
-                         f"--context_parallel_size {a.context_parallel_size} = "
-                         f"{model_parallel} does not divide the {world_size} processes "
-                         "(NPROC_PER_NODE / --nproc_per_node)")
-    etp = a.expert_tensor_parallel_size or a.tensor_model_parallel_size
-    expert_mp = etp * a.expert_model_parallel_size * a.pipeline_model_parallel_size
-    if a.expert_model_parallel_size < 1 or etp < 1 or world_size % expert_mp:
-        raise ValueError(f"--expert_tensor_parallel_size {etp} x --expert_model_parallel_size "
-                         f"{a.expert_model_parallel_size} x --pipeline_model_parallel_size "
-                         f"{a.pipeline_model_parallel_size} = {expert_mp} must divide the "
-                         f"{world_size} processes (NPROC_PER_NODE / --nproc_per_node)")
     if os.path.isdir(a.output_dir) and os.listdir(a.output_dir) and not a.overwrite:
         raise ValueError(f"--output_dir {a.output_dir!r} already holds files; pass "
                          "--overwrite true to replace them, or choose another folder")
@@ -142,17 +143,12 @@ class McoreSource:
     lora: dict | None = None       # a LoRA run's checkpoint: settings and base model
 
 
-TRAIN_META = "checkpoint.json"     # megatron_grpo.checkpoint's metadata file
-
-
 def mcore_source(path: str) -> McoreSource:
     """Resolve --mcore_model: a folder written by `--to_mcore`, a training checkpoint
     (`output_dir/checkpoint-N`, model weights in its `dist/`), or a training run's
     output_dir (its newest checkpoint)."""
     if not os.path.isfile(os.path.join(path, TRAIN_META)) and \
             not os.path.isfile(os.path.join(path, HF_CONFIG_DIR, "config.json")):
-        from megatron_grpo.checkpoint import find_latest_checkpoint
-
         latest = find_latest_checkpoint(path)
         if latest is None:
             raise ValueError(f"--mcore_model {path!r} is neither a folder written by `megatron "
@@ -180,25 +176,13 @@ def mcore_source(path: str) -> McoreSource:
 def _check_qkv_layout(a: ConvertArgs) -> None:
     """A checkpoint loads at any TP, except one an older version wrote with fewer kv heads
     than TP (a replicated, TP-dependent layout): that one only at the TP that wrote it."""
-    from megatron_grpo.model.kv_replication import legacy_replicated_layout, saved_query_groups
-
     src = mcore_source(a.mcore_model)
     with open(os.path.join(src.hf_dir, "config.json")) as f:
         hf = json.load(f)
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    legacy_replicated_layout(saved_query_groups(src.dist_dir, heads, head_dim), heads=heads,
+    legacy_replicated_layout(saved_query_groups(src.dist_dir, heads, head_size(hf)), heads=heads,
                              kv_heads=hf.get("num_key_value_heads") or heads,
                              tp=a.tensor_model_parallel_size, where=repr(a.mcore_model))
-
-
-def copy_hf_side_files(src: str, dst: str) -> None:
-    """config.json, tokenizer and generation files: everything but the weights."""
-    os.makedirs(dst, exist_ok=True)
-    for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        if os.path.isfile(path) and not name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(path, os.path.join(dst, name))
 
 
 def _default_dtype(hf_config: dict) -> str:
@@ -207,8 +191,6 @@ def _default_dtype(hf_config: dict) -> str:
 
 
 def _sharded_state_dict(chunks, metadata: dict | None = None) -> dict:
-    from .params import unwrap
-
     if len(chunks) == 1:
         return {"model": unwrap(chunks[0]).sharded_state_dict(metadata=dict(metadata or {}))}
     return {f"model{i}": unwrap(c).sharded_state_dict(metadata=dict(metadata or {}))
@@ -223,8 +205,6 @@ def _finish(tmp: str, out: str) -> None:
 
 
 def _begin(out: str, rank: int) -> str:
-    import torch.distributed as dist
-
     tmp = out.rstrip("/") + ".tmp"
     if rank == 0:
         if os.path.isdir(tmp):
@@ -234,54 +214,8 @@ def _begin(out: str, rank: int) -> str:
     return tmp
 
 
-def write_hf_checkpoint(buckets, out_dir: str, max_shard_size: int, write: bool) -> list[str]:
-    """Write a bridge stream as HF safetensors (shards + index when more than one file).
-
-    Every rank must iterate the stream (it is collective); only `write` ranks keep and
-    write the tensors, holding at most one shard in memory. Returns the keys in order.
-    """
-    from safetensors.torch import save_file
-
-    names, shard, shard_bytes, files, weight_map, total = [], {}, 0, [], {}, 0
-
-    def flush():
-        nonlocal shard, shard_bytes
-        if shard and write:
-            name = f"shard-{len(files):05d}.safetensors"
-            save_file({k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name),
-                      metadata={"format": "pt"})
-            files.append((name, list(shard)))
-        shard, shard_bytes = {}, 0
-
-    for bucket in buckets:
-        for name, tensor in bucket:
-            names.append(name)
-            nbytes = tensor.numel() * tensor.element_size()
-            total += nbytes
-            if shard and shard_bytes + nbytes > max_shard_size:
-                flush()
-            if write:  # a copy: the bucket's buffer is reused for the next bucket
-                shard[name] = tensor.clone()
-            shard_bytes += nbytes
-    flush()
-    if not write:
-        return names
-    if len(files) == 1:
-        os.replace(os.path.join(out_dir, files[0][0]), os.path.join(out_dir, "model.safetensors"))
-        return names
-    for i, (tmp_name, keys) in enumerate(files):
-        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        os.replace(os.path.join(out_dir, tmp_name), os.path.join(out_dir, final))
-        weight_map.update({k: final for k in keys})
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return names
-
-
 def megatron_logits(chunks, config, args, ids):
     """HF-vocab logits [B, S, V] of the model, on every rank (forward_only schedule)."""
-    import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -321,9 +255,6 @@ def megatron_logits(chunks, config, args, ids):
 
 def _precision(chunks, config, args, hf_dir: str, dtype: str) -> None:
     """Print max and mean |logit diff| of Megatron vs HF transformers on one sample."""
-    import torch
-    import torch.distributed as dist
-
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab_size, (1, 32), generator=gen)
     ours = megatron_logits(chunks, config, args, ids).cpu()
@@ -341,22 +272,13 @@ def _precision(chunks, config, args, hf_dir: str, dtype: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from megatron_grpo.model import build_model, build_transformer_config, load_hf_config
-    from megatron_grpo.platform import ParallelDims, init_parallel, init_process_group
 
     init_process_group()
     a = check_args(argv, dist.get_world_size())
     rank = dist.get_rank()
     dist.barrier()  # every rank has checked the output folder before anything is written
-    tp, pp, vpp = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                   a.virtual_pipeline_model_parallel_size)
-    cp, ep, etp = (a.context_parallel_size, a.expert_model_parallel_size,
-                   a.expert_tensor_parallel_size)
-    init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp, cp=cp,
-                               ep=ep, etp=etp))
+    dims = init_parallel(a.dims)
+    tp, pp, vpp, cp, ep, etp = dims.tp, dims.pp, dims.vpp, dims.cp, dims.ep, dims.etp
     from megatron.core import dist_checkpointing
 
     src = None if a.to_mcore else mcore_source(a.mcore_model)
@@ -369,13 +291,9 @@ def main(argv: list[str]) -> int:
                                             dtype=build_dtype, ep=ep, etp=etp)
     chunks = build_model(config, args)
     if src is not None and src.lora:   # adapters on the base the run started from
-        from .lora import prepare_lora_export
-
         prepare_lora_export(chunks, config, args, src.lora, a.model)
     tmp = _begin(a.output_dir, rank)
     if a.to_mcore:
-        from .load import load_hf_weights
-
         load_hf_weights(chunks, config, args, a.model)
         dist_checkpointing.save(_sharded_state_dict(chunks), tmp)
         if rank == 0:
@@ -389,36 +307,23 @@ def main(argv: list[str]) -> int:
                            "expert_tensor_parallel_size": etp}, f, indent=2)
         reference = a.model
     else:
-        from .export import export_hf_weights
-
         if rank == 0:
             print(f"megatron export: reading {src.path}", flush=True)
-        from megatron_grpo.model.kv_replication import checkpoint_load_metadata
-
         metadata = checkpoint_load_metadata(src.dist_dir, chunks, repr(a.mcore_model))
         sd = _sharded_state_dict(chunks, metadata)
         if src.lora:    # the checkpoint holds the adapters only
-            from megatron_grpo.model.lora import is_adapter_param
-
             sd = {k: {n: t for n, t in v.items() if is_adapter_param(n)} for k, v in sd.items()}
         state = dist_checkpointing.load(sd, src.dist_dir)
-        from .params import unwrap
-
         for i, chunk in enumerate(chunks):   # LoRA: the adapters only (base from HF)
             unwrap(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"],
                                           strict=not src.lora)
         if src.lora and not a.merge_lora:    # the PEFT adapter
-            from .lora import gather_adapters, save_peft_adapter
-            from megatron_grpo.model.lora import lora_settings
-
             factors = gather_adapters(chunks)
             if rank == 0:
                 save_peft_adapter(tmp, factors, lora_settings(chunks),
                                   base_model=src.lora.get("base_model"),
                                   dtype=getattr(torch, dtype))
         else:
-            from .lora import merged_stream
-
             stream = merged_stream(chunks, export_hf_weights(
                 chunks, config, args, bucket_size_bytes=512 << 20, dtype=getattr(torch, dtype)))
             write_hf_checkpoint(stream, tmp, a.max_shard_size, write=rank == 0)

@@ -1,4 +1,4 @@
-"""`megatron export` (bridge/convert.py): HF -> Megatron dist checkpoint at TP=2 -> HF at TP=1
+"""`megatron export` (megatron_grpo/convert.py): HF -> Megatron dist checkpoint at TP=2 -> HF at TP=1
 and at PP=2 reproduces the original checkpoint bit for bit; the precision check prints the
 logit difference; an existing output is kept without --overwrite.
 
@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from bridge.convert import check_args
+from megatron_grpo.convert import check_args
 from tests.harness import run_distributed
 
 
@@ -27,7 +27,7 @@ def _tensors(path):
 
 
 def _world(rank, world_size, hf, root):
-    from bridge.convert import main
+    from megatron_grpo.convert import main
 
     mcore, out_tp1, out_pp2 = (os.path.join(root, n) for n in ("mcore", "hf_tp1", "hf_pp2"))
     logs = {}
@@ -104,7 +104,7 @@ def test_check_args_errors(tmp_path):
         check_args(["--to_mcore", "true", "--to_hf", "true", "--model", str(hf)] + base, 1)
     with pytest.raises(ValueError, match="--model .*not a folder"):
         check_args(["--to_mcore", "true", "--model", str(tmp_path / "nope")] + base, 1)
-    with pytest.raises(ValueError, match="does not divide the 3 processes"):
+    with pytest.raises(ValueError, match="world size 3 .* is not divisible by --tensor_model_parallel_size 2"):
         check_args(["--to_mcore", "true", "--model", str(hf), "--tensor_model_parallel_size", "2"]
                    + base, 3)
     with pytest.raises(ValueError, match="neither a folder written by `megatron export --to_mcore`"):

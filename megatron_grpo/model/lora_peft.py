@@ -29,7 +29,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.model.lora import HF_MODULE, LoraSettings, adapters, lora_settings
+from bridge.load import check_checkpoint, load_hf_weights
+
+from .lora import HF_MODULE, LoraSettings, adapters, apply_lora, lora_settings, parse_target_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -46,8 +48,6 @@ def hf_weight_name(layer: int, target: str) -> str:
 
 def peft_settings(adapter_dir: str, seed: int = 42) -> LoraSettings:
     """The LoraSettings of a PEFT LoRA adapter folder (--adapters)."""
-    from megatron_grpo.model.lora import parse_target_modules
-
     path = os.path.join(adapter_dir, ADAPTER_CONFIG)
     if not os.path.isfile(path):
         raise ValueError(f"--adapters {adapter_dir!r}: no {ADAPTER_CONFIG} there; pass a PEFT "
@@ -87,8 +87,6 @@ def load_peft_adapter(chunks, adapter_dir: str) -> None:
     Every expected tensor must be there with its shape; one ValueError lists problems."""
     from safetensors import safe_open
     from megatron.core import parallel_state as ps
-
-    from .load import check_checkpoint
 
     path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
     if not os.path.isfile(path):
@@ -210,10 +208,6 @@ def prepare_lora_export(chunks, config, args, lora: dict, base_model: str | None
     """`megatron export --to_hf` of a LoRA training checkpoint (adapters only): load the base
     HF weights into `chunks` and add the adapters the checkpoint's metadata describes; the
     caller then loads the adapters from the checkpoint. base_model: --model, else the run's."""
-    from megatron_grpo.model.lora import apply_lora
-
-    from .load import load_hf_weights
-
     base = base_model or lora.get("base_model")
     if not base or not os.path.isdir(base):
         raise ValueError(f"--model {base!r}: a LoRA checkpoint holds adapters only; pass the "

@@ -1,0 +1,117 @@
+"""The package's import structure (issue 12): `bridge/` is a library that imports nothing
+from `megatron_grpo`, and no two modules import each other, not even through an import
+inside a function (a cycle hidden that way still ties the modules together)."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("megatron_grpo", "bridge")
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> file, for both packages."""
+    mods = {}
+    for pkg in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                    mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _imports(name: str, path: str, mods: dict[str, str]) -> dict[str, int]:
+    """Modules of the packages that `name` imports anywhere (module level or inside a
+    function; `if TYPE_CHECKING:` blocks excluded) -> the line of the first such import."""
+    tree = ast.parse(open(path).read())
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for stmt in node.body for n in ast.walk(stmt)}
+    is_pkg = path.endswith("__init__.py")
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_pkg else name.split(".")[:-1]
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                       for a in node.names]
+        for t in targets:
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            # a module importing its own package's __init__ is not an edge of interest
+            if t and t != name and not name.startswith(t + "."):
+                found.setdefault(t, node.lineno)
+    return found
+
+
+def _cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_bridge_imports_nothing_from_megatron_grpo():
+    mods = _modules()
+    bad = [f"{name} line {line}" for name, path in mods.items() if name.startswith("bridge")
+           for target, line in _imports(name, path, mods).items()
+           if target.startswith("megatron_grpo")]
+    assert not bad, "bridge/ imports megatron_grpo: " + "; ".join(bad)
+    # And at run time: importing every bridge module loads no megatron_grpo module.
+    names = sorted(n for n in mods if n.startswith("bridge"))
+    code = ("import sys\n" + "".join(f"import {n}\n" for n in names) +
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron_grpo'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_no_import_cycles():
+    mods = _modules()
+    edges = {name: _imports(name, path, mods) for name, path in mods.items()}
+    described = [" <-> ".join(c) + ": " + ", ".join(
+        f"{a} imports {b} (line {edges[a][b]})" for a in c for b in edges[a] if b in c)
+        for c in _cycles(edges)]
+    assert not described, "import cycles:\n" + "\n".join(described)
+
+
+def test_cycle_finder_finds_a_cycle():
+    """The check above can fail: a two-module cycle hidden in a function is reported."""
+    edges = {"a": {"b": 3}, "b": {"a": 9}, "c": {"a": 1}}
+    assert _cycles(edges) == [["a", "b"]]
