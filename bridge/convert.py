@@ -180,11 +180,11 @@ def mcore_source(path: str) -> McoreSource:
 def _check_qkv_layout(a: ConvertArgs) -> None:
     """A checkpoint loads at any TP, except one an older version wrote with fewer kv heads
     than TP (a replicated, TP-dependent layout): that one only at the TP that wrote it."""
+    from megatron_grpo.config.hf_model import text_config
     from megatron_grpo.model.kv_replication import legacy_replicated_layout, saved_query_groups
 
     src = mcore_source(a.mcore_model)
-    with open(os.path.join(src.hf_dir, "config.json")) as f:
-        hf = json.load(f)
+    hf = text_config(src.hf_dir)    # a vision-language model's language part
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     legacy_replicated_layout(saved_query_groups(src.dist_dir, heads, head_dim), heads=heads,

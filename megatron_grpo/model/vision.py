@@ -1,0 +1,212 @@
+"""Vision-language models (Qwen2.5-VL, Qwen2-VL): Megatron's GPTModel with multimodal
+rotary positions for the language model, Hugging Face's own vision tower on the first
+pipeline stage.
+
+    model = VisionLanguageModel(config, ..., hf_config=args.hf_config)   # build_model does it
+    logits = model(input_ids, position_ids, None,                 # position_ids [3, b, s]
+                   pixel_values=pv, image_grid_thw=thw)           # [patches, C*T*P*P], [n, 3]
+
+Why the HF tower (docs/vision-language.md, "Where the vision tower lives"): Qwen2.5-VL's
+ViT (dynamic resolution, Conv3d over 2 frames, 2D rotary, windowed attention, 2x2 patch
+merger) has no Megatron counterpart; it is small next to the language model, so it runs
+replicated on every TP rank, wrapped in Megatron's `HuggingFaceModule`, which tags its
+parameters `average_gradients_across_tp_domain` (finalize_model_grads averages their
+gradients over TP: the ranks computed the same ones, the average keeps them equal).
+
+The forward (first stage): word embeddings (vocab-parallel, then scattered to the
+sequence-parallel region by Megatron's embedding when SP is on), the rows of image tokens
+replaced by the tower's output in token order ([b, s] row-major: HF's `masked_scatter`
+order), passed to GPTModel as `decoder_input`. Every stage needs `position_ids` [3, b, s]
+(mrope angles are computed per stage); `mrope_positions` gives them as HF's
+`get_rope_index` does.
+
+Freezing (ms-swift's meaning): --freeze_vit (the tower without the merger), --freeze_aligner
+(the merger), --freeze_llm (everything else): `apply_freeze`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.huggingface.module import HuggingFaceModule
+
+ALIGNER = "merger."          # the vision tower's patch merger (ms-swift's `aligner`)
+
+
+def _vision_classes(family: str):
+    if family == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import \
+            Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import \
+            Qwen2_5_VisionTransformerPretrainedModel
+        return Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel
+    if family == "qwen2_vl":
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import \
+            Qwen2VisionTransformerPretrainedModel
+        return Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel
+    raise ValueError(f"model family {family!r} has no vision tower")
+
+
+def build_hf_vision_tower(family: str, vision_config: dict, dtype: torch.dtype,
+                          device: Optional[torch.device | str] = None) -> torch.nn.Module:
+    """HF's vision tower (+ merger) of `family` from config.json's `vision_config`, with
+    transformers' SDPA attention (what `from_pretrained` picks, so logits match HF's)."""
+    config_cls, model_cls = _vision_classes(family)
+    config = config_cls(**vision_config)
+    config._attn_implementation = "sdpa"
+    with torch.device(device or "cpu"):
+        tower = model_cls._from_config(config)
+    return tower.to(dtype)
+
+
+def hf_vision_shapes(family: str, vision_config: dict) -> dict[str, tuple[int, ...]]:
+    """HF checkpoint name (`visual.*`) -> shape of every vision tensor, from a meta-device
+    tower: the names and shapes transformers itself saves, whatever the architecture."""
+    tower = build_hf_vision_tower(family, vision_config, torch.float32, device="meta")
+    return {f"visual.{n}": tuple(t.shape) for n, t in tower.state_dict().items()}
+
+
+class VisionTower(HuggingFaceModule):
+    """The HF vision tower as a Megatron module; Megatron names its parameters
+    `visual.model.<HF name after visual.>`."""
+
+    def __init__(self, config, family: str, vision_config: dict):
+        super().__init__(config)
+        self.model = build_hf_vision_tower(family, vision_config, config.params_dtype)
+        self.spatial_merge_size = int(vision_config.get("spatial_merge_size", 2))
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """[patches, C*T*P*P] pixels -> [patches / merge^2, hidden] language-model rows."""
+        out = self.model(pixel_values.to(self.config.params_dtype), grid_thw=image_grid_thw)
+        return getattr(out, "pooler_output", out)
+
+
+class VisionLanguageModel(GPTModel):
+    """GPTModel (position_embedding_type="mrope") + the HF vision tower on the chunk that
+    embeds (pre_process). Everything else (decoder, output layer, PP/VPP, TP, SP, the
+    bridge's language rules) is GPTModel's."""
+
+    def __init__(self, *args, hf_config: dict, family: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.image_token_id = int(hf_config["image_token_id"])
+        if self.pre_process:
+            self.visual = VisionTower(self.config, family, hf_config["vision_config"])
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
+                pixel_values: Optional[torch.Tensor] = None,
+                image_grid_thw: Optional[torch.Tensor] = None,
+                image_mask: Optional[torch.Tensor] = None, **kwargs):
+        """GPTModel.forward plus the images of the micro-batch, in token order:
+        pixel_values [patches, C*T*P*P] and image_grid_thw [n_images, 3] (the processor's,
+        images concatenated in the order their tokens appear in input_ids [b, s] row-major).
+        image_mask [b, s] bool: which tokens the images fill (default: the image token ids;
+        pass it when completions may contain that id as text). position_ids [3, b, s]; a
+        [b, s] ramp (text only) is used for all three sections."""
+        if position_ids is not None and position_ids.dim() == 2:
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+        if self.pre_process and decoder_input is None and pixel_values is not None:
+            decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw,
+                                                   image_mask)
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input,
+                               *args, **kwargs)
+
+    def embed_with_images(self, input_ids, pixel_values, image_grid_thw, image_mask=None):
+        """[s(/tp under SP), b, h] decoder input: word embeddings, image rows replaced."""
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        emb = self.embedding(input_ids=input_ids, position_ids=None)     # [s_local, b, h]
+        image = self.visual(pixel_values, image_grid_thw)                 # [n_image_tokens, h]
+        mask = input_ids == self.image_token_id if image_mask is None else image_mask.bool()
+        if int(mask.sum()) != image.shape[0]:
+            raise ValueError(f"the micro-batch has {int(mask.sum())} image tokens but its images "
+                             f"(image_grid_thw {image_grid_thw.tolist()}) give {image.shape[0]}: "
+                             "pixel_values / image_grid_thw must be the processor's for exactly "
+                             "these prompts, in token order")
+        b, s = mask.shape
+        # Row of `image` for each token in [b, s] row-major order (HF's masked_scatter order).
+        index = (mask.reshape(-1).cumsum(0) - 1).clamp(min=0).view(b, s)
+        mask, index = mask.t(), index.t()                                 # [s, b]
+        if emb.shape[0] != s:   # sequence parallel: this TP rank's slice of the sequence
+            rank, n = ps.get_tensor_model_parallel_rank(), emb.shape[0]
+            mask, index = mask[rank * n:(rank + 1) * n], index[rank * n:(rank + 1) * n]
+            # Each rank's rows get gradients from its slice only: the tower's output
+            # gradient is the sum over TP (identity forward, all-reduce backward), so
+            # every rank's tower gradients are whole (then averaged over TP: unchanged).
+            image = tensor_parallel.copy_to_tensor_model_parallel_region(image)
+        rows = image[index[mask]].to(emb.dtype)                           # [local image tokens, h]
+        return emb.masked_scatter(mask.unsqueeze(-1), rows)
+
+
+def mrope_positions(input_ids, image_grid_thw, image_token_id: int, spatial_merge_size: int = 2):
+    """Multimodal rotary positions of ONE prompt, as HF's `get_rope_index` computes them.
+
+    input_ids [n] (image placeholders expanded), image_grid_thw [k, 3] of its images in
+    order. Returns (positions [3, n] int64, rope_delta int). Text tokens get three equal
+    ids counting on from the last position; an image's t*h*w/m^2 tokens get
+    start + (t, row, col) of its merged grid (m = spatial_merge_size), after which text
+    resumes at start + max(h, w)/m. rope_delta = max position + 1 - n (<= 0): token i
+    after the prompt (a completion token) has position i + rope_delta in all three."""
+    ids = torch.as_tensor(input_ids).tolist()
+    grids = [tuple(int(x) for x in g) for g in torch.as_tensor(image_grid_thw).view(-1, 3)]
+    out, pos, i, k = [], 0, 0, 0
+    while i < len(ids):
+        if ids[i] != image_token_id:   # a text run up to the next image token
+            j = ids.index(image_token_id, i) if image_token_id in ids[i:] else len(ids)
+            out.append(torch.arange(pos, pos + j - i).view(1, -1).expand(3, -1))
+            pos, i = pos + j - i, j
+            continue
+        if k >= len(grids):
+            raise ValueError(f"prompt has more image token runs than its {len(grids)} images")
+        t, h, w = grids[k][0], grids[k][1] // spatial_merge_size, grids[k][2] // spatial_merge_size
+        if ids[i:i + t * h * w] != [image_token_id] * (t * h * w):
+            raise ValueError(f"image {k} (grid {grids[k]}) needs {t * h * w} image tokens at "
+                             f"token {i}")
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
+                                    indexing="ij")
+        out.append(torch.stack([tt, hh, ww]).view(3, -1) + pos)
+        pos, i, k = pos + max(h, w), i + t * h * w, k + 1
+    if k != len(grids):
+        raise ValueError(f"prompt has {k} images' tokens but image_grid_thw lists {len(grids)}")
+    positions = torch.cat(out, dim=1) if out else torch.zeros((3, 0), dtype=torch.long)
+    delta = int(positions.max()) + 1 - len(ids) if ids else 0
+    return positions, delta
+
+
+def sample_positions(prompt_positions: torch.Tensor, rope_delta: int, length: int) -> torch.Tensor:
+    """[3, length] positions of prompt + completion: the prompt's, then i + rope_delta."""
+    n = prompt_positions.shape[1]
+    tail = (torch.arange(n, length) + rope_delta).view(1, -1).expand(3, -1)
+    return torch.cat([prompt_positions[:, :length], tail], dim=1)
+
+
+def apply_freeze(chunks, *, freeze_vit: bool = True, freeze_aligner: bool = True,
+                 freeze_llm: bool = False) -> None:
+    """ms-swift's freeze options as requires_grad, before DDP wraps the chunks (its buffers
+    hold only trainable parameters): freeze_vit the vision tower but its merger,
+    freeze_aligner the merger, freeze_llm the language model (embedding, decoder, head)."""
+    from .builder import unwrap
+
+    models = [unwrap(c) for c in chunks]
+    if not any(isinstance(m, VisionLanguageModel) for m in models):
+        if not (freeze_vit and freeze_aligner) or freeze_llm:
+            raise ValueError(f"--freeze_vit {str(freeze_vit).lower()} / --freeze_aligner "
+                             f"{str(freeze_aligner).lower()} / --freeze_llm "
+                             f"{str(freeze_llm).lower()}: these options choose what trains in a "
+                             "vision-language model; this model is text-only (keep the defaults "
+                             "true / true / false)")
+        return
+    if freeze_vit and freeze_aligner and freeze_llm:
+        raise ValueError("--freeze_vit true, --freeze_aligner true and --freeze_llm true leave "
+                         "nothing to train; set one of them false")
+    for model in models:
+        for name, param in model.named_parameters():
+            if name.startswith("visual.model."):
+                aligner = name[len("visual.model."):].startswith(ALIGNER)
+                frozen = freeze_aligner if aligner else freeze_vit
+            else:
+                frozen = freeze_llm
+            param.requires_grad_(not frozen)
