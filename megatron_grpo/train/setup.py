@@ -138,6 +138,10 @@ def build_policy(cfg, steps: int) -> Policy:
 
     t = cfg.training
     config, args, chunks = build_chunks(cfg)
+    from ..model.vision import apply_freeze    # vision-language: what trains
+
+    apply_freeze(chunks, freeze_vit=t.freeze_vit, freeze_aligner=t.freeze_aligner,
+                 freeze_llm=t.freeze_llm)
     apply_tuner(cfg, config, args, chunks)     # LoRA: base frozen before DDP sees it
     chunks = wrap_ddp(config, chunks,
                       use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
