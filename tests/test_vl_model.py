@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.test_vl_tiny_model import IMAGES, PROMPTS, encode
+from tests.test_vl_tiny_model import IMAGES, PROMPTS, encode, hf_logits
 from tests.vl_compat import load_processor
 from tools.make_tiny_vl_model import make_tiny_vl_model
 
@@ -48,7 +48,10 @@ def _inputs(model_dir, hf):
         lengths.append(len(row))
     return dict(ids=ids, pos=pos, lengths=lengths, encs=encs,
                 pixel_values=torch.cat([e["pixel_values"] for e in encs]),
-                image_grid_thw=torch.cat([e["image_grid_thw"] for e in encs]))
+                image_grid_thw=torch.cat([e["image_grid_thw"] for e in encs]),
+                pixel_values_of=[e["pixel_values"] for e in encs],
+                image_grid_thw_of=[e["image_grid_thw"] for e in encs],
+                image_token_id=hf.config.image_token_id)
 
 
 def _loss_terms(logits, ids, lengths, vocab):
@@ -112,6 +115,15 @@ def _world(rank, world_size, model_dir, batch, root):
                   if n.startswith("module.visual.model.")} if grads else {}
         out[tp, pp, sp] = dict(logits=result[0]["logits"] if result else None,
                                visual_grads=visual, trainable=trainable)
+        if (tp, pp, sp) == (1, 2, False):  # a sync's stream with the tower (not merger) frozen
+            from bridge import export_hf_weights
+            from bridge.mappings.vision import sync_filter
+
+            out["sync_stream"] = {n: t.clone() for bucket in export_hf_weights(
+                chunks, config, args, bucket_size_bytes=64 << 10,
+                include=sync_filter(freeze_vit=True, freeze_aligner=False)) for n, t in bucket}
+        if (tp, pp, sp) == (2, 1, True):   # the trainer's path: Samples -> micro-batches
+            out["trainer_logps"] = _trainer_logps(chunks, batch, args.vocab_size)
 
     # megatron export: HF -> Megatron at TP=2 -> HF at TP=1 and at PP=2.
     mcore = os.path.join(root, "mcore")
@@ -123,6 +135,33 @@ def _world(rank, world_size, model_dir, batch, root):
         convert(["--to_hf", "true", "--mcore_model", mcore, "--output_dir",
                  os.path.join(root, "hf_pp2"), "--pipeline_model_parallel_size", "2"])
     return out
+
+
+COMPLETIONS = [[5, 17, 42, 9], [7, 8]]
+
+
+def _samples(batch, image_token_id):
+    """Trainer samples of the two prompts with fixed completions (train/batch.py)."""
+    from megatron_grpo.train.batch import ImageInputs, Sample
+
+    out = []
+    for i, completion in enumerate(COMPLETIONS):
+        n = batch["lengths"][i]
+        prompt = batch["ids"][i, :n].tolist()
+        images = ImageInputs.from_prompt(prompt, batch["pixel_values_of"][i],
+                                         batch["image_grid_thw_of"][i], image_token_id)
+        out.append(Sample(prompt_ids=prompt, completion_ids=completion, images=images))
+    return out
+
+
+def _trainer_logps(chunks, batch, vocab):
+    """Completion log-probs through the trainer's forward (micro_batches + forward_logprobs)."""
+    from megatron_grpo.train.batch import micro_batches, split_completion_values
+    from megatron_grpo.train.engine import forward_logprobs
+
+    mbs = micro_batches(_samples(batch, batch["image_token_id"]), 2, pad_to_multiple_of=2)
+    out = forward_logprobs(chunks, mbs, temperature=1.0, vocab_size=vocab)
+    return None if out is None else split_completion_values(out[0]["logps"], mbs[0])
 
 
 def _hf_reference(hf, batch):
@@ -138,10 +177,17 @@ def _hf_reference(hf, batch):
         total = total + torch.nn.functional.cross_entropy(out[0, :-1], ids[0, 1:], reduction="sum")
         logits.append(out[0].detach())
     (total / count).backward()
+    completion_logps = []
+    with torch.no_grad():
+        for e, completion in zip(batch["encs"], COMPLETIONS):
+            p = e["input_ids"].shape[1]
+            logp = torch.log_softmax(hf_logits(hf, e, completion), -1)
+            completion_logps.append(logp[torch.arange(p - 1, p - 1 + len(completion)),
+                                         torch.tensor(completion)])
     grads = {n[len("model.visual."):]: p.grad.clone() for n, p in hf.named_parameters()
              if n.startswith("model.visual.")}
     hf.zero_grad()
-    return logits, grads
+    return logits, grads, completion_logps
 
 
 @pytest.fixture(scope="module")
@@ -155,13 +201,13 @@ def world(tmp_path_factory, model_dir):
 
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
     batch = _inputs(model_dir, hf)
-    ref_logits, ref_grads = _hf_reference(hf, batch)
+    ref_logits, ref_grads, ref_logps = _hf_reference(hf, batch)
     root = tmp_path_factory.mktemp("vl_convert")
     results = run_distributed(_world, world_size=2, timeout=600,
                               args=(str(model_dir), {k: v for k, v in batch.items() if k != "encs"},
                                     str(root)))
     return dict(model_dir=model_dir, root=root, batch=batch, results=results,
-                ref_logits=ref_logits, ref_grads=ref_grads)
+                ref_logits=ref_logits, ref_grads=ref_grads, ref_logps=ref_logps)
 
 
 def test_mrope_positions_equal_hf_get_rope_index(world):
@@ -274,3 +320,112 @@ def test_manifest_is_the_checkpoint_under_either_naming(model_dir, tmp_path):
         assert ckpt.shapes() == found
         name = "visual.blocks.0.attn.qkv.weight"
         assert torch.equal(ckpt.read(name, 0, 0, 8), renamed["model." + name][:8])
+
+
+def test_trainer_forward_takes_images_per_sample(world):
+    """Samples carrying their prompt's ImageInputs, collated by train/batch.py and run by
+    engine.forward_logprobs (TP=2 with SP): the completion log-probs are HF's."""
+    seen = [r["trainer_logps"] for r in world["results"] if r["trainer_logps"] is not None]
+    assert seen
+    for logps in seen:
+        for ours, ref in zip(logps, world["ref_logps"]):
+            assert (ours.double() - ref).abs().max() <= 1e-5
+
+
+def test_collate_carries_images_and_positions(world):
+    """A completion holding the image token id as text stays text: image_mask covers the
+    prompt only; positions continue with rope_delta; images concatenate in row order."""
+    from megatron_grpo.train.batch import Sample, collate
+
+    batch = world["batch"]
+    image_id = batch["image_token_id"]
+    samples = _samples(batch, image_id)
+    samples[0].completion_ids = [5, image_id, 9]
+    text = Sample(prompt_ids=[1, 2, 3], completion_ids=[4])
+    mb = collate([samples[1], text, samples[0]])
+    n0, n1 = batch["lengths"]
+    assert mb["position_ids"].shape == (3, 3, mb["input_ids"].shape[1])
+    assert torch.equal(mb["position_ids"][:, 1, :3], torch.arange(3).expand(3, -1))
+    assert torch.equal(mb["position_ids"][:, 2, :n0], batch["pos"][:, 0, :n0])
+    assert torch.equal(mb["position_ids"][:, 2, n0:n0 + 2],
+                       (torch.arange(n0, n0 + 2) + samples[0].images.rope_delta).expand(3, -1))
+    assert mb["input_ids"][2, n0 + 1] == image_id and not mb["image_mask"][2, n0:].any()
+    assert int(mb["image_mask"].sum()) == int((batch["ids"] == image_id).sum())
+    assert torch.equal(mb["pixel_values"], torch.cat(batch["pixel_values_of"][::-1]))
+    assert torch.equal(mb["image_grid_thw"], torch.cat(batch["image_grid_thw_of"][::-1]))
+    assert "pixel_values" not in collate([text])
+
+
+def test_sync_stream_leaves_frozen_vision_weights_out(world):
+    """--freeze_vit true --freeze_aligner false: a sync streams the merger and the language
+    model (every rank, PP=2: the tower lives on stage 0), the original tensors exactly."""
+    from bridge.mappings.vision import sync_filter
+    from safetensors.torch import load_file
+
+    original = load_file(world["model_dir"] / "model.safetensors")
+    want = {n for n in original if not n.startswith("visual.") or n.startswith("visual.merger.")}
+    for r in world["results"]:
+        stream = r["sync_stream"]
+        assert set(stream) == want
+        assert all(torch.equal(t, original[n]) for n, t in stream.items())
+    assert sync_filter(False, False) is None
+
+
+# --------------------------------------------------------------------------- Qwen2-VL
+def _qwen2_vl(path):
+    """A tiny random Qwen2-VL saved by transformers (its vision blocks differ from 2.5's:
+    LayerNorm, fc1/fc2 MLP, no windows)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=300,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [4, 6, 6]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+        image_token_id=290, video_token_id=291, vision_start_token_id=292,
+        vision_end_token_id=293)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _qwen2_vl_rank(rank, world_size, path, ids, pos, pixel_values, grid):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from bridge import load_hf_weights, manifest
+    from megatron_grpo.model import build_model, build_transformer_config
+    from megatron_grpo.platform import ParallelDims, init_parallel
+
+    init_parallel(ParallelDims(world_size=world_size, tp=world_size, pp=1), seed=1)
+    config, args = build_transformer_config(path, tp=world_size)
+    chunks = build_model(config, args)
+    load_hf_weights(chunks, config, args, path)
+    chunks[0].eval()
+    with torch.no_grad():
+        out = chunks[0](ids, pos, None, pixel_values=pixel_values, image_grid_thw=grid)
+    return gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size], manifest(config, args)
+
+
+def test_qwen2_vl_logits_equal_hf(tmp_path):
+    """Qwen2-VL goes through the same code: the bridge's manifest is its checkpoint and the
+    logits on an image prompt are HF's (random pixels, a 4x4 patch grid: 4 image tokens)."""
+    from safetensors import safe_open
+
+    from megatron_grpo.model.mrope import mrope_positions
+
+    hf = _qwen2_vl(tmp_path)
+    ids = torch.tensor([[5, 6, 292] + [290] * 4 + [293, 7, 8, 9]])
+    grid = torch.tensor([[1, 4, 4]])
+    pixel_values = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=ids, mm_token_type_ids=(ids == 290).long(), pixel_values=pixel_values,
+                 image_grid_thw=grid, use_cache=False).logits[0]
+    pos, _ = mrope_positions(ids[0], grid, 290)
+    [(logits, names)] = run_distributed(_qwen2_vl_rank, world_size=1, timeout=300,
+                                        args=(str(tmp_path), ids, pos[:, None], pixel_values, grid))
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert names == {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert (logits[0] - ref).abs().max() <= 1e-4

@@ -63,3 +63,20 @@ class VisionLanguageMapping(FamilyMapping):
 
 QWEN2_5_VL = VisionLanguageMapping("qwen2_5_vl", dense_rules())
 QWEN2_VL = VisionLanguageMapping("qwen2_vl", dense_rules())
+
+
+def sync_filter(freeze_vit: bool, freeze_aligner: bool):
+    """`include` for export_hf_weights in a weight sync: the vision tensors that do not train
+    (--freeze_vit: the tower but its merger; --freeze_aligner: the merger) never change, and
+    the engine loaded them from the checkpoint, so they are left out of the stream. None
+    when everything is streamed."""
+    if not (freeze_vit or freeze_aligner):
+        return None
+
+    def include(name: str) -> bool:
+        if not name.startswith(HF_PREFIX):
+            return True
+        aligner = name[len(HF_PREFIX):].startswith("merger.")
+        return not (freeze_aligner if aligner else freeze_vit)
+
+    return include

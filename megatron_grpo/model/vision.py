@@ -17,7 +17,7 @@ The forward (first stage): word embeddings (vocab-parallel, then scattered to th
 sequence-parallel region by Megatron's embedding when SP is on), the rows of image tokens
 replaced by the tower's output in token order ([b, s] row-major: HF's `masked_scatter`
 order), passed to GPTModel as `decoder_input`. Every stage needs `position_ids` [3, b, s]
-(mrope angles are computed per stage); `mrope_positions` gives them as HF's
+(mrope angles are computed per stage); `model.mrope.mrope_positions` gives them as HF's
 `get_rope_index` does.
 
 Freezing (ms-swift's meaning): --freeze_vit (the tower without the merger), --freeze_aligner
@@ -31,6 +31,8 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.huggingface.module import HuggingFaceModule
+
+from .mrope import mrope_positions, sample_positions  # noqa: F401  (re-exported)
 
 ALIGNER = "merger."          # the vision tower's patch merger (ms-swift's `aligner`)
 
@@ -55,10 +57,8 @@ def build_hf_vision_tower(family: str, vision_config: dict, dtype: torch.dtype,
     """HF's vision tower (+ merger) of `family` from config.json's `vision_config`, with
     transformers' SDPA attention (what `from_pretrained` picks, so logits match HF's)."""
     config_cls, model_cls = _vision_classes(family)
-    config = config_cls(**vision_config)
-    config._attn_implementation = "sdpa"
-    with torch.device(device or "cpu"):
-        tower = model_cls._from_config(config)
+    with torch.device(device or "cpu"):   # how Qwen2_5_VLModel itself builds its `visual`
+        tower = model_cls._from_config(config_cls(**vision_config), attn_implementation="sdpa")
     return tower.to(dtype)
 
 
@@ -76,7 +76,6 @@ class VisionTower(HuggingFaceModule):
     def __init__(self, config, family: str, vision_config: dict):
         super().__init__(config)
         self.model = build_hf_vision_tower(family, vision_config, config.params_dtype)
-        self.spatial_merge_size = int(vision_config.get("spatial_merge_size", 2))
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """[patches, C*T*P*P] pixels -> [patches / merge^2, hidden] language-model rows."""
@@ -139,48 +138,6 @@ class VisionLanguageModel(GPTModel):
             image = tensor_parallel.copy_to_tensor_model_parallel_region(image)
         rows = image[index[mask]].to(emb.dtype)                           # [local image tokens, h]
         return emb.masked_scatter(mask.unsqueeze(-1), rows)
-
-
-def mrope_positions(input_ids, image_grid_thw, image_token_id: int, spatial_merge_size: int = 2):
-    """Multimodal rotary positions of ONE prompt, as HF's `get_rope_index` computes them.
-
-    input_ids [n] (image placeholders expanded), image_grid_thw [k, 3] of its images in
-    order. Returns (positions [3, n] int64, rope_delta int). Text tokens get three equal
-    ids counting on from the last position; an image's t*h*w/m^2 tokens get
-    start + (t, row, col) of its merged grid (m = spatial_merge_size), after which text
-    resumes at start + max(h, w)/m. rope_delta = max position + 1 - n (<= 0): token i
-    after the prompt (a completion token) has position i + rope_delta in all three."""
-    ids = torch.as_tensor(input_ids).tolist()
-    grids = [tuple(int(x) for x in g) for g in torch.as_tensor(image_grid_thw).view(-1, 3)]
-    out, pos, i, k = [], 0, 0, 0
-    while i < len(ids):
-        if ids[i] != image_token_id:   # a text run up to the next image token
-            j = ids.index(image_token_id, i) if image_token_id in ids[i:] else len(ids)
-            out.append(torch.arange(pos, pos + j - i).view(1, -1).expand(3, -1))
-            pos, i = pos + j - i, j
-            continue
-        if k >= len(grids):
-            raise ValueError(f"prompt has more image token runs than its {len(grids)} images")
-        t, h, w = grids[k][0], grids[k][1] // spatial_merge_size, grids[k][2] // spatial_merge_size
-        if ids[i:i + t * h * w] != [image_token_id] * (t * h * w):
-            raise ValueError(f"image {k} (grid {grids[k]}) needs {t * h * w} image tokens at "
-                             f"token {i}")
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
-                                    indexing="ij")
-        out.append(torch.stack([tt, hh, ww]).view(3, -1) + pos)
-        pos, i, k = pos + max(h, w), i + t * h * w, k + 1
-    if k != len(grids):
-        raise ValueError(f"prompt has {k} images' tokens but image_grid_thw lists {len(grids)}")
-    positions = torch.cat(out, dim=1) if out else torch.zeros((3, 0), dtype=torch.long)
-    delta = int(positions.max()) + 1 - len(ids) if ids else 0
-    return positions, delta
-
-
-def sample_positions(prompt_positions: torch.Tensor, rope_delta: int, length: int) -> torch.Tensor:
-    """[3, length] positions of prompt + completion: the prompt's, then i + rope_delta."""
-    n = prompt_positions.shape[1]
-    tail = (torch.arange(n, length) + rope_delta).view(1, -1).expand(3, -1)
-    return torch.cat([prompt_positions[:, :length], tail], dim=1)
 
 
 def apply_freeze(chunks, *, freeze_vit: bool = True, freeze_aligner: bool = True,

@@ -65,7 +65,8 @@ class WeightSync:
             self.staging = BucketBuffer("cpu" if r.offload_bridge else first.device)
         stream = export_hf_weights(policy.chunks, policy.config, policy.args,
                                    bucket_size_bytes=bucket, offload_bridge=r.offload_bridge,
-                                   staging=self.staging)
+                                   staging=self.staging,
+                                   include=getattr(policy, "sync_include", None))
         # LoRA: W + scale * B @ A per HF tensor, in its bucket slot (bridge/lora.py)
         stream = merged_stream(policy.chunks, stream)
         expected = StreamFingerprints() if r.check_weight_sync else None
