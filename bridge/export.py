@@ -117,7 +117,8 @@ def _layer_stages(config) -> dict[int, int]:
     return stages
 
 
-def _plan(chunks, config, args, groups: Groups, dtype, source, ep_rank: int = 0) -> list[_Item]:
+def _plan(chunks, config, args, groups: Groups, dtype, source, ep_rank: int = 0,
+          include: Callable[[str], bool] | None = None) -> list[_Item]:
     """Every HF tensor in stream order, with the pipeline stage that owns it.
 
     Ownership is computed, not exchanged: layers where Megatron's split puts them, the
@@ -162,8 +163,9 @@ def _plan(chunks, config, args, groups: Groups, dtype, source, ep_rank: int = 0)
                                f"{ep_rank} {'holds' if unit.order in local else 'lacks'} it")
         param = local.get(unit.order) if mine else None
         for j, (name, shape) in enumerate(zip(unit.hf_names, unit.hf_shapes)):
-            items.append(_Item(name, tuple(shape), dtype, unit, j, owner, param, ep_owner))
-    expected = mapping.manifest(config, args, dims)
+            if include is None or include(name):
+                items.append(_Item(name, tuple(shape), dtype, unit, j, owner, param, ep_owner))
+    expected = [n for n in mapping.manifest(config, args, dims) if include is None or include(n)]
     names = [it.name for it in items]
     if sorted(names) != sorted(expected) or len(set(names)) != len(names):
         raise RuntimeError(f"export plan does not match the HF manifest: missing "
@@ -284,7 +286,7 @@ def export_hf_weights(chunks, config, args, *, bucket_size_bytes: int = 512 << 2
                       dtype: torch.dtype | None = None, offload_bridge: bool = False,
                       staging: BucketBuffer | None = None,
                       source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
-                      ) -> Iterator[Bucket]:
+                      include: Callable[[str], bool] | None = None) -> Iterator[Bucket]:
     """Yield buckets of (hf_name, full tensor) covering the whole model (see module doc).
 
     chunks: this rank's GPTModel chunks (DDP-wrapped or not); config, args: from
@@ -293,7 +295,9 @@ def export_hf_weights(chunks, config, args, *, bucket_size_bytes: int = 512 << 2
     the parameters'). offload_bridge: the bucket buffer is in CPU memory. staging: a
     `BucketBuffer` to reuse across exports (on the device the mode asks for). source:
     what to export from each parameter (default its data; `lambda p: p.main_grad`
-    streams gradients in HF layout).
+    streams gradients in HF layout). include: which HF names to stream (default all; e.g.
+    `bridge.mappings.vision.sync_filter` leaves frozen vision weights out of a sync). It
+    must be the same function on every rank (the plan, hence the collectives, follows it).
     """
     if not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1:
         raise ValueError(f"bucket_size_bytes must be a positive integer, got {bucket_size_bytes!r}")
@@ -314,7 +318,7 @@ def export_hf_weights(chunks, config, args, *, bucket_size_bytes: int = 512 << 2
         elif item.ep_owner == ep_rank:
             _assemble_tp(out, item, expert_dims, egroups, xfer)
 
-    items = _plan(chunks, config, args, groups, dtype, source, ep_rank)
+    items = _plan(chunks, config, args, groups, dtype, source, ep_rank, include)
     device = next(p.device for c in chunks for p in c.parameters())
     host = offload_bridge and device.type != "cpu"  # assemble on the device, stage on the host
     buf = staging or BucketBuffer("cpu" if offload_bridge else device)

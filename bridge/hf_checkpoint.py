@@ -22,7 +22,10 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".dist
 
 
 class HFCheckpoint:
-    def __init__(self, path: str | os.PathLike):
+    """aliases: (stored prefix, canonical prefix) pairs; a stored name starting with one is
+    known by its canonical name (e.g. a VL checkpoint saved with in-memory names)."""
+
+    def __init__(self, path: str | os.PathLike, aliases: tuple[tuple[str, str], ...] = ()):
         self.path = os.fspath(path)
         index = os.path.join(self.path, INDEX)
         if os.path.isfile(index):
@@ -42,6 +45,14 @@ class HFCheckpoint:
         for f, handle in self._handles.items():
             for name in handle.keys():
                 self._file_of[name] = f
+        self._stored: dict[str, str] = {}   # canonical name -> stored name
+        for name in list(self._file_of):
+            for stored, canonical in aliases:
+                if name.startswith(stored):
+                    new = canonical + name[len(stored):]
+                    self._file_of[new] = self._file_of.pop(name)
+                    self._stored[new] = name
+                    break
 
     def __enter__(self) -> "HFCheckpoint":
         return self
@@ -54,13 +65,13 @@ class HFCheckpoint:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, read from the headers (no data)."""
-        return {name: tuple(self._handles[f].get_slice(name).get_shape())
+        return {name: tuple(self._handles[f].get_slice(self._stored.get(name, name)).get_shape())
                 for name, f in self._file_of.items()}
 
     def read(self, name: str, axis: int | None = None, start: int = 0,
              stop: int | None = None) -> torch.Tensor:
         """Tensor `name`, or its block [start, stop) along `axis` (0 or 1)."""
-        tensor_slice = self._handles[self._file_of[name]].get_slice(name)
+        tensor_slice = self._handles[self._file_of[name]].get_slice(self._stored.get(name, name))
         if axis is None:
             return tensor_slice[:]
         index = (slice(start, stop),) if axis == 0 else (slice(None), slice(start, stop))

@@ -85,7 +85,7 @@ def load_hf_weights(chunks, config, args, hf_dir: str | os.PathLike) -> None:
     # experts are among the parameters): their own rank and dims.
     etp_rank = ps.get_expert_tensor_parallel_rank() if dims.experts else tp_rank
 
-    with HFCheckpoint(hf_dir) as ckpt:
+    with HFCheckpoint(hf_dir, mapping.hf_aliases) as ckpt:
         check_checkpoint(ckpt.shapes(), mapping.manifest(config, args, dims),
                          mapping.optional_hf(config, args), where=f"HF checkpoint {hf_dir!r}")
         # Resolve every parameter before copying any: an unknown name or a model built for

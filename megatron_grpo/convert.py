@@ -33,7 +33,7 @@ from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
 from bridge.load import load_hf_weights
 from bridge.params import unwrap
 from megatron_grpo.checkpoint import HF_CONFIG_DIR, META_FILE as TRAIN_META, find_latest_checkpoint
-from megatron_grpo.config.hf_model import head_size
+from megatron_grpo.config.hf_model import head_size, text_config
 from megatron_grpo.model import build_model, build_transformer_config, load_hf_config
 from megatron_grpo.model.kv_replication import (checkpoint_load_metadata, legacy_replicated_layout,
                                                 saved_query_groups)
@@ -177,8 +177,7 @@ def _check_qkv_layout(a: ConvertArgs) -> None:
     """A checkpoint loads at any TP, except one an older version wrote with fewer kv heads
     than TP (a replicated, TP-dependent layout): that one only at the TP that wrote it."""
     src = mcore_source(a.mcore_model)
-    with open(os.path.join(src.hf_dir, "config.json")) as f:
-        hf = json.load(f)
+    hf = text_config(src.hf_dir)    # a vision-language model's language part
     heads = hf["num_attention_heads"]
     legacy_replicated_layout(saved_query_groups(src.dist_dir, heads, head_size(hf)), heads=heads,
                              kv_heads=hf.get("num_key_value_heads") or heads,

@@ -98,6 +98,9 @@ CASES = [
     (["--tensor_model_parallel_size", "0"], ["--tensor_model_parallel_size 0", ">= 1"]),
     (["--save_steps", "0"], ["--save_steps 0", ">= 1"]),
     (["--resume", "/nonexistent/ckpt"], ["--resume '/nonexistent/ckpt'", "true/auto"]),
+    # vision-language freezing: only on a VL model, never everything
+    (["--freeze_vit", "false"], ["--freeze_vit false", "text-only"]),
+    (["--freeze_llm", "true"], ["--freeze_llm true", "nothing to train"]),
 ]
 
 

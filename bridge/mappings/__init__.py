@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .base import FamilyMapping, Rule, Unit
 from .layouts import ModelDims, Piece, export_pieces
-from . import llama, moe, qwen2, qwen3
+from . import llama, moe, qwen2, qwen3, vision
 
 MAPPINGS: dict[str, FamilyMapping] = {}
 
@@ -33,7 +33,7 @@ def get_mapping(family: str) -> FamilyMapping:
 
 for _module in (llama, qwen2, qwen3):
     register_mapping(_module.MAPPING)
-for _mapping in (moe.QWEN3_MOE, moe.QWEN2_MOE):
+for _mapping in (moe.QWEN3_MOE, moe.QWEN2_MOE, vision.QWEN2_5_VL, vision.QWEN2_VL):
     register_mapping(_mapping)
 
 __all__ = ["FamilyMapping", "Rule", "Unit", "ModelDims", "Piece", "export_pieces", "MAPPINGS",

@@ -91,6 +91,8 @@ class FamilyMapping:
     rules: tuple[Rule, ...]
     ignored_hf: tuple[str, ...] = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
     _patterns: list = field(init=False, repr=False, compare=False)
+    # (stored prefix, canonical prefix) of HF names some writers use (bridge.hf_checkpoint)
+    hf_aliases = ()
 
     def __post_init__(self):
         pats = [(_pattern(name), rule) for rule in self.rules for name in rule.megatron]

@@ -204,6 +204,12 @@ class TrainingOptions(_Group):
         "full", "full: train every parameter; lora: freeze the model and train LoRA adapters "
                 "on its linears (tensor-parallel, the reference policy is the base with adapters "
                 "off). ms-swift's old name --train_type is accepted too.")
+    freeze_vit: bool = opt(True, "Vision-language models: keep the vision tower (without its "
+                                 "merger) frozen; false trains it (full-parameter training).")
+    freeze_aligner: bool = opt(True, "Vision-language models: keep the merger (aligner: vision "
+                                     "features -> language embeddings) frozen.")
+    freeze_llm: bool = opt(False, "Vision-language models: keep the language model frozen "
+                                  "(train only what freeze_vit / freeze_aligner leave on).")
     lora_rank: int = opt(8, "LoRA rank r (tuner_type lora).")
     lora_alpha: float = opt(32, "LoRA alpha: adapters are scaled by alpha / r (alpha / sqrt(r) "
                                 "with use_rslora).")

@@ -210,7 +210,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         completion_length_limit_scope vllm_server_pass_dataset agent_template loss_scale
     """,
     "vision-language, issue 18": """
-        freeze_vit freeze_aligner vit_gradient_checkpointing vit_gradient_checkpointing_kwargs
+        vit_gradient_checkpointing vit_gradient_checkpointing_kwargs
         vit_attn_impl vit_lr aligner_lr max_pixels norm_bbox vllm_limit_mm_per_prompt
         vllm_mm_processor_cache_gb language_model_only mrope_interleaved mrope_section
     """,
@@ -224,7 +224,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         metric_for_best_model greater_is_better log_validation_ppl_to_tensorboard
     """,
     "parameter freezing": """
-        freeze_llm freeze_parameters freeze_parameters_regex freeze_parameters_ratio
+        freeze_parameters freeze_parameters_regex freeze_parameters_ratio
         trainable_parameters trainable_parameters_regex
     """,
     "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented": """

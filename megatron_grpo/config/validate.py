@@ -169,6 +169,29 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
     p.require(t.weight_decay >= 0, f"--weight_decay {t.weight_decay} must be >= 0")
     _check_lora(t, p)
     _check_recompute(t, p)
+    _check_freeze(cfg, p)
+
+
+def _check_freeze(cfg: "GRPOConfig", p: Problems) -> None:
+    """--freeze_vit / --freeze_aligner / --freeze_llm (model/vision.py apply_freeze): they
+    choose what trains in a vision-language model; the defaults fit every model."""
+    t = cfg.training
+    flags = (f"--freeze_vit {str(t.freeze_vit).lower()} --freeze_aligner "
+             f"{str(t.freeze_aligner).lower()} --freeze_llm {str(t.freeze_llm).lower()}")
+    if t.freeze_vit and t.freeze_aligner and not t.freeze_llm:
+        return   # the defaults
+    p.require(not (t.freeze_vit and t.freeze_aligner and t.freeze_llm),
+              f"{flags} leaves nothing to train. Fix: set one of them false")
+    p.require(t.tuner_type != "lora",
+              f"{flags} with --tuner_type lora: LoRA trains adapters on the language model "
+              "only for now. Fix: keep the defaults (true, true, false) or --tuner_type full")
+    hf = _hf_config(cfg.model.model)
+    if hf is not None:   # a vision-language config.json has a vision_config
+        archs = ", ".join(hf.get("architectures") or []) or hf.get("model_type")
+        p.require("vision_config" in hf,
+                  f"{flags}: these options choose what trains in a vision-language model; "
+                  f"--model {cfg.model.model!r} is text-only ({archs}). Fix: keep the defaults "
+                  "(true, true, false)")
 
 
 def _check_lora(t, p: Problems) -> None:

@@ -80,6 +80,10 @@ def build_model(config, args: ModelArgs, use_te: bool | None = None,
                                                              TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
+    if args.family.vision and padding_free:
+        raise ValueError(f"--padding_free true: {args.family.name} (vision-language) runs on "
+                         "padded micro-batches for now (packing does not carry the images and "
+                         "3-row positions yet). Fix: --padding_free false")
     layer, final_norm = layer_spec(config, use_te, padding_free)
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
@@ -88,7 +92,13 @@ def build_model(config, args: ModelArgs, use_te: bool | None = None,
         n_layers = get_num_layers_to_build(config, vp_stage=stage)
         block = ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
             layer_specs=[layer] * n_layers, layer_norm=final_norm))
-        model = GPTModel(
+        model_cls, extra = GPTModel, {}
+        if args.family.vision:   # + the HF vision tower on the embedding chunk (model/vision.py)
+            from .vision import VisionLanguageModel
+
+            model_cls = VisionLanguageModel
+            extra = dict(hf_config=args.hf_config, family=args.family.name)
+        model = model_cls(
             config=config,
             transformer_layer_spec=block,
             vocab_size=args.padded_vocab_size,
@@ -97,9 +107,10 @@ def build_model(config, args: ModelArgs, use_te: bool | None = None,
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             parallel_output=True,
             share_embeddings_and_output_weights=args.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type=args.position_embedding_type,
             rotary_base=args.rotary_base,
             vp_stage=stage,
+            **extra,
         )
         model.padding_free = bool(padding_free)
         if torch.cuda.is_available():

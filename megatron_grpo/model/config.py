@@ -47,15 +47,35 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 
 
 def _rope_theta(hf: dict) -> float:
-    # transformers 5 moved rope settings into `rope_parameters`.
+    # transformers 5 moved rope settings into `rope_parameters`. Qwen2-VL configs of
+    # transformers 4 name multimodal rope `{"type": "mrope", "mrope_section": ...}`: the
+    # default frequencies, split by section (mrope_section).
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for d in (params, scaling):
         rope_type = d.get("rope_type", d.get("type", "default"))
-        if rope_type not in ("default", None):
+        if rope_type not in ("default", None) and not (rope_type == "mrope"
+                                                       and "mrope_section" in d):
             raise ValueError(f"rope type {rope_type!r} (config.json rope_scaling/rope_parameters)"
                              " is not supported yet; supported: default")
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _mrope_section(hf: dict) -> list[int]:
+    """A vision-language model's split of the rotary frequency pairs between the temporal,
+    height and width position ids (sums to head_dim / 2)."""
+    for d in (hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}):
+        if d.get("mrope_section"):
+            return [int(x) for x in d["mrope_section"]]
+    raise ValueError("config.json of a vision-language model names no mrope_section "
+                     "(text_config.rope_parameters or rope_scaling)")
+
+
+def language_config(hf: dict) -> dict:
+    """The language model's view of an HF config: a multimodal config's `text_config` over its
+    top level (which keeps vision_config, image_token_id, ...); a text config as it is."""
+    text = hf.get("text_config")
+    return {**hf, **text} if isinstance(text, dict) else hf
 
 
 @dataclass
@@ -68,7 +88,8 @@ class ModelArgs:
     max_sequence_length: int
     rotary_base: float
     tie_word_embeddings: bool
-    hf_config: dict
+    hf_config: dict            # the language view (language_config): text_config merged in
+    position_embedding_type: str = "rope"   # "mrope" for vision-language families
 
 
 def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp: int = 1,
@@ -87,6 +108,7 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
 
     hf = load_hf_config(model)
     family = detect_family(hf)
+    hf = language_config(hf)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     if heads % tp != 0:
@@ -157,6 +179,15 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
     elif ep > 1 or (etp is not None and etp != tp):
         raise ValueError(f"--expert_model_parallel_size {ep} / --expert_tensor_parallel_size "
                          f"{etp} need a mixture-of-experts model; {family.name} is dense")
+    if family.vision:
+        if cp > 1:
+            raise ValueError(f"--context_parallel_size {cp}: vision-language models ({family.name}"
+                             ") run with context parallel size 1 for now (the image rows of a "
+                             "CP shard are not mapped yet)")
+        kwargs["mrope_section"] = _mrope_section(hf)
+        if sum(kwargs["mrope_section"]) * 2 != head_dim:
+            raise ValueError(f"config.json mrope_section {kwargs['mrope_section']} must sum to "
+                             f"head_dim / 2 = {head_dim // 2}")
     kwargs.update(recompute_kwargs(**(recompute or {})))
     if attention_backend is not None:
         kwargs["attention_backend"] = megatron_attention_backend(attention_backend)
@@ -171,6 +202,7 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
         rotary_base=_rope_theta(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         hf_config=hf,
+        position_embedding_type="mrope" if family.vision else "rope",
     )
     return config, args
 

@@ -17,6 +17,7 @@ class Family:
     qk_layernorm: bool               # Qwen3: RMSNorm on q and k per head
     moe: bool = False                # sparse MLP: routed experts (model/moe.py)
     shared_expert: bool = False      # Qwen2-MoE: an always-on expert behind a sigmoid gate
+    vision: bool = False             # vision-language: HF vision tower + mrope (model/vision.py)
 
 
 FAMILIES: dict[str, Family] = {
@@ -27,6 +28,12 @@ FAMILIES: dict[str, Family] = {
                         qk_layernorm=False, moe=True, shared_expert=True),
     "qwen3_moe": Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), qkv_bias=None,
                         qk_layernorm=True, moe=True),
+    # The language model is Qwen2's with multimodal rotary positions; the vision tower and
+    # merger are HF's own modules on the first pipeline stage (model/vision.py).
+    "qwen2_5_vl": Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("qwen2_5_vl",),
+                         qkv_bias=True, qk_layernorm=False, vision=True),
+    "qwen2_vl": Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), ("qwen2_vl",),
+                       qkv_bias=True, qk_layernorm=False, vision=True),
 }
 
 

@@ -65,8 +65,9 @@ class WeightSync:
             self.staging = BucketBuffer("cpu" if r.offload_bridge else first.device)
         stream = export_hf_weights(policy.chunks, policy.config, policy.args,
                                    bucket_size_bytes=bucket, offload_bridge=r.offload_bridge,
-                                   staging=self.staging)
-        # LoRA: W + scale * B @ A per HF tensor, in its bucket slot (megatron_grpo/model/lora_peft.py)
+                                   staging=self.staging,
+                                   include=getattr(policy, "sync_include", None))
+        # LoRA: W + scale * B @ A per HF tensor, in its bucket slot (model/lora_peft.py)
         stream = merged_stream(policy.chunks, stream)
         expected = StreamFingerprints() if r.check_weight_sync else None
         if expected is not None:

@@ -20,6 +20,36 @@ from typing import Optional, Sequence
 import torch
 
 
+@dataclass(frozen=True)
+class ImageInputs:
+    """The images of one prompt, as the model's processor made them (vision-language
+    models). The completions of a prompt share one object: nothing is copied per sample.
+
+    pixel_values [patches, C*T*P*P] and image_grid_thw [n_images, 3]: the processor's
+    output for this prompt's images, in order; positions [3, P]: the prompt's multimodal
+    rotary positions and rope_delta their offset for the tokens after it (completion token
+    at index i: i + rope_delta), from model.mrope.mrope_positions; image_mask [P] bool: the
+    prompt tokens the images fill (a completion may contain the image token id as text).
+    """
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    positions: torch.Tensor
+    rope_delta: int
+    image_mask: torch.Tensor
+
+    @classmethod
+    def from_prompt(cls, prompt_ids, pixel_values, image_grid_thw, image_token_id: int,
+                    spatial_merge_size: int = 2) -> "ImageInputs":
+        """From the processor's expanded prompt ids and image tensors."""
+        from ..model.mrope import mrope_positions
+
+        ids = torch.as_tensor(prompt_ids)
+        positions, delta = mrope_positions(ids, image_grid_thw, image_token_id, spatial_merge_size)
+        return cls(pixel_values, torch.as_tensor(image_grid_thw).view(-1, 3), positions, delta,
+                   ids == image_token_id)
+
+
 @dataclass
 class Sample:
     """One completion of one prompt, as the trainer sees it."""
@@ -34,6 +64,7 @@ class Sample:
     meta: dict = field(default_factory=dict)       # prompt index, rewards, text, ...
     loss_mask: Optional[list[int]] = None          # per completion token, 1: the model's
                                                    # (multi-turn); None: all of them
+    images: Optional[ImageInputs] = None           # the prompt's images (vision-language)
 
 
 PER_TOKEN_FIELDS = ("old_logps", "ref_logps", "rollout_logps")
@@ -43,7 +74,9 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
             pad_to_length: int | None = None) -> dict:
     """Pad a micro-batch. Returns a dict of tensors, all [B, S] unless noted.
 
-    input_ids, position_ids, targets: int64; completion_mask: bool (targets that are
+    input_ids, position_ids, targets: int64 (position_ids [3, B, S] when a sample has
+    images; then also pixel_values, image_grid_thw, image_mask: `_image_fields`);
+    completion_mask: bool (targets that are
     completion tokens the model wrote: `loss_mask`); advantages [B]; truncated [B] bool;
     lengths [B] int64 (tokens of each row, the rest is padding: what packing keeps);
     old_logps / ref_logps / rollout_logps (float32, one value per model token, 0 elsewhere)
@@ -79,7 +112,7 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
             buf[i, p - 1:p - 1 + c][model] = values      # a view: writes into buf
     out = {
         "input_ids": input_ids,
-        "position_ids": torch.arange(seq).unsqueeze(0).expand(b, -1).contiguous(),
+        "position_ids": _position_ids(samples, seq),
         "targets": targets,
         "completion_mask": mask,
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
@@ -87,7 +120,38 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
         "lengths": torch.tensor(lengths, dtype=torch.long),
     }
     out.update(per_token)
+    out.update(_image_fields(samples, seq))
     return out
+
+
+def _position_ids(samples: Sequence[Sample], seq: int) -> torch.Tensor:
+    """[B, S] ramps; [3, B, S] multimodal rotary positions when a sample has images (text
+    rows: three equal ramps; rows with images: the prompt's, then i + rope_delta)."""
+    ramp = torch.arange(seq).unsqueeze(0).expand(len(samples), -1).contiguous()
+    if all(s.images is None for s in samples):
+        return ramp
+    from ..model.mrope import sample_positions
+
+    out = ramp.unsqueeze(0).repeat(3, 1, 1)
+    for i, s in enumerate(samples):
+        if s.images is not None:
+            out[:, i] = sample_positions(s.images.positions, s.images.rope_delta, seq)
+    return out
+
+
+def _image_fields(samples: Sequence[Sample], seq: int) -> dict:
+    """pixel_values [patches, D] and image_grid_thw [n, 3] of the micro-batch's images in row
+    order (the order of their tokens in input_ids [B, S], which the model fills in order),
+    and image_mask [B, S] (the tokens they fill); nothing for text-only micro-batches."""
+    rows = [(i, s.images) for i, s in enumerate(samples) if s.images is not None]
+    if not rows:
+        return {}
+    mask = torch.zeros((len(samples), seq), dtype=torch.bool)
+    for i, img in rows:
+        mask[i, :img.image_mask.numel()] = img.image_mask
+    return {"pixel_values": torch.cat([img.pixel_values for _, img in rows]),
+            "image_grid_thw": torch.cat([img.image_grid_thw for _, img in rows]),
+            "image_mask": mask}
 
 
 def cp_shard(batch: dict, cp_size: int, cp_rank: int, sp_size: int = 1) -> dict:

@@ -178,6 +178,10 @@ def _cp_micro_batches(chunks, micro_batches: list[dict]) -> list[dict]:
 def _model_forward(model, batch: dict) -> torch.Tensor:
     """GPTModel up to the final norm on a micro-batch, packed or not."""
     kwargs = {"packed_seq_params": packed_seq_params(batch)} if "cu_seqlens" in batch else {}
+    # Vision-language micro-batches (train/batch.py ImageInputs): the images, for the
+    # first stage's vision tower (model/vision.py); other stages ignore them.
+    kwargs.update({k: batch[k] for k in ("pixel_values", "image_grid_thw", "image_mask")
+                   if k in batch})
     with _hidden_only(model):
         return model(batch["input_ids"], batch["position_ids"], None, **kwargs)
 

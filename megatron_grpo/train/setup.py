@@ -28,6 +28,9 @@ class Policy:
     chunks: list         # DDP-wrapped GPTModel chunks of this rank
     optimizer: Any
     scheduler: Any
+    # HF names a weight sync streams (bridge.export_hf_weights `include`); None: all. A
+    # vision-language model's frozen vision weights never change: left out.
+    sync_include: Any = None
 
 
 def loss_options(cfg) -> LossOptions:
@@ -133,6 +136,10 @@ def build_policy(cfg, steps: int) -> Policy:
 
     t = cfg.training
     config, args, chunks = build_chunks(cfg)
+    from ..model.vision import apply_freeze    # vision-language: what trains
+
+    apply_freeze(chunks, freeze_vit=t.freeze_vit, freeze_aligner=t.freeze_aligner,
+                 freeze_llm=t.freeze_llm)
     apply_tuner(cfg, config, args, chunks)     # LoRA: base frozen before DDP sees it
     chunks = wrap_ddp(config, chunks,
                       use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
@@ -148,7 +155,12 @@ def build_policy(cfg, steps: int) -> Policy:
         lr_warmup_steps=warmup, lr_decay_steps=max(t.lr_decay_iters or steps, warmup + 1),
         lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
         wd_incr_steps=max(steps, 1), wd_incr_style="constant")
-    return Policy(config, args, chunks, optimizer, scheduler)
+    sync_include = None
+    if args.family.vision:
+        from bridge.mappings.vision import sync_filter
+
+        sync_include = sync_filter(t.freeze_vit, t.freeze_aligner)
+    return Policy(config, args, chunks, optimizer, scheduler, sync_include)
 
 
 def build_reference(cfg) -> list:

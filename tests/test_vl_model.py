@@ -1,0 +1,431 @@
+"""Qwen2.5-VL on Megatron (model/vision.py, bridge/mappings/vision.py) against HF transformers.
+
+One 2-rank gloo world runs every layout on the tiny Qwen2.5-VL of tools/make_tiny_vl_model.py
+and a batch of two image prompts (PIL-drawn images, the model's own processor, right
+padding, the images of both rows in one pixel_values): the bridge loads the checkpoint,
+the model runs the vision tower, replaces the image rows and takes HF's mrope positions.
+References are independent: HF's logits (fp32, 1e-4) and HF's autograd gradients of the
+vision tower under the same loss (TP=1 and TP=2 must both equal them), and the original
+checkpoint for the `megatron export` round trip (bit for bit), whose output transformers
+loads with equal logits.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.test_vl_tiny_model import IMAGES, PROMPTS, encode, hf_logits
+from tests.vl_compat import load_processor
+from tools.make_tiny_vl_model import make_tiny_vl_model
+
+# (tp, pp, sequence_parallel); TP=1 runs with DP=2 on identical data.
+LAYOUTS = [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)]
+GRAD_LAYOUTS = {(1, 1, False), (2, 1, False), (2, 1, True)}
+PAD = 0
+
+
+def _inputs(model_dir, hf):
+    """Two image prompts as one right-padded batch, with per-row HF references."""
+    from megatron_grpo.model.vision import mrope_positions, sample_positions
+
+    processor = load_processor(model_dir)
+    encs = [encode(processor, p, img()) for p, img in zip(PROMPTS, IMAGES)]
+    n = max(e["input_ids"].shape[1] for e in encs)
+    n += n % 2                      # sequence parallel splits the sequence over TP=2
+    ids = torch.full((2, n), PAD, dtype=torch.long)
+    pos = torch.zeros((3, 2, n), dtype=torch.long)
+    lengths = []
+    for i, e in enumerate(encs):
+        row = e["input_ids"][0]
+        ids[i, :len(row)] = row
+        p, delta = mrope_positions(row, e["image_grid_thw"], hf.config.image_token_id)
+        pos[:, i] = sample_positions(p, delta, n)
+        lengths.append(len(row))
+    return dict(ids=ids, pos=pos, lengths=lengths, encs=encs,
+                pixel_values=torch.cat([e["pixel_values"] for e in encs]),
+                image_grid_thw=torch.cat([e["image_grid_thw"] for e in encs]),
+                pixel_values_of=[e["pixel_values"] for e in encs],
+                image_grid_thw_of=[e["image_grid_thw"] for e in encs],
+                image_token_id=hf.config.image_token_id)
+
+
+def _loss_terms(logits, ids, lengths, vocab):
+    """Sum over rows of next-token CE on the real tokens, and the token count."""
+    total, count = 0.0, 0
+    for i, n in enumerate(lengths):
+        total = total + torch.nn.functional.cross_entropy(
+            logits[i, :n - 1, :vocab].float(), ids[i, 1:n], reduction="sum")
+        count += n - 1
+    return total, count
+
+
+def _world(rank, world_size, model_dir, batch, root):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from bridge import load_hf_weights
+    from bridge.convert import main as convert
+    from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
+    from megatron_grpo.model.vision import apply_freeze
+    from megatron_grpo.platform import ParallelDims, init_parallel
+
+    ids, pos = batch["ids"], batch["pos"]
+    out = {}
+    for tp, pp, sp in LAYOUTS:
+        init_parallel(ParallelDims(world_size=world_size, tp=tp, pp=pp), seed=1)
+        config, args = build_transformer_config(model_dir, tp=tp, pp=pp, sequence_parallel=sp)
+        chunks = build_model(config, args)
+        load_hf_weights(chunks, config, args, model_dir)
+        trainable = {}
+        for flags in ((True, True, False), (False, True, False), (False, False, True)):
+            apply_freeze(chunks, freeze_vit=flags[0], freeze_aligner=flags[1], freeze_llm=flags[2])
+            trainable[flags] = sorted(n for c in chunks for n, p in c.named_parameters()
+                                      if p.requires_grad)
+        apply_freeze(chunks, freeze_vit=False, freeze_aligner=False)
+        grads = (tp, pp, sp) in GRAD_LAYOUTS
+        if grads:
+            chunks = wrap_ddp(config, chunks)
+        count = sum(n - 1 for n in batch["lengths"])
+
+        def step(data_iterator, model):
+            next(data_iterator)
+            output = model(ids, pos, None, pixel_values=batch["pixel_values"],
+                           image_grid_thw=batch["image_grid_thw"])
+
+            def loss_fn(o):
+                full = gather_from_tensor_model_parallel_region(o)[..., :args.vocab_size]
+                loss, _ = _loss_terms(full, ids, batch["lengths"], args.vocab_size)
+                return loss / count, {"logits": full.detach().float().clone()}
+            return output, loss_fn
+
+        for c in chunks:
+            c.train() if grads else c.eval()
+        data = [iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None])
+        with contextlib.nullcontext() if grads else torch.no_grad():
+            result = get_forward_backward_func()(
+                forward_step_func=step, data_iterator=data, model=chunks, num_microbatches=1,
+                seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=not grads)
+        visual = {n[len("module.visual.model."):]: p.main_grad.clone()
+                  for c in chunks for n, p in c.named_parameters()
+                  if n.startswith("module.visual.model.")} if grads else {}
+        out[tp, pp, sp] = dict(logits=result[0]["logits"] if result else None,
+                               visual_grads=visual, trainable=trainable)
+        if (tp, pp, sp) == (1, 2, False):  # a sync's stream with the tower (not merger) frozen
+            from bridge import export_hf_weights
+            from bridge.mappings.vision import sync_filter
+
+            out["sync_stream"] = {n: t.clone() for bucket in export_hf_weights(
+                chunks, config, args, bucket_size_bytes=64 << 10,
+                include=sync_filter(freeze_vit=True, freeze_aligner=False)) for n, t in bucket}
+        if (tp, pp, sp) == (2, 1, True):   # the trainer's path: Samples -> micro-batches
+            out["trainer_logps"] = _trainer_logps(chunks, batch, args.vocab_size)
+
+    # megatron export: HF -> Megatron at TP=2 -> HF at TP=1 and at PP=2.
+    mcore = os.path.join(root, "mcore")
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(["--to_mcore", "true", "--model", model_dir, "--output_dir", mcore,
+                 "--tensor_model_parallel_size", "2"])
+        convert(["--to_hf", "true", "--mcore_model", mcore, "--output_dir",
+                 os.path.join(root, "hf_tp1")])
+        convert(["--to_hf", "true", "--mcore_model", mcore, "--output_dir",
+                 os.path.join(root, "hf_pp2"), "--pipeline_model_parallel_size", "2"])
+    return out
+
+
+COMPLETIONS = [[5, 17, 42, 9], [7, 8]]
+
+
+def _samples(batch, image_token_id):
+    """Trainer samples of the two prompts with fixed completions (train/batch.py)."""
+    from megatron_grpo.train.batch import ImageInputs, Sample
+
+    out = []
+    for i, completion in enumerate(COMPLETIONS):
+        n = batch["lengths"][i]
+        prompt = batch["ids"][i, :n].tolist()
+        images = ImageInputs.from_prompt(prompt, batch["pixel_values_of"][i],
+                                         batch["image_grid_thw_of"][i], image_token_id)
+        out.append(Sample(prompt_ids=prompt, completion_ids=completion, images=images))
+    return out
+
+
+def _trainer_logps(chunks, batch, vocab):
+    """Completion log-probs through the trainer's forward (micro_batches + forward_logprobs)."""
+    from megatron_grpo.train.batch import micro_batches, split_completion_values
+    from megatron_grpo.train.engine import forward_logprobs
+
+    mbs = micro_batches(_samples(batch, batch["image_token_id"]), 2, pad_to_multiple_of=2)
+    out = forward_logprobs(chunks, mbs, temperature=1.0, vocab_size=vocab)
+    return None if out is None else split_completion_values(out[0]["logps"], mbs[0])
+
+
+def _hf_reference(hf, batch):
+    """HF logits per row and the vision tower's gradients of the same loss."""
+    hf.zero_grad()
+    logits, total = [], 0.0
+    count = sum(n - 1 for n in batch["lengths"])
+    for e in batch["encs"]:
+        out = hf(input_ids=e["input_ids"], mm_token_type_ids=e["mm_token_type_ids"],
+                 pixel_values=e["pixel_values"], image_grid_thw=e["image_grid_thw"],
+                 use_cache=False).logits
+        ids = e["input_ids"]
+        total = total + torch.nn.functional.cross_entropy(out[0, :-1], ids[0, 1:], reduction="sum")
+        logits.append(out[0].detach())
+    (total / count).backward()
+    completion_logps = []
+    with torch.no_grad():
+        for e, completion in zip(batch["encs"], COMPLETIONS):
+            p = e["input_ids"].shape[1]
+            logp = torch.log_softmax(hf_logits(hf, e, completion), -1)
+            completion_logps.append(logp[torch.arange(p - 1, p - 1 + len(completion)),
+                                         torch.tensor(completion)])
+    grads = {n[len("model.visual."):]: p.grad.clone() for n, p in hf.named_parameters()
+             if n.startswith("model.visual.")}
+    hf.zero_grad()
+    return logits, grads, completion_logps
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_vl_model(tmp_path_factory.mktemp("vl") / "tiny-qwen2.5-vl")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, model_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    batch = _inputs(model_dir, hf)
+    ref_logits, ref_grads, ref_logps = _hf_reference(hf, batch)
+    root = tmp_path_factory.mktemp("vl_convert")
+    results = run_distributed(_world, world_size=2, timeout=600,
+                              args=(str(model_dir), {k: v for k, v in batch.items() if k != "encs"},
+                                    str(root)))
+    return dict(model_dir=model_dir, root=root, batch=batch, results=results,
+                ref_logits=ref_logits, ref_grads=ref_grads, ref_logps=ref_logps)
+
+
+def test_mrope_positions_equal_hf_get_rope_index(world):
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    config = Qwen2_5_VLConfig.from_pretrained(world["model_dir"])
+    for i, e in enumerate(world["batch"]["encs"]):
+        # get_rope_index reads only the config: call it unbound on a stand-in holding one.
+        ref, delta = Qwen2_5_VLModel.get_rope_index(
+            type("M", (), {"config": config, "get_vision_position_ids":
+                           Qwen2_5_VLModel.get_vision_position_ids})(),
+            e["input_ids"], e["mm_token_type_ids"], e["image_grid_thw"])
+        n = world["batch"]["lengths"][i]
+        assert torch.equal(world["batch"]["pos"][:, i, :n], ref[:, 0])
+        # Past the prompt (completion tokens, padding): i + rope_delta in all three.
+        tail = world["batch"]["pos"][:, i, n:]
+        assert torch.equal(tail, (torch.arange(n, n + tail.shape[1]) + int(delta)).expand(3, -1))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"tp{l[0]}_pp{l[1]}{'_sp' if l[2] else ''}")
+def test_logits_equal_hf_on_image_prompts(world, layout):
+    batch = world["batch"]
+    seen = [r[layout]["logits"] for r in world["results"] if r[layout]["logits"] is not None]
+    assert seen   # the last pipeline stage's ranks report them
+    for logits in seen:
+        for i, ref in enumerate(world["ref_logits"]):
+            n = batch["lengths"][i]
+            assert (logits[i, :n].double() - ref.double()).abs().max() <= 1e-4, (layout, i)
+
+
+@pytest.mark.parametrize("layout", sorted(GRAD_LAYOUTS),
+                         ids=lambda l: f"tp{l[0]}{'_sp' if l[2] else ''}")
+def test_vision_tower_gradients_equal_hf(world, layout):
+    """--freeze_vit false --freeze_aligner false: every vision tensor's gradient equals HF's
+    (on every rank: TP ranks average equal gradients)."""
+    ref = world["ref_grads"]
+    for r in world["results"]:
+        grads = r[layout]["visual_grads"]
+        assert sorted(grads) == sorted(ref)
+        for name, g in grads.items():
+            scale = ref[name].abs().max().item()
+            assert (g - ref[name]).abs().max().item() <= 1e-5 + 1e-4 * scale, (layout, name)
+        assert any(g.abs().max() > 0 for g in grads.values())
+
+
+def test_freeze_options_choose_what_trains(world):
+    trainable = world["results"][0][1, 1, False]["trainable"]
+    vit = [n for n in trainable[False, False, True] if n.startswith("visual.model.")]
+    assert vit and all(n.startswith("visual.model.") for n in trainable[False, False, True])
+    default = trainable[True, True, False]
+    assert default and not any(n.startswith("visual.") for n in default)
+    assert "embedding.word_embeddings.weight" in default
+    no_aligner = trainable[False, True, False]
+    assert set(no_aligner) - set(default) == {n for n in vit if ".merger." not in n}
+
+
+def test_freeze_option_errors():
+    from megatron_grpo.model.vision import apply_freeze
+
+    with pytest.raises(ValueError, match="--freeze_vit false .*text-only"):
+        apply_freeze([torch.nn.Linear(2, 2)], freeze_vit=False)
+    apply_freeze([torch.nn.Linear(2, 2)])       # the defaults are fine on a text model
+
+
+def test_export_round_trip_is_bit_exact_and_loads_in_transformers(world):
+    from safetensors.torch import load_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    original = load_file(world["model_dir"] / "model.safetensors")
+    for out in ("hf_tp1", "hf_pp2"):
+        folder = world["root"] / out
+        exported = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            exported.update(load_file(f))
+        assert sorted(exported) == sorted(original), out
+        for name, t in original.items():
+            assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), (out, name)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(world["root"] / "hf_tp1",
+                                                               dtype=torch.float32).eval()
+    e = world["batch"]["encs"][0]
+    with torch.no_grad():
+        logits = model(**e, use_cache=False).logits[0]
+    assert (logits - world["ref_logits"][0]).abs().max() <= 1e-6
+
+
+def test_manifest_is_the_checkpoint_under_either_naming(model_dir, tmp_path):
+    """The bridge's manifest (language rules + the meta-device tower's tensors) is exactly
+    the checkpoint transformers saved, at TP=1 and TP=2 x PP=2; a checkpoint written with
+    the in-memory names (model.language_model.*, model.visual.*) reads the same."""
+    from safetensors.torch import load_file, save_file
+
+    from bridge import manifest
+    from bridge.hf_checkpoint import HFCheckpoint
+    from bridge.mappings import get_mapping
+    from megatron_grpo.model import build_transformer_config
+
+    with HFCheckpoint(model_dir) as ckpt:
+        found = ckpt.shapes()
+    for tp, pp in ((1, 1), (2, 2)):
+        config, args = build_transformer_config(model_dir, tp=tp, pp=pp)
+        assert args.position_embedding_type == "mrope" and config.mrope_section == [4, 6, 6]
+        assert manifest(config, args) == found
+    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else
+                "model." + k if k.startswith("visual.") else k): v
+               for k, v in load_file(model_dir / "model.safetensors").items()}
+    assert any(k.startswith("model.visual.") for k in renamed)
+    save_file(renamed, tmp_path / "model.safetensors")
+    with HFCheckpoint(tmp_path, get_mapping("qwen2_5_vl").hf_aliases) as ckpt:
+        assert ckpt.shapes() == found
+        name = "visual.blocks.0.attn.qkv.weight"
+        assert torch.equal(ckpt.read(name, 0, 0, 8), renamed["model." + name][:8])
+
+
+def test_trainer_forward_takes_images_per_sample(world):
+    """Samples carrying their prompt's ImageInputs, collated by train/batch.py and run by
+    engine.forward_logprobs (TP=2 with SP): the completion log-probs are HF's."""
+    seen = [r["trainer_logps"] for r in world["results"] if r["trainer_logps"] is not None]
+    assert seen
+    for logps in seen:
+        for ours, ref in zip(logps, world["ref_logps"]):
+            assert (ours.double() - ref).abs().max() <= 1e-5
+
+
+def test_collate_carries_images_and_positions(world):
+    """A completion holding the image token id as text stays text: image_mask covers the
+    prompt only; positions continue with rope_delta; images concatenate in row order."""
+    from megatron_grpo.train.batch import Sample, collate
+
+    batch = world["batch"]
+    image_id = batch["image_token_id"]
+    samples = _samples(batch, image_id)
+    samples[0].completion_ids = [5, image_id, 9]
+    text = Sample(prompt_ids=[1, 2, 3], completion_ids=[4])
+    mb = collate([samples[1], text, samples[0]])
+    n0, n1 = batch["lengths"]
+    assert mb["position_ids"].shape == (3, 3, mb["input_ids"].shape[1])
+    assert torch.equal(mb["position_ids"][:, 1, :3], torch.arange(3).expand(3, -1))
+    assert torch.equal(mb["position_ids"][:, 2, :n0], batch["pos"][:, 0, :n0])
+    assert torch.equal(mb["position_ids"][:, 2, n0:n0 + 2],
+                       (torch.arange(n0, n0 + 2) + samples[0].images.rope_delta).expand(3, -1))
+    assert mb["input_ids"][2, n0 + 1] == image_id and not mb["image_mask"][2, n0:].any()
+    assert int(mb["image_mask"].sum()) == int((batch["ids"] == image_id).sum())
+    assert torch.equal(mb["pixel_values"], torch.cat(batch["pixel_values_of"][::-1]))
+    assert torch.equal(mb["image_grid_thw"], torch.cat(batch["image_grid_thw_of"][::-1]))
+    assert "pixel_values" not in collate([text])
+
+
+def test_sync_stream_leaves_frozen_vision_weights_out(world):
+    """--freeze_vit true --freeze_aligner false: a sync streams the merger and the language
+    model (every rank, PP=2: the tower lives on stage 0), the original tensors exactly."""
+    from bridge.mappings.vision import sync_filter
+    from safetensors.torch import load_file
+
+    original = load_file(world["model_dir"] / "model.safetensors")
+    want = {n for n in original if not n.startswith("visual.") or n.startswith("visual.merger.")}
+    for r in world["results"]:
+        stream = r["sync_stream"]
+        assert set(stream) == want
+        assert all(torch.equal(t, original[n]) for n, t in stream.items())
+    assert sync_filter(False, False) is None
+
+
+# --------------------------------------------------------------------------- Qwen2-VL
+def _qwen2_vl(path):
+    """A tiny random Qwen2-VL saved by transformers (its vision blocks differ from 2.5's:
+    LayerNorm, fc1/fc2 MLP, no windows)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=300,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [4, 6, 6]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+        image_token_id=290, video_token_id=291, vision_start_token_id=292,
+        vision_end_token_id=293)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _qwen2_vl_rank(rank, world_size, path, ids, pos, pixel_values, grid):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from bridge import load_hf_weights, manifest
+    from megatron_grpo.model import build_model, build_transformer_config
+    from megatron_grpo.platform import ParallelDims, init_parallel
+
+    init_parallel(ParallelDims(world_size=world_size, tp=world_size, pp=1), seed=1)
+    config, args = build_transformer_config(path, tp=world_size)
+    chunks = build_model(config, args)
+    load_hf_weights(chunks, config, args, path)
+    chunks[0].eval()
+    with torch.no_grad():
+        out = chunks[0](ids, pos, None, pixel_values=pixel_values, image_grid_thw=grid)
+    return gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size], manifest(config, args)
+
+
+def test_qwen2_vl_logits_equal_hf(tmp_path):
+    """Qwen2-VL goes through the same code: the bridge's manifest is its checkpoint and the
+    logits on an image prompt are HF's (random pixels, a 4x4 patch grid: 4 image tokens)."""
+    from safetensors import safe_open
+
+    from megatron_grpo.model.mrope import mrope_positions
+
+    hf = _qwen2_vl(tmp_path)
+    ids = torch.tensor([[5, 6, 292] + [290] * 4 + [293, 7, 8, 9]])
+    grid = torch.tensor([[1, 4, 4]])
+    pixel_values = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=ids, mm_token_type_ids=(ids == 290).long(), pixel_values=pixel_values,
+                 image_grid_thw=grid, use_cache=False).logits[0]
+    pos, _ = mrope_positions(ids[0], grid, 290)
+    [(logits, names)] = run_distributed(_qwen2_vl_rank, world_size=1, timeout=300,
+                                        args=(str(tmp_path), ids, pos[:, None], pixel_values, grid))
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert names == {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert (logits[0] - ref).abs().max() <= 1e-4
