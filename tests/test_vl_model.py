@@ -69,7 +69,7 @@ def _world(rank, world_size, model_dir, batch, root):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from bridge import load_hf_weights
-    from bridge.convert import main as convert
+    from megatron_grpo.convert import main as convert
     from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
     from megatron_grpo.model.vision import apply_freeze
     from megatron_grpo.platform import ParallelDims, init_parallel
