@@ -14,7 +14,9 @@
    sampled completions, through micro-batches of 2 with padding, under TP=1 (DP=2),
    PP=2, EP=2, TP=2 with sequence parallelism, CP=2 and packed (padding_free) batches:
    with the returned routing replayed they equal vLLM's rollout log-probs (fp32, 2e-5;
-   seen 1.4e-6 to 1.9e-6), without it they do not (seen: 1.2 apart).
+   seen 1.4e-6 to 1.9e-6), without it they do not (seen: 1.2 apart). The same holds for
+   the training forward (train_micro_batches, forward and backward): its per-completion
+   mean log-prob gap to the rollout (the rollout_correction metrics) is ~0 with replay.
 3. Option checks (no processes): R2, a rollout server, multi-turn, full recompute and a
    dense model are refused in one line naming the option.
 """
@@ -65,7 +67,8 @@ def _trainer(rank, world_size, path, rollouts):
     from megatron_grpo.model.moe import MoEOptions
     from megatron_grpo.platform import ParallelDims, init_parallel
     from megatron_grpo.train.batch import Sample, micro_batches, split_completion_values
-    from megatron_grpo.train.engine import forward_logprobs
+    from megatron_grpo.algorithms.metrics import finalize_metrics
+    from megatron_grpo.train.engine import LossOptions, forward_logprobs, train_micro_batches
 
     results = {}
     for tp, pp, ep, cp, packed in LAYOUTS:
@@ -75,15 +78,27 @@ def _trainer(rank, world_size, path, rollouts):
                                                 moe=MoEOptions(routing_replay=True))
         chunks = build_model(config, args, padding_free=packed)
         load_hf_weights(chunks, config, args, str(path))
-        samples = [Sample(list(p), list(c), routed_experts=r) for p, c, _, r in rollouts]
+        samples = [Sample(list(p), list(c), advantage=1.0, rollout_logps=list(lp),
+                          routed_experts=r) for p, c, lp, r in rollouts]
         batches = micro_batches(samples, 2)
         plain = [{k: v for k, v in mb.items() if k != "routed_experts"} for mb in batches]
+        for c in chunks:
+            c.train()
         out = {}
         for name, mbs in (("replay", batches), ("own", plain)):
             outs = forward_logprobs(chunks, mbs, temperature=1.0, vocab_size=VOCAB)
             if outs is not None:
                 out[name] = [v for mb, o in zip(mbs, outs)
                              for v in split_completion_values(o["logps"], mb)]
+            # The training forward (and backward): its log-probs against the rollout's are
+            # the rollout_correction metrics (per completion: mean log-prob gap).
+            parts = train_micro_batches(chunks, mbs, LossOptions(), vocab_size=VOCAB,
+                                        normalizer=torch.tensor(6.0, dtype=torch.float64))
+            metrics = finalize_metrics(parts)
+            if metrics:
+                out[name + "_train"] = max(
+                    abs(float(metrics["rollout_correction/log_ppl_diff_" + m])) for m in ("max",
+                                                                                          "min"))
         results[(tp, pp, ep, cp, packed)] = out
     return results
 
@@ -140,8 +155,11 @@ def test_replayed_routing_gives_vllms_logprobs(world):
         own = max((g - w).abs().max().item() for g, w in zip(out["own"], want))
         assert replay <= 2e-5, f"tp,pp,ep,cp,packed={layout}: replayed routing differs by {replay}"
         assert own > 0.05, f"tp,pp,ep,cp,packed={layout}: the routers agree ({own}): no test"
+        # Training forwards: the largest per-completion mean log-prob gap to the rollout.
+        assert out["replay_train"] <= 2e-5 and out["own_train"] > 0.01, (layout, out)
         print(f"router replay tp,pp,ep,cp,packed={layout}: |diff| replay {replay:.2e}, "
-              f"own {own:.3f}")
+              f"own {own:.3f}; training forward replay {out['replay_train']:.2e}, "
+              f"own {out['own_train']:.3f}")
     assert seen == set(LAYOUTS)
 
 
