@@ -60,7 +60,7 @@ class Completion:
     logprobs: List[float]       # rollout log-prob of each sampled token (see module doc)
     finish_reason: Optional[str] = None
     # Router replay R3 (routing.py): the experts each MoE layer routed every token the
-    # model read to, [len(prompt) + len(token_ids) - 1, moe layers, top-k] int16.
+    # model read to, [len(prompt) + len(token_ids) - 1, moe layers, top-k] uint8 (int16 > 256 experts).
     routed_experts: Optional[Any] = None
 
 

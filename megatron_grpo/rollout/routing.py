@@ -45,6 +45,9 @@ class RoutingCapture:
             raise ValueError("--router_replay_mode R3 needs an MoE model; vLLM's model has no "
                              "MoE layer")
         self.layers = sorted(layer for layer, _ in routers)
+        # Expert ids in a byte where they fit (every rank receives every sample's routing).
+        experts = max(int(getattr(r, "global_num_experts", 1 << 15)) for _, r in routers)
+        self.dtype = torch.uint8 if experts <= 256 else torch.int16
         self._step: Optional[tuple] = None
         # request id -> chunks of (positions [n], token ids [n], expert ids [n, layers, k])
         self._requests: Dict[str, list] = {}
@@ -71,9 +74,9 @@ class RoutingCapture:
                 (positions[lo:hi], tokens[lo:hi], experts[lo:hi]))
 
     def take(self, sequences: Sequence[Sequence[int]]) -> List[Optional[torch.Tensor]]:
-        """Routing [len(seq), layers, k] (int16) of each token sequence a request fed the
-        model (its prompt + completion less the last token), None for one never seen;
-        every record is dropped."""
+        """Routing [len(seq), layers, k] (uint8; int16 beyond 256 experts) of each token
+        sequence a request fed the model (its prompt + completion less the last token),
+        None for one never seen; every record is dropped."""
         self._commit()
         by_tokens: Dict[tuple, torch.Tensor] = {}
         for chunks in self._requests.values():
@@ -82,6 +85,7 @@ class RoutingCapture:
             if not torch.equal(positions[order], torch.arange(positions.numel())):
                 continue                 # not every position computed here (cached prefix)
             tokens = torch.cat([c[1] for c in chunks])[order]
-            by_tokens[tuple(tokens.tolist())] = torch.cat([c[2] for c in chunks])[order]
+            by_tokens[tuple(tokens.tolist())] = torch.cat([c[2] for c in chunks])[order].to(
+                self.dtype)
         self._requests.clear()
         return [by_tokens.get(tuple(int(t) for t in seq)) for seq in sequences]
