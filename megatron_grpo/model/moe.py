@@ -200,6 +200,10 @@ def set_routing_replay(chunk, routed) -> None:
         for _, replay in replays:
             compat.stop_routing_replay(replay)
         return
+    if not replays:
+        raise ValueError("a micro-batch carries routed_experts but the model's routers were "
+                         "built without routing replay (--router_replay_mode R3)")
+    # Every layer is sparse (check_hf_moe), so vLLM's MoE layer i is the model's layer i.
     ids = routed.transpose(0, 1)                                  # [s, b, layers, k]
     if unwrap(chunk).config.sequence_parallel:
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
