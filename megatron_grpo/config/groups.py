@@ -120,6 +120,13 @@ class ModelOptions(_Group):
         False, "MoE: fused token permutation kernels (Transformer Engine, GPU only).")
     moe_router_dtype: Optional[Literal["fp32", "fp64"]] = opt(
         "fp32", "MoE: dtype of the router's logits and of the weighted sum of expert outputs.")
+    router_replay_mode: Literal["disabled", "R2", "R3"] = opt(
+        "disabled", "MoE routing replay (ms-swift's values). R3 (rollout routing replay): vLLM "
+                    "returns the experts each MoE layer routed every token to while sampling, "
+                    "and the old-log-prob, reference and training forwards route those tokens "
+                    "to the same experts (gate weights from the trainer's own router). Colocated "
+                    "vLLM, single-turn rollouts, vLLM prefix caching off. R2 (replaying the old "
+                    "policy's routing) is not supported yet. disabled: each router picks its own.")
 
 
 @dataclass

@@ -278,16 +278,43 @@ def _hf_config(model: Optional[str]) -> Optional[dict]:
         return None
 
 
+def _check_router_replay(cfg: "GRPOConfig", p: Problems) -> None:
+    """--router_replay_mode R3 where the rollout's routing can reach the trainer."""
+    mode = cfg.model.router_replay_mode
+    if mode == "disabled":
+        return
+    p.require(mode != "R2", "--router_replay_mode R2 (replaying the old policy's routing) is not "
+                            "supported yet; allowed values: disabled, R3")
+    if mode != "R3":
+        return
+    r = cfg.rollout
+    p.require(r.use_vllm and r.vllm_mode in (None, "colocate"),
+              f"--router_replay_mode R3 needs the colocated vLLM engine (--use_vllm true "
+              f"--vllm_mode colocate); got --use_vllm {r.use_vllm} --vllm_mode {r.vllm_mode}: "
+              "a rollout server does not return routed experts yet")
+    p.require(r.multi_turn_scheduler is None and not r.use_gym_env,
+              "--router_replay_mode R3 with --multi_turn_scheduler is not supported yet "
+              "(single-turn rollouts only)")
+    p.require(cfg.training.recompute_granularity != "full",
+              "--router_replay_mode R3 with --recompute_granularity full is not supported yet "
+              "(a recomputed router would replay the wrong micro-batch's experts). Fix: "
+              "--recompute_granularity selective or none")
+
+
 def _check_moe(cfg: "GRPOConfig", p: Problems) -> None:
     """MoE options against the model (config.json) and this machine."""
     m, par = cfg.model, cfg.parallel
     _positive(p, "expert_model_parallel_size", par.expert_model_parallel_size)
     if par.expert_tensor_parallel_size is not None:
         _positive(p, "expert_tensor_parallel_size", par.expert_tensor_parallel_size)
+    _check_router_replay(cfg, p)
     hf = _hf_config(m.model)
     if hf is None:
         return
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    p.require(experts or m.router_replay_mode == "disabled",
+              f"--router_replay_mode {m.router_replay_mode} needs a mixture-of-experts model; "
+              f"--model {m.model!r} is dense. Fix: --router_replay_mode disabled")
     if not experts:
         p.require(par.expert_model_parallel_size == 1 and par.expert_tensor_parallel_size in
                   (None, par.tensor_model_parallel_size),

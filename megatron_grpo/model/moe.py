@@ -25,6 +25,16 @@ ranks: the gradient of coeff x (mean over micro-batches and DP ranks of the per-
 loss), beside the GRPO loss with its own global normalisation (train/engine.py).
 `step_metrics` logs that mean, unweighted, as `load_balancing_loss` / `z_loss`.
 
+Router replay (`--router_replay_mode R3`): each sample carries the experts vLLM routed its
+tokens to (rollout/routing.py), [tokens, layers, k]; `set_routing_replay` hands every
+router of a chunk its layer's ids before the forward (Megatron's `RouterReplay`, built
+with `moe_enable_routing_replay`). The router then takes those experts instead of its own
+top-k and weighs them with its own logits, so gradients still reach the router:
+    g = softmax over the replayed experts of x W_router^T   (norm_topk_prob; else the
+        full softmax gathered at them)
+With the weights vLLM sampled with, the trainer's log-probs are vLLM's wherever the two
+routers would pick differently (ties, rounding, a drifted router in later mini-batches).
+
 On CPU the experts are `SequentialMLP` (one MLP per local expert; grouped GEMM and the
 fused permutation are CUDA kernels) and tokens travel with the all-to-all dispatcher
 (gloo has all_to_all; Megatron's all-gather dispatcher refuses variable sequence lengths).
@@ -63,11 +73,15 @@ class MoEOptions:
     grouped_gemm: bool | None = False     # None: on where Transformer Engine runs
     permute_fusion: bool = False
     router_dtype: str | None = None
+    routing_replay: bool = False          # --router_replay_mode R3 (module doc)
 
     @classmethod
     def from_config(cls, cfg) -> "MoEOptions":
-        """The run's options: GRPOConfig.model's `moe_*` fields of the same names."""
-        return cls(**{f.name: getattr(cfg.model, "moe_" + f.name) for f in fields(cls)})
+        """The run's options: GRPOConfig.model's `moe_*` fields of the same names, and
+        whether the routers replay vLLM's routing (`--router_replay_mode`)."""
+        return cls(**{f.name: getattr(cfg.model, "moe_" + f.name) for f in fields(cls)
+                      if f.name != "routing_replay"},
+                   routing_replay=cfg.model.router_replay_mode == "R3")
 
     def check(self, on_gpu: bool | None = None) -> None:
         """ValueError naming the option for values this machine cannot run."""
@@ -146,6 +160,7 @@ def moe_config_kwargs(hf: dict, family: Family, *, tp: int, ep: int = 1, etp: in
         moe_grouped_gemm=_grouped_gemm(options.grouped_gemm),
         moe_permute_fusion=options.permute_fusion,
         moe_router_dtype=options.router_dtype,
+        moe_enable_routing_replay=options.routing_replay,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
@@ -163,6 +178,44 @@ def _grouped_gemm(value: bool | None) -> bool:
     if value is not None:
         return bool(value)
     return use_transformer_engine()
+
+
+def set_routing_replay(chunk, routed) -> None:
+    """Route the next forward of a model chunk by `routed` [b, s, layers, k] (the expert
+    ids of each input token, every layer of the model; a micro-batch's "routed_experts"),
+    or by its own routers when None. Megatron's router sees the tokens s-major ([s, b]
+    flattened), under sequence parallelism this TP rank's s / tp of them."""
+    import torch
+
+    from megatron.core import parallel_state as ps
+
+    from ..platform.compat import megatron as compat
+    from bridge.params import unwrap
+
+    replays = compat.router_replays(chunk)
+    if routed is None:
+        for _, replay in replays:
+            compat.stop_routing_replay(replay)
+        return
+    if not replays:
+        raise ValueError("a micro-batch carries routed_experts but the model's routers were "
+                         "built without routing replay (--router_replay_mode R3)")
+    # Every layer is sparse (check_hf_moe), so vLLM's MoE layer i is the model's layer i.
+    ids = routed.transpose(0, 1)                                  # [s, b, layers, k]
+    if unwrap(chunk).config.sequence_parallel:
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        n = ids.shape[0] // tp
+        ids = ids[rank * n:(rank + 1) * n]
+    device = next(chunk.parameters()).device
+    for layer, replay in replays:
+        compat.replay_routing(replay, ids[:, :, layer].reshape(-1, ids.shape[-1])
+                              .to(device=device, dtype=torch.long))
+
+
+def stop_routing_replay(chunks) -> None:
+    """Every router of `chunks` back to its own top-k (after a schedule call)."""
+    for chunk in chunks:
+        set_routing_replay(chunk, None)
 
 
 def step_metrics(config, num_microbatches: int) -> dict:

@@ -59,6 +59,9 @@ class Completion:
     truncated: bool             # stopped by max_completion_length (finish_reason == "length")
     logprobs: List[float]       # rollout log-prob of each sampled token (see module doc)
     finish_reason: Optional[str] = None
+    # Router replay R3 (routing.py): the experts each MoE layer routed every token the
+    # model read to, [len(prompt) + len(token_ids) - 1, moe layers, top-k] uint8 (int16 > 256 experts).
+    routed_experts: Optional[Any] = None
 
 
 def vllm_tp_groups(world_size: int, vllm_tensor_parallel_size: int) -> List[List[int]]:
@@ -133,6 +136,10 @@ class EngineSettings:
     seed: int = 42
     dtype: str = "auto"
     sleep_level: int = 0
+    # Return the experts vLLM routed each token to with every completion (router replay
+    # R3, routing.py); turns vLLM's prefix caching off (a cached prefix has no routing) and
+    # runs the model eagerly (a compiled graph would not call the capture hook).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -196,8 +203,13 @@ class ColocateEngine:
             model=model, tokenizer=model, dtype=st.dtype, seed=self.seed,
             tensor_parallel_size=self.tp_size,
             gpu_memory_utilization=st.vllm_gpu_memory_utilization,
-            max_model_len=st.vllm_max_model_len, enforce_eager=st.vllm_enforce_eager,
-            enable_prefix_caching=st.vllm_enable_prefix_caching,
+            # Under router replay the model runs eagerly: vLLM compiles its graph once,
+            # before the capture hook exists, and the graph never calls it (routing.py).
+            max_model_len=st.vllm_max_model_len,
+            enforce_eager=st.vllm_enforce_eager or st.return_routed_experts,
+            # A prefix served from the cache has no routing (routing.py).
+            enable_prefix_caching=(st.vllm_enable_prefix_caching
+                                   and not st.return_routed_experts),
             logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
             # Sleeping frees memory only where vLLM supports it (CUDA, ROCm, XPU); on CPU
             # the sleep/wake calls still run, and free nothing.
@@ -212,6 +224,8 @@ class ColocateEngine:
         with without_cuda_rewrite():
             self.llm = LLM(**kwargs)
             self.tokenizer = self.llm.get_tokenizer()
+            if st.return_routed_experts:
+                self.llm.collective_rpc("mg_capture_routing")
         self.engine_steps = 0     # engine steps run by generate_turns
         self._requests = 0        # request ids of generate_turns
 
@@ -267,7 +281,10 @@ class ColocateEngine:
             with without_cuda_rewrite():
                 outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], params,
                                          use_tqdm=False)
-            return [[_completion(i, c) for c in out.outputs] for i, out in enumerate(outs)]
+            groups = [[_completion(i, c) for c in out.outputs] for i, out in enumerate(outs)]
+            if self.settings.return_routed_experts:
+                self._attach_routing(all_prompts, groups)
+            return groups
 
         per_prompt = self._in_tp_group(prompts, run)
         result = []
@@ -276,6 +293,19 @@ class ColocateEngine:
                 c.prompt_index = i
                 result.append(c)
         return result
+
+    def _attach_routing(self, prompts: List[List[int]], groups: List[List[Completion]]) -> None:
+        """Give every completion the routing vLLM recorded for it (routing.py): the rows of
+        the tokens it read, prompt + completion less the last sampled token."""
+        done = [c for group in groups for c in group]
+        fed = [prompts[c.prompt_index] + c.token_ids[:-1] for c in done]
+        with without_cuda_rewrite():
+            routed = self.llm.collective_rpc("mg_take_routing", args=(fed,))[0]
+        for c, r, seq in zip(done, routed, fed):
+            if r is None:
+                raise RuntimeError(f"router replay: vLLM recorded no routing for a completion "
+                                   f"of {len(seq)} tokens read (prompt index {c.prompt_index})")
+            c.routed_experts = r
 
     def generate_turns(self, prompt_token_ids: Sequence[Sequence[int]],
                        next_turn: Callable[[int, Completion], Optional[Sequence[int]]],

@@ -85,6 +85,18 @@ class RolloutWorkerExtension:
 
         return vllm_fingerprint_pieces(self._mg_model())
 
+    def mg_capture_routing(self) -> int:
+        """Start recording the experts every MoE layer routes each token to (routing.py);
+        returns the number of MoE layers."""
+        from .routing import RoutingCapture
+
+        self._mg_routing = RoutingCapture(self)
+        return len(self._mg_routing.layers)
+
+    def mg_take_routing(self, sequences: Sequence[Sequence[int]]) -> list:
+        """The recorded routing [tokens, layers, k] of each token sequence (routing.py)."""
+        return self._mg_routing.take(sequences)
+
     def mg_tp_rank(self) -> Tuple[int, int]:
         """(rank, size) of this worker in vLLM's tensor parallel group."""
         return compat.tp_rank_and_size()

@@ -65,6 +65,8 @@ class Sample:
     loss_mask: Optional[list[int]] = None          # per completion token, 1: the model's
                                                    # (multi-turn); None: all of them
     images: Optional[ImageInputs] = None           # the prompt's images (vision-language)
+    routed_experts: Optional[torch.Tensor] = None  # [P + C - 1, layers, k]: the experts vLLM
+                                                   # routed each input token to (R3)
 
 
 PER_TOKEN_FIELDS = ("old_logps", "ref_logps", "rollout_logps")
@@ -80,7 +82,8 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
     completion tokens the model wrote: `loss_mask`); advantages [B]; truncated [B] bool;
     lengths [B] int64 (tokens of each row, the rest is padding: what packing keeps);
     old_logps / ref_logps / rollout_logps (float32, one value per model token, 0 elsewhere)
-    when every sample has them.
+    when every sample has them; routed_experts [B, S, layers, k] int16 (router replay: the
+    experts of each input token; padding routed to experts 0..k-1) when every sample has it.
     """
     lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
     if min(len(s.prompt_ids) for s in samples) < 1:
@@ -121,6 +124,23 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
     }
     out.update(per_token)
     out.update(_image_fields(samples, seq))
+    if samples and all(s.routed_experts is not None for s in samples):
+        out["routed_experts"] = _collate_routing(samples, lengths, seq)
+    return out
+
+
+def _collate_routing(samples: Sequence[Sample], lengths: list[int], seq: int) -> torch.Tensor:
+    """[B, S, layers, k] int16 expert ids of each input token; pads take experts 0..k-1
+    (any distinct ids: a pad's output reaches no loss)."""
+    first = torch.as_tensor(samples[0].routed_experts)
+    layers, k = first.shape[1:]
+    out = torch.arange(k, dtype=torch.int16).expand(len(samples), seq, layers, k).clone()
+    for i, (s, n) in enumerate(zip(samples, lengths)):
+        r = torch.as_tensor(s.routed_experts)
+        if tuple(r.shape) != (n, layers, k):
+            raise ValueError(f"routed_experts of sample {i} has shape {tuple(r.shape)}; its "
+                             f"{n} input tokens want ({n}, {layers}, {k})")
+        out[i, :n] = r
     return out
 
 

@@ -54,6 +54,7 @@ from ..algorithms.aggregation import real_kl_loss
 from ..algorithms.policy_loss import LossConfig, loss_mask_after_overlong_filter
 from ..kernels import vocab_parallel_logprobs
 from ..model.builder import unwrap
+from ..model.moe import set_routing_replay, stop_routing_replay
 from .batch import cp_shard
 from .packing import pack_micro_batch, packed_length, packed_seq_params, to_rows
 
@@ -176,7 +177,10 @@ def _cp_micro_batches(chunks, micro_batches: list[dict]) -> list[dict]:
 
 
 def _model_forward(model, batch: dict) -> torch.Tensor:
-    """GPTModel up to the final norm on a micro-batch, packed or not."""
+    """GPTModel up to the final norm on a micro-batch, packed or not; with router replay
+    (a "routed_experts" entry) its MoE routers take the experts vLLM chose."""
+    if "routed_experts" in batch:
+        set_routing_replay(model, batch["routed_experts"])
     kwargs = {"packed_seq_params": packed_seq_params(batch)} if "cu_seqlens" in batch else {}
     # Vision-language micro-batches (train/batch.py ImageInputs): the images, for the
     # first stage's vision tower (model/vision.py); other stages ignore them.
@@ -230,10 +234,14 @@ def _run_schedule(chunks, micro_batches: list[dict], forward_step, forward_only:
     # The schedule wants the FULL sequence length: it divides by cp (and tp under SP)
     # to size its p2p buffers; CP micro-batches hold S_pad / cp positions.
     seq *= ps.get_context_parallel_world_size()
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iters, model=chunks,
-        num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs,
-        forward_only=forward_only)
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iters, model=chunks,
+            num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=mbs,
+            forward_only=forward_only)
+    finally:
+        if any("routed_experts" in mb for mb in micro_batches):
+            stop_routing_replay(chunks)
 
 
 def is_last_stage() -> bool:

@@ -45,7 +45,7 @@ from ..data.cp_split import local_positions, packed_local_positions, pad_sequenc
 
 # Per-token tensors that feed the model (packed); every other [B, S] tensor goes to the
 # row view for the loss.
-MODEL_INPUTS = ("input_ids", "position_ids", "targets")
+MODEL_INPUTS = ("input_ids", "position_ids", "targets", "routed_experts")
 
 
 def _round_up(n: int, k: int) -> int:

@@ -68,7 +68,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
                                   num_generations) if hi > lo or engine.tp_size > 1 else []
         payload = [(lo + j // num_generations, t.prompt_ids, t.completion_ids, t.text, t.truncated,
                     t.logprobs, {"prompt": t.prompt_text, "loss_mask": t.loss_mask,
-                                 "messages": t.messages, "rollout_infos": t.rollout_infos})
+                                 "messages": t.messages, "rollout_infos": t.rollout_infos}, None)
                    for j, t in enumerate(trajectories)]
     gathered = sorted((x for part in all_gather_objects(payload) for x in part),
                       key=lambda x: x[0])                    # stable: keeps sample order
@@ -94,7 +94,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     t2 = time.perf_counter()
 
     samples = []
-    for j, (pi, prompt_ids, tokens, text, truncated, logps, extra) in enumerate(gathered):
+    for j, (pi, prompt_ids, tokens, text, truncated, logps, extra, routed) in enumerate(gathered):
         meta = {"prompt_index": prompt_indices[pi], "rewards": rewards[j].tolist()}
         if extra:
             meta.update(messages=extra["messages"],
@@ -102,7 +102,8 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
         samples.append(Sample(prompt_ids=list(prompt_ids), completion_ids=list(tokens),
                               truncated=bool(truncated),
                               rollout_logps=list(logps) if logps else None, meta=meta,
-                              loss_mask=list(extra["loss_mask"]) if extra else None))
+                              loss_mask=list(extra["loss_mask"]) if extra else None,
+                              routed_experts=routed))
     rendered = {}
     prompts = [g[6]["prompt"] if g[6] else rendered.setdefault(
         g[0], render(tokenizer, dataset.messages[prompt_indices[g[0]]])) for g in gathered]
@@ -112,7 +113,8 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
 
 def _single_turn(engine, tokenizer, dataset, prompt_indices, render, max_prompt_length, lo, hi):
     """This rank's share [lo, hi) of the prompts, one completion per sample: (prompt
-    position, prompt ids, completion ids, text, truncated, log-probs, None) each."""
+    position, prompt ids, completion ids, text, truncated, log-probs, None, the experts
+    vLLM routed its tokens to (router replay R3, else None)) each."""
     prompt_ids = [tokenizer(render(tokenizer, dataset.messages[i]),
                             add_special_tokens=False)["input_ids"] for i in prompt_indices[lo:hi]]
     if max_prompt_length:
@@ -121,7 +123,7 @@ def _single_turn(engine, tokenizer, dataset, prompt_indices, render, max_prompt_
     if hi > lo or engine.tp_size > 1:       # a vLLM TP group generates together
         completions = engine.generate(prompt_ids)            # num_generations per prompt
     return [(lo + c.prompt_index, list(prompt_ids[c.prompt_index]), c.token_ids, c.text,
-             c.truncated, c.logprobs, None) for c in completions]
+             c.truncated, c.logprobs, None, c.routed_experts) for c in completions]
 
 
 def _select_groups(batch: GenerationBatch, groups: list[int], k: int) -> GenerationBatch:

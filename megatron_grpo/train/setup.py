@@ -208,6 +208,7 @@ def engine_settings(cfg):
     world = dist.get_world_size() if dist.is_initialized() else 1
     derived = dict(
         seed=cfg.training.seed, dtype="bfloat16" if cfg.training.bf16 else "float32",
+        return_routed_experts=cfg.model.router_replay_mode == "R3",
         sequences_in_flight=sequences_per_engine(g.generation_batch_size, g.num_generations, world,
                                                  r.vllm_tensor_parallel_size, r.vllm_max_num_seqs))
     named = {f.name: getattr(r if hasattr(r, f.name) else g, f.name)

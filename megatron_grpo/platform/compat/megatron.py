@@ -71,6 +71,13 @@ PRIVATE_NAMES = (
     "megatron.core.transformer.moe.moe_utils:clear_aux_losses_tracker",
     "megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
     "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim",
+    # model/moe.py: router replay (a TopKRouter's `router_replay`, `layer_number`)
+    "megatron.core.transformer.moe.router:TopKRouter",
+    "megatron.core.transformer.moe.router_replay:RouterReplay.set_target_indices",
+    "megatron.core.transformer.moe.router_replay:RouterReplay.set_router_replay_action",
+    "megatron.core.transformer.moe.router_replay:RouterReplay.clear_indices",
+    "megatron.core.transformer.moe.router_replay:RouterReplay.clear_router_replay_action",
+    "megatron.core.transformer.moe.router_replay:RouterReplayAction.REPLAY_FORWARD",
 )
 RNG_LOGGER = "megatron.core.tensor_parallel.random"   # the RNG tracker's logger
 
@@ -179,6 +186,32 @@ def moe_step_losses() -> dict:
     out = {name: v["values"].detach().clone() for name, v in sorted(tracker.items())}
     moe_utils.clear_aux_losses_tracker()
     return out
+
+
+def router_replays(chunk) -> list:
+    """(0-based layer index in the whole model, RouterReplay) of each MoE router of a model
+    chunk built with `moe_enable_routing_replay` (megatron-core >= 0.16)."""
+    check_version()
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [(int(m.layer_number) - 1, m.router_replay) for m in chunk.modules()
+            if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None]
+
+
+def replay_routing(replay, topk_ids) -> None:
+    """Make the router of `replay` route its next forward's tokens [tokens, k] to
+    `topk_ids` (its gate weights still come from its own logits, gathered there)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replay.set_target_indices(topk_ids)
+    replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def stop_routing_replay(replay) -> None:
+    """Back to the router's own top-k; drops the ids it kept (it keeps every target it
+    was given, for recomputation in backward)."""
+    replay.clear_indices()
+    replay.clear_router_replay_action()
 
 
 def moe_without_transformer_engine() -> None:

