@@ -189,8 +189,9 @@ def set_routing_replay(chunk, routed) -> None:
 
     from megatron.core import parallel_state as ps
 
-    from ..platform.compat import megatron as compat
     from bridge.params import unwrap
+
+    from ..platform.compat import megatron as compat
 
     replays = compat.router_replays(chunk)
     if routed is None:
