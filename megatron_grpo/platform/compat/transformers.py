@@ -111,16 +111,17 @@ def image_only_processor_cls():
     return ImageOnlyQwen2_5_VLProcessor
 
 
-def load_processor(model_dir: str, model_type: str):
+def load_processor(model_dir: str, model_type: str, **kwargs):
     """The model's own processor (chat template, tokenizer, image processor): HF's
-    `AutoProcessor` where torchvision imports, else the image-only one."""
+    `AutoProcessor` where torchvision imports, else the image-only one. `kwargs` go to
+    `from_pretrained` (e.g. max_pixels: the image processor's size["longest_edge"])."""
     if torchvision_available():
         from transformers import AutoProcessor
 
-        return AutoProcessor.from_pretrained(model_dir)
+        return AutoProcessor.from_pretrained(model_dir, **kwargs)
     if model_type not in IMAGE_ONLY_MODEL_TYPES:
         raise ValueError(f"--model {model_dir}: a {model_type!r} processor needs torchvision, "
                          f"which does not import here; without it only "
                          f"{list(IMAGE_ONLY_MODEL_TYPES)} are supported")
     install_image_processor_shim()
-    return image_only_processor_cls().from_pretrained(model_dir)
+    return image_only_processor_cls().from_pretrained(model_dir, **kwargs)

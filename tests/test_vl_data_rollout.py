@@ -1,0 +1,240 @@
+"""Vision-language data and rollouts (issue 18): ms-swift's multimodal rows -> the model's
+processor -> vLLM, in colocate mode (ColocateEngine) and server mode (`megatron rollout`
++ RolloutClient), on the tiny Qwen2.5-VL of tools/make_tiny_vl_model.py and the
+counting task of tools/make_vl_count_data.py.
+
+References are independent of vLLM: the HF processor's expanded prompt ids, and HF
+transformers' per-token log-probs in float32 (tolerance 1e-5, as
+tests/test_vl_tiny_model.py). The pixel budget of the vLLM tests (MAX_PIXELS below the
+model's own) changes the image token count, so a budget that did not reach vLLM's
+processor fails the prompt-id comparison.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_grpo.data import load_prompt_dataset
+from megatron_grpo.data.vision import VisionProcessor, png_base64, resolve_max_pixels
+from tests.harness import free_port, run_distributed
+from tests.test_vl_tiny_model import ATOL, TEMPERATURE, hf_logits, needs_vllm
+from tools.make_tiny_vl_model import make_tiny_vl_model
+from tools.make_vl_count_data import main as make_count_data
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 6x4 patches at most (6 image tokens): below the tiny model's 12544 (16 tokens), and the
+# count task's 112x84 images (12 tokens at the model's budget) are resized down to it.
+BUDGET = 28 * 28 * 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_vl_model(tmp_path_factory.mktemp("vl") / "tiny-qwen2.5-vl")
+
+
+@pytest.fixture(scope="module")
+def count_data(tmp_path_factory):
+    return make_count_data(["--out_dir", str(tmp_path_factory.mktemp("count")), "--n", "4",
+                            "--distractors"])
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def red_blobs(path) -> int:
+    """Connected red regions of an image (4-neighbour flood fill): the count, independently."""
+    from PIL import Image
+
+    a = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    red = (a[..., 0] > 200) & (a[..., 1] < 50) & (a[..., 2] < 50)
+    seen, blobs = np.zeros_like(red), 0
+    for y, x in zip(*np.nonzero(red)):
+        if seen[y, x]:
+            continue
+        blobs += 1
+        stack = [(y, x)]
+        while stack:
+            i, j = stack.pop()
+            if 0 <= i < red.shape[0] and 0 <= j < red.shape[1] and red[i, j] and not seen[i, j]:
+                seen[i, j] = True
+                stack += [(i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)]
+    return blobs
+
+
+def test_count_data_rows_load_with_their_answers(count_data, tmp_path):
+    rows = [json.loads(line) for line in open(count_data)]
+    base = os.path.dirname(count_data)
+    for row in rows:
+        assert red_blobs(os.path.join(base, row["images"][0])) == int(row["solution"])
+    assert make_count_data(["--out_dir", str(tmp_path), "--n", "4", "--distractors"])
+    for name in ("train.jsonl", "images/0003.png"):    # same arguments, same bytes
+        assert (tmp_path / name).read_bytes() == open(os.path.join(base, name), "rb").read()
+
+    # ms-swift's format through load_prompt_dataset: images kept apart from the reward
+    # columns, tags checked per row, a missing tag added at the start of the first user turn.
+    png = open(os.path.join(base, rows[0]["images"][0]), "rb").read()
+    extra = tmp_path / "more.jsonl"
+    extra.write_text(json.dumps({"query": "What is this?", "images": [
+        "data:image/png;base64," + base64.b64encode(png).decode()], "solution": "1"}) + "\n")
+    ds = load_prompt_dataset([count_data, str(extra)])
+    assert len(ds) == 5 and ds.images[0] == rows[0]["images"] and "images" not in ds.columns
+    assert ds.messages[4][-1]["content"] == "<image>What is this?"
+    assert ds.subset([4, 0]).images == [ds.images[4], ds.images[0]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"query": "<image><image>Compare", "images": ["a.png"]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl' row 0: its messages hold 2 <image> tags "
+                                         r"but its `images` column 1 image"):
+        load_prompt_dataset([str(bad)])
+
+
+def test_processor_encodes_prompts_for_trainer_and_vllm(model_dir, count_data, monkeypatch):
+    ds = load_prompt_dataset([count_data])
+    base = os.path.dirname(count_data)
+    vp = VisionProcessor(str(model_dir))
+    p = vp.encode(ds.messages[0], ds.images[0], base_dir=base)
+    assert vp.mm_processor_kwargs == {} and p.image_grid_thw.tolist() == [[1, 6, 8]]
+    pad = vp.image_token_id
+    # The trainer's ids: 12 pads (6x8 patches / 2x2 merge); vLLM's: one, the rest equal.
+    assert p.prompt_ids.count(pad) == 12 and p.vllm_prompt_ids.count(pad) == 1
+    first = p.prompt_ids.index(pad)
+    assert p.prompt_ids[:first + 1] + p.prompt_ids[first + 12:] == p.vllm_prompt_ids
+    assert p.mm_token_type_ids == [int(t == pad) for t in p.prompt_ids]
+    assert tuple(p.pixel_values.shape) == (48, 3 * 2 * 14 * 14)
+
+    # ms-swift's MAX_PIXELS reaches the processor; --max_pixels wins over it.
+    monkeypatch.setenv("MAX_PIXELS", str(BUDGET))
+    small = VisionProcessor(str(model_dir)).encode(ds.messages[0], ds.images[0], base_dir=base)
+    assert small.prompt_ids.count(pad) * 4 * 14 * 14 <= BUDGET < p.prompt_ids.count(pad) * 784
+    assert VisionProcessor(str(model_dir), max_pixels=12544).mm_processor_kwargs == \
+        {"max_pixels": 12544}
+    with pytest.raises(ValueError, match=r"MAX_PIXELS \(environment\)='lots' is not an integer"):
+        resolve_max_pixels(None, environ={"MAX_PIXELS": "lots"})
+    with pytest.raises(ValueError, match=r"--max_pixels=100 is below the model's min_pixels=3136"):
+        resolve_max_pixels(100, str(model_dir))
+    with pytest.raises(RuntimeError, match="vLLM expanded an image prompt to 3 tokens"):
+        p.check_expanded([1, 2, 3])
+
+
+def _reference_check(hf_model, prompt, completions, where):
+    """Prompt ids as vLLM expanded them == the processor's; log-probs == HF fp32."""
+    ids = torch.tensor(prompt.prompt_ids)[None]
+    enc = {"input_ids": ids, "mm_token_type_ids": torch.tensor(prompt.mm_token_type_ids)[None],
+           "pixel_values": prompt.pixel_values, "image_grid_thw": prompt.image_grid_thw}
+    n = ids.shape[1]
+    for c in completions:
+        prompt.check_expanded(c["prompt_token_ids"])
+        assert 1 <= len(c["token_ids"]) <= 4
+        logp = torch.log_softmax(hf_logits(hf_model, enc, c["token_ids"]) / TEMPERATURE, -1)
+        ref = logp[torch.arange(n - 1, n - 1 + len(c["token_ids"])), torch.tensor(c["token_ids"])]
+        diff = max(abs(a - b) for a, b in zip(c["logprobs"], ref.tolist()))
+        assert diff < ATOL, (where, diff, c)
+
+
+def _encode_all(model_dir, count_data, max_pixels):
+    ds = load_prompt_dataset([count_data])
+    vp = VisionProcessor(str(model_dir), max_pixels=max_pixels)
+    base = os.path.dirname(count_data)
+    return vp, [vp.encode(ds.messages[i], ds.images[i], base_dir=base) for i in range(2)]
+
+
+def _colocate_rank(rank, world_size, model_dir, count_data):
+    from megatron_grpo.rollout.colocate import ColocateEngine
+
+    # The budget by the environment, as an ms-swift script sets it (train.setup passes
+    # VisionProcessor.mm_processor_kwargs to the engine the same way).
+    os.environ["MAX_PIXELS"] = str(BUDGET)
+    try:
+        vp, prompts = _encode_all(model_dir, count_data, None)
+    finally:
+        del os.environ["MAX_PIXELS"]
+    engine = ColocateEngine(model_dir, dtype="float32", seed=0, vllm_enforce_eager=True,
+                            vllm_max_model_len=256, vllm_kv_cache_memory="32MiB",
+                            temperature=TEMPERATURE, num_generations=2, max_completion_length=4,
+                            vllm_limit_mm_per_prompt={"image": 1},
+                            mm_processor_kwargs=vp.mm_processor_kwargs)
+    try:
+        out = engine.generate([p.vllm_prompt_ids for p in prompts],
+                              images=[p.images for p in prompts])
+        text = engine.generate([prompts[0].vllm_prompt_ids[:3]])      # a text prompt too
+    finally:
+        engine.close()
+    return [c.__dict__ for c in out], [c.__dict__ for c in text]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, count_data, hf_model):
+    out, text = run_distributed(_colocate_rank, world_size=1, timeout=400,
+                                args=(str(model_dir), count_data))[0]
+    _, prompts = _encode_all(model_dir, count_data, BUDGET)
+    assert [c["prompt_index"] for c in out] == [0, 0, 1, 1]
+    for i, prompt in enumerate(prompts):
+        assert prompt.image_grid_thw.tolist() == [[1, 4, 6]]      # the budget applied
+        _reference_check(hf_model, prompt, [c for c in out if c["prompt_index"] == i], i)
+    assert all(c["prompt_token_ids"] is None for c in text)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, hf_model,
+                                                        tmp_path):
+    """`megatron rollout` on the tiny Qwen2.5-VL (the patches applied in the server and
+    its forked engine process), --max_pixels and --vllm_limit_mm_per_prompt given as
+    flags; RolloutClient sends the images as PNG."""
+    from megatron_grpo.rollout.client import RolloutClient
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "MAX_PIXELS")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    cmd = [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(model_dir),
+           "--port", str(port), "--vllm_max_model_len", "256", "--vllm_enforce_eager", "true",
+           "--vllm_kv_cache_memory", "32MiB", "--vllm_engine_kwargs", '{"dtype": "float32"}',
+           "--max_pixels", str(BUDGET), "--vllm_limit_mm_per_prompt", '{"image": 1}',
+           "--seed", "0"]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        client = RolloutClient(vllm_server_port=port, vllm_server_timeout=400,
+                               temperature=TEMPERATURE, num_generations=2,
+                               max_completion_length=4, seed=0)
+        try:
+            client.wait_until_ready()
+        except Exception:
+            log.flush()
+            raise AssertionError((tmp_path / "server.log").read_text()[-4000:]) from None
+        _, prompts = _encode_all(model_dir, count_data, BUDGET)
+        out = client.generate([p.vllm_prompt_ids for p in prompts],
+                              images=[p.images for p in prompts])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1]
+    for i, prompt in enumerate(prompts):
+        _reference_check(hf_model, prompt, [c.__dict__ for c in out if c.prompt_index == i], i)
+    # PNG is lossless: the server decodes the pixels the trainer processed.
+    from PIL import Image
+
+    again = Image.open(io.BytesIO(base64.b64decode(png_base64(prompts[0].images[0])[22:])))
+    assert np.array_equal(np.asarray(again), np.asarray(prompts[0].images[0]))
