@@ -128,6 +128,36 @@ def test_processor_encodes_prompts_for_trainer_and_vllm(model_dir, count_data, m
         p.check_expanded([1, 2, 3])
 
 
+def test_vision_options_are_checked_before_start_up(model_dir, count_data, monkeypatch):
+    """--max_pixels / MAX_PIXELS and --vllm_limit_mm_per_prompt (ms-swift's flags), for
+    `megatron rlhf` and `megatron rollout`: one line naming the option and what is allowed."""
+    from megatron_grpo.config import build_config
+    from megatron_grpo.config.rollout_server import parse_rollout_args
+    from megatron_grpo.rollout.server import vllm_cli_args
+
+    monkeypatch.delenv("MAX_PIXELS", raising=False)
+    base = ["--model", str(model_dir), "--dataset", count_data, "--reward_funcs", "accuracy"]
+    cfg, problems = build_config(base + ["--max_pixels", "4704",
+                                         "--vllm_limit_mm_per_prompt", '{"image": 2}'])
+    assert not problems.messages, problems.messages
+    assert (cfg.data.max_pixels, cfg.rollout.vllm_limit_mm_per_prompt) == (4704, {"image": 2})
+    _, problems = build_config(base + ["--max_pixels", "100",
+                                       "--vllm_limit_mm_per_prompt", '{"video": 1}'])
+    text = "\n".join(problems.messages)
+    assert "--max_pixels=100 is below the model's min_pixels=3136" in text
+    assert "--vllm_limit_mm_per_prompt {'video': 1} is not valid" in text and \
+        "allowed modalities: image" in text
+    monkeypatch.setenv("MAX_PIXELS", "many")
+    _, problems = build_config(base)
+    assert "MAX_PIXELS (environment)='many' is not an integer" in "\n".join(problems.messages)
+    monkeypatch.setenv("MAX_PIXELS", "4704")     # the server takes it too, as vLLM flags
+    argv = vllm_cli_args(parse_rollout_args(["--model", str(model_dir),
+                                             "--vllm_limit_mm_per_prompt", '{"image": 1}']),
+                         on_cpu=True)
+    assert json.loads(argv[argv.index("--mm-processor-kwargs") + 1]) == {"max_pixels": 4704}
+    assert json.loads(argv[argv.index("--limit-mm-per-prompt") + 1]) == {"image": 1}
+
+
 def hf_completion_logits(hf_model, prompt, completion):
     """HF's logits [T, V] over prompt + completion, the completion read as text.
 
