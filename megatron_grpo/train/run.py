@@ -84,12 +84,6 @@ def build_run(cfg) -> Run:
     build_parallel(cfg)
     seed_everything(t.seed, dist.get_rank())
     dataset, val_dataset = load_datasets(cfg.data, cfg.evaluation, seed=t.seed)   # val: or None
-    if any(d is not None and d.images is not None for d in (dataset, val_dataset)):
-        # Rollouts take images (data/vision.py, ColocateEngine.generate), the trainer's
-        # forward not yet: a text run would read the <image> tags as text.
-        raise ValueError("--dataset has an `images` column (vision-language rows): the trainer "
-                         "does not train on images yet (docs/vision-language.md, issue 18); "
-                         "drop the column for a text-only run")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.model)
     render = functools.partial(render_prompt, enable_thinking=cfg.data.enable_thinking)
     dataset = _drop_long_prompts(cfg, dataset, tokenizer, render)
