@@ -367,7 +367,7 @@ class RolloutOptions(_Group):
     vllm_engine_kwargs: Optional[Dict[str, Any]] = opt(None, "Extra vLLM engine arguments as JSON.")
     vllm_limit_mm_per_prompt: Optional[Dict[str, int]] = opt(
         None, "Vision-language models: the most images per prompt vLLM accepts, as JSON, e.g. "
-              "'{\"image\": 2}' (videos are not supported). None: the most any --dataset row has.")
+              "'{\"image\": 2}' (videos are not supported). None: vLLM's default.")
     vllm_server_host: Optional[List[str]] = opt(None, "Host(s) of the rollout server(s). None in "
                                                       "server mode: 127.0.0.1.")
     vllm_server_port: List[int] = opt(help="Port(s) of the rollout server(s), one per host or one "
