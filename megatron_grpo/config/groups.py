@@ -147,6 +147,11 @@ class DataOptions(_Group):
         "left", "Prompts longer than max_length: left cuts them from the left (keeping the "
                 "question's end), delete drops them from the dataset at start-up (ms-swift's GRPO).")
     dataset_shuffle: bool = opt(True, "Shuffle the prompt order each epoch (seeded by --seed).")
+    max_pixels: Optional[int] = opt(
+        None, "Vision-language models: the most pixels (height x width) an image keeps; larger "
+              "ones are resized down, by the trainer's processor and vLLM's alike. None: the "
+              "MAX_PIXELS environment variable (ms-swift's), else the model's "
+              "preprocessor_config.json.")
     enable_thinking: Optional[bool] = opt(
         None, "Passed to the chat template as enable_thinking (Qwen3-style hybrid thinking). "
               "None: ms-swift's default, false for templates that read enable_thinking (an "
@@ -373,6 +378,9 @@ class RolloutOptions(_Group):
     vllm_enable_prefix_caching: bool = opt(True, "vLLM automatic prefix caching.")
     vllm_max_num_seqs: Optional[int] = opt(None, "vLLM max concurrent sequences; None: vLLM's.")
     vllm_engine_kwargs: Optional[Dict[str, Any]] = opt(None, "Extra vLLM engine arguments as JSON.")
+    vllm_limit_mm_per_prompt: Optional[Dict[str, int]] = opt(
+        None, "Vision-language models: the most images per prompt vLLM accepts, as JSON, e.g. "
+              "'{\"image\": 2}' (videos are not supported). None: vLLM's default.")
     vllm_server_host: Optional[List[str]] = opt(None, "Host(s) of the rollout server(s). None in "
                                                       "server mode: 127.0.0.1.")
     vllm_server_port: List[int] = opt(help="Port(s) of the rollout server(s), one per host or one "

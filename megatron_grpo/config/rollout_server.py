@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from .errors import Problems
-from .validate import check_vllm_model, check_vllm_memory
+from .validate import check_vision_options, check_vllm_model, check_vllm_memory
 from .groups import check_choices, opt
 from .parse import collect_values, field_table, format_help
 
@@ -47,6 +47,11 @@ class RolloutServerConfig:
     vllm_enable_prefix_caching: bool = opt(True, "vLLM automatic prefix caching.")
     vllm_max_num_seqs: Optional[int] = opt(None, "vLLM max concurrent sequences; None: vLLM's.")
     vllm_engine_kwargs: Optional[Dict[str, Any]] = opt(None, "Extra vLLM engine arguments as JSON.")
+    max_pixels: Optional[int] = opt(
+        None, "Vision-language models: the most pixels an image keeps (vLLM's image processor); "
+              "the trainer's --max_pixels. None: MAX_PIXELS (environment), else the model's.")
+    vllm_limit_mm_per_prompt: Optional[Dict[str, int]] = opt(
+        None, "Vision-language models: the most images per prompt, as JSON ('{\"image\": 2}').")
     host: str = opt("127.0.0.1", "Address to bind; 0.0.0.0 exposes the server to the network.")
     port: int = opt(8000, "Port to listen on.")
     api_key: Optional[str] = opt(None, "Shared token the trainer must send to update weights.")
@@ -63,6 +68,7 @@ class RolloutServerConfig:
             p.require(getattr(self, name) >= 1, f"--{name} {getattr(self, name)} must be >= 1")
         check_vllm_memory(self, p)
         check_vllm_model(self.model, self.vllm_max_model_len, p)
+        check_vision_options(self.model, self.max_pixels, self.vllm_limit_mm_per_prompt, p)
         p.require(0 < self.port < 65536, f"--port {self.port} is not a valid port (1-65535)")
         p.raise_if_any()
 

@@ -211,8 +211,8 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
     """,
     "vision-language, issue 18": """
         vit_gradient_checkpointing vit_gradient_checkpointing_kwargs
-        vit_attn_impl vit_lr aligner_lr max_pixels norm_bbox vllm_limit_mm_per_prompt
-        vllm_mm_processor_cache_gb language_model_only mrope_interleaved mrope_section
+        vit_attn_impl vit_lr aligner_lr norm_bbox vllm_mm_processor_cache_gb
+        language_model_only mrope_interleaved mrope_section
     """,
     "packing samples into fixed-length bins across the dataset (--padding_free true packs "
     "each micro-batch)": """

@@ -139,6 +139,7 @@ def _check_data(cfg: "GRPOConfig", p: Problems) -> None:
                 data.system = f.read().strip()
     if data.max_length is not None:
         _positive(p, "max_length", data.max_length)
+    check_vision_options(cfg.model.model, data.max_pixels, cfg.rollout.vllm_limit_mm_per_prompt, p)
     _positive(p, "dataset_num_proc", data.dataset_num_proc)
     p.require(data.dataloader_num_workers >= 0,
               f"--dataloader_num_workers {data.dataloader_num_workers} must be >= 0")
@@ -515,6 +516,25 @@ def check_vllm_memory(v, p: Problems) -> None:
               or (v.vllm_engine_kwargs or {}).get("kv_cache_memory_bytes") is None,
               f"--vllm_kv_cache_memory {v.vllm_kv_cache_memory} and kv_cache_memory_bytes in "
               "--vllm_engine_kwargs both size the KV cache. Fix: set only one of them")
+
+
+def check_vision_options(model: Optional[str], max_pixels: Optional[int],
+                         limits: Optional[dict], p: Problems) -> None:
+    """--max_pixels (or MAX_PIXELS) and --vllm_limit_mm_per_prompt (vision-language models;
+    shared with `megatron rollout`)."""
+    if max_pixels is not None or os.environ.get("MAX_PIXELS", "").strip():
+        from megatron_grpo.data.vision import resolve_max_pixels
+
+        try:
+            resolve_max_pixels(max_pixels, model if model and os.path.isdir(model) else None)
+        except ValueError as e:
+            p.add(str(e))
+    if limits is not None:
+        p.require(isinstance(limits, dict) and set(limits) <= {"image"} and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in limits.values()),
+            f"--vllm_limit_mm_per_prompt {limits!r} is not valid: a JSON object of modality -> "
+            "most items per prompt (>= 0); allowed modalities: image (videos are not supported). "
+            "Fix: e.g. --vllm_limit_mm_per_prompt '{\"image\": 2}'")
 
 
 def check_vllm_model(model: Optional[str], max_model_len: Optional[int], p: Problems) -> None:

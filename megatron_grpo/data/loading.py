@@ -10,6 +10,11 @@ functions receive. The prompt comes from, in this order of preference:
 The system prompt is the row's own (a leading system message, else a `system`
 column), else `--system` (ms-swift's precedence).
 
+Vision-language rows (ms-swift's format) add an `images` column: a list of paths, bytes,
+`{"bytes", "path"}` dicts or base64 data URIs, one per `<image>` tag of the messages (tags
+missing are added at the start of the first user turn, as ms-swift does). It is kept
+apart (`PromptDataset.images`, not a reward column); data/vision.py encodes it.
+
 `path#N` samples N rows as ms-swift does: N // len full copies of the file in
 order, then N % len distinct rows drawn by a permutation seeded with `seed`.
 """
@@ -22,8 +27,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .vision import add_image_tags, image_refs
+
 PROMPT_COLUMNS = ("messages", "prompt", "query")
-_CONSUMED = set(PROMPT_COLUMNS) | {"system"}   # turned into messages, not passed to rewards
+IMAGES_COLUMN = "images"
+_CONSUMED = set(PROMPT_COLUMNS) | {"system", IMAGES_COLUMN}   # turned into messages, not passed to rewards
 _ROLES = {"system", "user", "assistant", "tool"}
 _TEXT_COLUMNS = ("question", "problem", "instruction", "input", "text")  # for the error's hint
 
@@ -145,6 +153,7 @@ class PromptDataset:
     messages: List[List[Dict[str, str]]]
     columns: Dict[str, List[Any]] = field(default_factory=dict)   # name -> one value per row
     sources: List[str] = field(default_factory=list)              # file of each row
+    images: Optional[List[List[Any]]] = None     # image references per row (vision rows)
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -156,7 +165,9 @@ class PromptDataset:
         """The rows `indices`, in that order."""
         return PromptDataset(messages=[self.messages[i] for i in indices],
                              columns={k: [v[i] for i in indices] for k, v in self.columns.items()},
-                             sources=[self.sources[i] for i in indices] if self.sources else [])
+                             sources=[self.sources[i] for i in indices] if self.sources else [],
+                             images=[self.images[i] for i in indices]
+                             if self.images is not None else None)
 
     def reward_columns(self, indices: Sequence[int], num_generations: int = 1) -> Dict[str, List[Any]]:
         """Columns for `score`: each prompt's values repeated for its num_generations completions."""
@@ -172,6 +183,7 @@ def load_prompt_dataset(specs: Sequence[str], seed: int = 42, system: Optional[s
     messages: List[List[Dict[str, str]]] = []
     extra: List[Dict[str, Any]] = []
     sources: List[str] = []
+    images: List[List[Any]] = []
     for spec in specs:
         path, n = parse_dataset_spec(spec, option)
         rows = read_rows(path, option)
@@ -186,14 +198,17 @@ def load_prompt_dataset(specs: Sequence[str], seed: int = 42, system: Optional[s
                     f"{list(PROMPT_COLUMNS)}, found columns {found}. Fix: rename the prompt's "
                     f"column, e.g. --columns '{{\"{hint}\": \"query\"}}'")
         for i in sample_indices(len(rows), n, seed):
-            row = rows[i]
-            messages.append(_to_messages(row, system, f"{option} {spec!r} row {i}"))
+            row, where = rows[i], f"{option} {spec!r} row {i}"
+            refs = image_refs(row.get(IMAGES_COLUMN), where)
+            messages.append(add_image_tags(_to_messages(row, system, where), len(refs), where))
+            images.append(refs)
             extra.append({k: v for k, v in row.items() if k not in _CONSUMED})
             sources.append(path)
     names = sorted(set().union(*(e.keys() for e in extra))) if extra else []
     # Files with different columns: a column missing from a row is None there.
     cols = {name: [e.get(name) for e in extra] for name in names}
-    return PromptDataset(messages=messages, columns=cols, sources=sources)
+    return PromptDataset(messages=messages, columns=cols, sources=sources,
+                         images=images if any(images) else None)
 
 
 def drop_long_prompts(dataset: PromptDataset, prompt_length: Callable[[List[Dict[str, str]]], int],

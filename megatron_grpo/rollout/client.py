@@ -63,7 +63,7 @@ class RolloutClient:
                                         max_completion_length, num_generations)
         self.seed = seed
         self._model: Optional[str] = None
-        self._calls = 0       # generate_turns calls (request seeds)
+        self._calls = 0       # generate_turns and image generate calls (request seeds)
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, path: str, body: Optional[bytes] = None,
@@ -123,13 +123,43 @@ class RolloutClient:
         return self._model
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], **overrides) -> List[Completion]:
-        """Sample `num_generations` completions per prompt through /v1/completions."""
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 images: Optional[Sequence[Sequence[Any]]] = None, **overrides) -> List[Completion]:
+        """Sample `num_generations` completions per prompt through /v1/completions, or,
+        with `images` (per prompt, its PIL images; see ColocateEngine.generate), through
+        the server's /generate_images, the images sent as PNG."""
         opts = SamplingOptions(**{**self.sampling.__dict__, **overrides})
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         if not prompts:
             return []
+        if images is not None:
+            if len(images) != len(prompts):
+                raise ValueError(f"generate: {len(prompts)} prompts but {len(images)} image lists")
+            return self._generate_images(prompts, images, opts)
         return self._completions(prompts, opts, self.seed)
+
+    def _generate_images(self, prompts: List[List[int]], images, opts: SamplingOptions):
+        from ..data.vision import png_base64
+
+        # A seed per prompt (as generate_turns' per chain): one for all would draw the
+        # same random numbers for every prompt.
+        self._calls += 1
+        out = self._post_json("/generate_images", dict(
+            prompts=[{"prompt_token_ids": p, "images": [png_base64(i) for i in imgs],
+                      "seed": self._turn_seed(k, 0)}
+                     for k, (p, imgs) in enumerate(zip(prompts, images))],
+            sampling=dict(n=opts.num_generations, max_tokens=opts.max_completion_length,
+                          temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k,
+                          repetition_penalty=opts.repetition_penalty)))
+        result = []
+        for i, (entry, imgs) in enumerate(zip(out["outputs"], images)):
+            for c in entry["completions"]:
+                result.append(Completion(
+                    prompt_index=i, token_ids=list(c["token_ids"]), text=c["text"],
+                    truncated=c["finish_reason"] == "length", logprobs=list(c["logprobs"]),
+                    finish_reason=c["finish_reason"],
+                    prompt_token_ids=list(entry["prompt_token_ids"]) if imgs else None))
+        return result
 
     def _completions(self, prompts: List[List[int]], opts: SamplingOptions,
                      seed: Optional[int]) -> List[Completion]:

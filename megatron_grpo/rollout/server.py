@@ -13,6 +13,17 @@ API behaves as in `vllm serve`) with routes added for the trainer:
     POST /update_weights/finish           finish it; resets the prefix cache
     POST /reset_prefix_cache
     GET  /weight_fingerprints             per-engine fingerprint pieces (verify.py)
+    POST /generate_images                 image prompts (vision-language models), below
+
+`/v1/completions` takes no images, hence `/generate_images`: JSON `{"prompts":
+[{"prompt_token_ids": [...], "images": ["data:image/png;base64,...", ...], "seed": s}],
+"sampling": {"n", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty"}}`,
+the ids holding one image placeholder per image (vLLM expands it); the answer gives
+per prompt the expanded `prompt_token_ids` and the completions (token ids, log-probs,
+text, finish reason). PNG keeps the pixels exact. Where torchvision does not import,
+the server applies compat's patches before its engine starts (its engine-core process
+is forked from this one and inherits them); `--max_pixels` / `MAX_PIXELS` and
+`--vllm_limit_mm_per_prompt` become vLLM's `--mm-processor-kwargs` / `--limit-mm-per-prompt`.
 
 The weight routes need `Authorization: Bearer <token>` when a token is set
 (`--api_key`, or the MEGATRON_ROLLOUT_API_KEY environment variable); the server
@@ -77,6 +88,14 @@ def vllm_cli_args(cfg, on_cpu: Optional[bool] = None) -> list:
         tensor_parallel_size=cfg.vllm_tensor_parallel_size, engine_kwargs=cfg.vllm_engine_kwargs)
     if "kv_cache_memory_bytes" in kv:
         argv += ["--kv-cache-memory-bytes", str(kv["kv_cache_memory_bytes"])]
+    from ..data.vision import is_vision_language, resolve_max_pixels
+
+    if is_vision_language(cfg.model):
+        max_pixels = resolve_max_pixels(cfg.max_pixels, cfg.model)
+        if max_pixels is not None:
+            argv += ["--mm-processor-kwargs", json.dumps({"max_pixels": max_pixels})]
+        if cfg.vllm_limit_mm_per_prompt is not None:
+            argv += ["--limit-mm-per-prompt", json.dumps(cfg.vllm_limit_mm_per_prompt)]
     return argv
 
 
@@ -152,11 +171,57 @@ def make_router(engine, api_key: Optional[str]):
         body = {"engines": [[p for worker in workers for p in worker] for workers in per_engine]}
         return Response(json.dumps(body, allow_nan=True), media_type="application/json")
 
+    @router.post("/generate_images")
+    async def generate_images(request: Request):
+        return await _generate_images(engine, await request.json())
+
     return router
+
+
+async def _generate_images(engine, body: dict) -> dict:
+    """Sample image prompts through the engine client (AsyncLLM.generate), all at once."""
+    import asyncio
+    import uuid
+
+    from fastapi import HTTPException
+    from vllm import SamplingParams
+
+    from ..data.vision import load_image
+
+    try:
+        s = body["sampling"]
+        params = [SamplingParams(n=int(s["n"]), max_tokens=int(s["max_tokens"]),
+                                 temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+                                 top_k=int(s["top_k"]), seed=p.get("seed"), logprobs=0,
+                                 repetition_penalty=float(s["repetition_penalty"]))
+                  for p in body["prompts"]]
+        for one_params in params:     # one output with all n completions
+            compat.final_output_only(one_params)
+        prompts = [{"prompt_token_ids": [int(t) for t in p["prompt_token_ids"]],
+                    "multi_modal_data": {"image": [load_image(i) for i in p["images"]]}}
+                   if p.get("images") else {"prompt_token_ids": [int(t) for t in p["prompt_token_ids"]]}
+                   for p in body["prompts"]]
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        raise HTTPException(status_code=400, detail=f"bad /generate_images request: {e}")
+
+    async def one(prompt, k):
+        final = None
+        async for out in engine.generate(prompt, params[k], f"mg-images-{uuid.uuid4().hex}-{k}"):
+            final = out
+        return {"prompt_token_ids": list(final.prompt_token_ids), "completions": [
+            {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+             "logprobs": [float(lp[t].logprob) for lp, t in zip(c.logprobs or [], c.token_ids)]}
+            for c in final.outputs]}
+
+    return {"outputs": await asyncio.gather(*(one(p, k) for k, p in enumerate(prompts)))}
 
 
 async def serve(cfg) -> None:
     """Start vLLM's engine and API server with the trainer's routes; run until stopped."""
+    from ..data.vision import is_vision_language, model_type
+
+    if is_vision_language(cfg.model):
+        compat.image_models_without_torchvision(model_type(cfg.model))
     args = build_vllm_namespace(cfg)
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
     # Bind first: a port already in use fails before minutes of engine start-up.

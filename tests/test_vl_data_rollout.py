@@ -1,0 +1,301 @@
+"""Vision-language data and rollouts (issue 18): ms-swift's multimodal rows -> the model's
+processor -> vLLM, in colocate mode (ColocateEngine) and server mode (`megatron rollout`
++ RolloutClient), on the tiny Qwen2.5-VL of tools/make_tiny_vl_model.py and the
+counting task of tools/make_vl_count_data.py.
+
+References are independent of vLLM: the HF processor's expanded prompt ids, and HF
+transformers' per-token log-probs in float32 (tolerance 1e-5, as
+tests/test_vl_tiny_model.py). The pixel budget of the vLLM tests (MAX_PIXELS below the
+model's own) changes the image token count, so a budget that did not reach vLLM's
+processor fails the prompt-id comparison.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_grpo.data import load_prompt_dataset
+from megatron_grpo.data.vision import VisionProcessor, png_base64, resolve_max_pixels
+from tests.harness import free_port, run_distributed
+from tests.test_vl_tiny_model import ATOL, TEMPERATURE, hf_logits, needs_vllm
+from tools.make_tiny_vl_model import make_tiny_vl_model
+from tools.make_vl_count_data import main as make_count_data
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 6x4 patches at most (6 image tokens): below the tiny model's 12544 (16 tokens), and the
+# count task's 112x84 images (12 tokens at the model's budget) are resized down to it.
+BUDGET = 28 * 28 * 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_vl_model(tmp_path_factory.mktemp("vl") / "tiny-qwen2.5-vl")
+
+
+@pytest.fixture(scope="module")
+def count_data(tmp_path_factory):
+    return make_count_data(["--out_dir", str(tmp_path_factory.mktemp("count")), "--n", "4",
+                            "--distractors"])
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def red_blobs(path) -> int:
+    """Connected red regions of an image (4-neighbour flood fill): the count, independently."""
+    from PIL import Image
+
+    a = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    red = (a[..., 0] > 200) & (a[..., 1] < 50) & (a[..., 2] < 50)
+    seen, blobs = np.zeros_like(red), 0
+    for y, x in zip(*np.nonzero(red)):
+        if seen[y, x]:
+            continue
+        blobs += 1
+        stack = [(y, x)]
+        while stack:
+            i, j = stack.pop()
+            if 0 <= i < red.shape[0] and 0 <= j < red.shape[1] and red[i, j] and not seen[i, j]:
+                seen[i, j] = True
+                stack += [(i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)]
+    return blobs
+
+
+def test_count_data_rows_load_with_their_answers(count_data, tmp_path):
+    rows = [json.loads(line) for line in open(count_data)]
+    base = os.path.dirname(count_data)
+    for row in rows:
+        assert red_blobs(os.path.join(base, row["images"][0])) == int(row["solution"])
+    assert make_count_data(["--out_dir", str(tmp_path), "--n", "4", "--distractors"])
+    for name in ("train.jsonl", "images/0003.png"):    # same arguments, same bytes
+        assert (tmp_path / name).read_bytes() == open(os.path.join(base, name), "rb").read()
+
+    # ms-swift's format through load_prompt_dataset: images kept apart from the reward
+    # columns, tags checked per row, a missing tag added at the start of the first user turn.
+    png = open(os.path.join(base, rows[0]["images"][0]), "rb").read()
+    extra = tmp_path / "more.jsonl"
+    extra.write_text(json.dumps({"query": "What is this?", "images": [
+        "data:image/png;base64," + base64.b64encode(png).decode()], "solution": "1"}) + "\n")
+    ds = load_prompt_dataset([count_data, str(extra)])
+    assert len(ds) == 5 and ds.images[0] == rows[0]["images"] and "images" not in ds.columns
+    assert ds.messages[4][-1]["content"] == "<image>What is this?"
+    assert ds.subset([4, 0]).images == [ds.images[4], ds.images[0]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"query": "<image><image>Compare", "images": ["a.png"]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl' row 0: its messages hold 2 <image> tags "
+                                         r"but its `images` column 1 image"):
+        load_prompt_dataset([str(bad)])
+
+
+def test_processor_encodes_prompts_for_trainer_and_vllm(model_dir, count_data, monkeypatch):
+    ds = load_prompt_dataset([count_data])
+    base = os.path.dirname(count_data)
+    vp = VisionProcessor(str(model_dir))
+    p = vp.encode(ds.messages[0], ds.images[0], base_dir=base)
+    assert vp.mm_processor_kwargs == {} and p.image_grid_thw.tolist() == [[1, 6, 8]]
+    pad = vp.image_token_id
+    # The trainer's ids: 12 pads (6x8 patches / 2x2 merge); vLLM's: one, the rest equal.
+    assert p.prompt_ids.count(pad) == 12 and p.vllm_prompt_ids.count(pad) == 1
+    first = p.prompt_ids.index(pad)
+    assert p.prompt_ids[:first + 1] + p.prompt_ids[first + 12:] == p.vllm_prompt_ids
+    assert p.mm_token_type_ids == [int(t == pad) for t in p.prompt_ids]
+    assert tuple(p.pixel_values.shape) == (48, 3 * 2 * 14 * 14)
+
+    # ms-swift's MAX_PIXELS reaches the processor; --max_pixels wins over it.
+    monkeypatch.setenv("MAX_PIXELS", str(BUDGET))
+    small = VisionProcessor(str(model_dir)).encode(ds.messages[0], ds.images[0], base_dir=base)
+    assert small.prompt_ids.count(pad) * 4 * 14 * 14 <= BUDGET < p.prompt_ids.count(pad) * 784
+    assert VisionProcessor(str(model_dir), max_pixels=12544).mm_processor_kwargs == \
+        {"max_pixels": 12544}
+    with pytest.raises(ValueError, match=r"MAX_PIXELS \(environment\)='lots' is not an integer"):
+        resolve_max_pixels(None, environ={"MAX_PIXELS": "lots"})
+    with pytest.raises(ValueError, match=r"--max_pixels=100 is below the model's min_pixels=3136"):
+        resolve_max_pixels(100, str(model_dir))
+    with pytest.raises(RuntimeError, match="vLLM expanded an image prompt to 3 tokens"):
+        p.check_expanded([1, 2, 3])
+
+
+def test_vision_options_are_checked_before_start_up(model_dir, count_data, monkeypatch):
+    """--max_pixels / MAX_PIXELS and --vllm_limit_mm_per_prompt (ms-swift's flags), for
+    `megatron rlhf` and `megatron rollout`: one line naming the option and what is allowed."""
+    from megatron_grpo.config import build_config
+    from megatron_grpo.config.rollout_server import parse_rollout_args
+    from megatron_grpo.rollout.server import vllm_cli_args
+
+    monkeypatch.delenv("MAX_PIXELS", raising=False)
+    base = ["--model", str(model_dir), "--dataset", count_data, "--reward_funcs", "accuracy"]
+    cfg, problems = build_config(base + ["--max_pixels", "4704",
+                                         "--vllm_limit_mm_per_prompt", '{"image": 2}'])
+    assert not problems.messages, problems.messages
+    assert (cfg.data.max_pixels, cfg.rollout.vllm_limit_mm_per_prompt) == (4704, {"image": 2})
+    _, problems = build_config(base + ["--max_pixels", "100",
+                                       "--vllm_limit_mm_per_prompt", '{"video": 1}'])
+    text = "\n".join(problems.messages)
+    assert "--max_pixels=100 is below the model's min_pixels=3136" in text
+    assert "--vllm_limit_mm_per_prompt {'video': 1} is not valid" in text and \
+        "allowed modalities: image" in text
+    monkeypatch.setenv("MAX_PIXELS", "many")
+    _, problems = build_config(base)
+    assert "MAX_PIXELS (environment)='many' is not an integer" in "\n".join(problems.messages)
+    monkeypatch.setenv("MAX_PIXELS", "4704")     # the server takes it too, as vLLM flags
+    argv = vllm_cli_args(parse_rollout_args(["--model", str(model_dir),
+                                             "--vllm_limit_mm_per_prompt", '{"image": 1}']),
+                         on_cpu=True)
+    assert json.loads(argv[argv.index("--mm-processor-kwargs") + 1]) == {"max_pixels": 4704}
+    assert json.loads(argv[argv.index("--limit-mm-per-prompt") + 1]) == {"image": 1}
+
+
+def hf_completion_logits(hf_model, prompt, completion):
+    """HF's logits [T, V] over prompt + completion, the completion read as text.
+
+    Built from embeddings: the random tiny model does sample `<|image_pad|>`, and HF's
+    forward would take such a completion token for an image slot ("Image features and
+    image tokens do not match"); vLLM embeds sampled tokens as text. So: the word
+    embeddings, the vision tower's output at the prompt's image tokens
+    (mm_token_type_ids), and get_rope_index's positions, as HF's forward builds them."""
+    m = hf_model.model
+    ids = torch.tensor(prompt.prompt_ids + list(completion))[None]
+    types = torch.tensor(prompt.mm_token_type_ids + [0] * len(completion))[None]
+    with torch.no_grad():
+        emb = m.get_input_embeddings()(ids)
+        feats = m.get_image_features(prompt.pixel_values, prompt.image_grid_thw).pooler_output
+        feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
+        emb[types.bool()] = feats.to(emb.dtype)
+        pos, _ = m.get_rope_index(ids, types, prompt.image_grid_thw)
+        return hf_model(inputs_embeds=emb, position_ids=pos, use_cache=False).logits[0].double()
+
+
+def test_completion_reference_equals_hf_forward(model_dir, count_data, hf_model):
+    """The embeddings-built reference is HF's own forward where both apply."""
+    ds = load_prompt_dataset([count_data])
+    p = VisionProcessor(str(model_dir)).encode(ds.messages[0], ds.images[0],
+                                               base_dir=os.path.dirname(count_data))
+    enc = {"input_ids": torch.tensor(p.prompt_ids)[None], "pixel_values": p.pixel_values,
+           "mm_token_type_ids": torch.tensor(p.mm_token_type_ids)[None],
+           "image_grid_thw": p.image_grid_thw}
+    completion = [374, 12, 187]
+    assert torch.equal(hf_completion_logits(hf_model, p, completion),
+                       hf_logits(hf_model, enc, completion))
+
+
+def _reference_check(hf_model, prompt, completions, where):
+    """Prompt ids as vLLM expanded them == the processor's; log-probs == HF fp32."""
+    n = len(prompt.prompt_ids)
+    for c in completions:
+        prompt.check_expanded(c["prompt_token_ids"])
+        assert 1 <= len(c["token_ids"]) <= 4
+        logits = hf_completion_logits(hf_model, prompt, c["token_ids"])
+        logp = torch.log_softmax(logits / TEMPERATURE, -1)
+        ref = logp[torch.arange(n - 1, n - 1 + len(c["token_ids"])), torch.tensor(c["token_ids"])]
+        diff = max(abs(a - b) for a, b in zip(c["logprobs"], ref.tolist()))
+        assert diff < ATOL, (where, diff, c)
+
+
+def _encode_all(model_dir, count_data, max_pixels):
+    ds = load_prompt_dataset([count_data])
+    vp = VisionProcessor(str(model_dir), max_pixels=max_pixels)
+    base = os.path.dirname(count_data)
+    return vp, [vp.encode(ds.messages[i], ds.images[i], base_dir=base) for i in range(2)]
+
+
+def _colocate_rank(rank, world_size, model_dir, count_data):
+    from megatron_grpo.rollout.colocate import ColocateEngine
+
+    # The budget by the environment, as an ms-swift script sets it (train.setup passes
+    # VisionProcessor.mm_processor_kwargs to the engine the same way).
+    os.environ["MAX_PIXELS"] = str(BUDGET)
+    try:
+        vp, prompts = _encode_all(model_dir, count_data, None)
+    finally:
+        del os.environ["MAX_PIXELS"]
+    engine = ColocateEngine(model_dir, dtype="float32", seed=0, vllm_enforce_eager=True,
+                            vllm_max_model_len=256, vllm_kv_cache_memory="32MiB",
+                            temperature=TEMPERATURE, num_generations=2, max_completion_length=4,
+                            vllm_limit_mm_per_prompt={"image": 1},
+                            mm_processor_kwargs=vp.mm_processor_kwargs)
+    try:
+        out = engine.generate([p.vllm_prompt_ids for p in prompts],
+                              images=[p.images for p in prompts])
+        text = engine.generate([prompts[0].vllm_prompt_ids[:3]])      # a text prompt too
+    finally:
+        engine.close()
+    return [c.__dict__ for c in out], [c.__dict__ for c in text]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, count_data, hf_model):
+    out, text = run_distributed(_colocate_rank, world_size=1, timeout=400,
+                                args=(str(model_dir), count_data))[0]
+    _, prompts = _encode_all(model_dir, count_data, BUDGET)
+    assert [c["prompt_index"] for c in out] == [0, 0, 1, 1]
+    for i, prompt in enumerate(prompts):
+        assert prompt.image_grid_thw.prod().item() * 14 * 14 <= BUDGET     # the budget applied
+        _reference_check(hf_model, prompt, [c for c in out if c["prompt_index"] == i], i)
+    assert all(c["prompt_token_ids"] is None for c in text)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, hf_model,
+                                                        tmp_path):
+    """`megatron rollout` on the tiny Qwen2.5-VL (the patches applied in the server and
+    its forked engine process), --max_pixels and --vllm_limit_mm_per_prompt given as
+    flags; RolloutClient sends the images as PNG."""
+    from megatron_grpo.rollout.client import RolloutClient
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "MAX_PIXELS")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    cmd = [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(model_dir),
+           "--port", str(port), "--vllm_max_model_len", "256", "--vllm_enforce_eager", "true",
+           "--vllm_kv_cache_memory", "32MiB", "--vllm_engine_kwargs", '{"dtype": "float32"}',
+           "--max_pixels", str(BUDGET), "--vllm_limit_mm_per_prompt", '{"image": 1}',
+           "--seed", "0"]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        client = RolloutClient(vllm_server_port=port, vllm_server_timeout=400,
+                               temperature=TEMPERATURE, num_generations=2,
+                               max_completion_length=4, seed=0)
+        try:
+            client.wait_until_ready()
+        except Exception:
+            log.flush()
+            raise AssertionError((tmp_path / "server.log").read_text()[-4000:]) from None
+        _, prompts = _encode_all(model_dir, count_data, BUDGET)
+        out = client.generate([p.vllm_prompt_ids for p in prompts],
+                              images=[p.images for p in prompts])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1]
+    for i, prompt in enumerate(prompts):
+        _reference_check(hf_model, prompt, [c.__dict__ for c in out if c.prompt_index == i], i)
+    # PNG is lossless: the server decodes the pixels the trainer processed.
+    from PIL import Image
+
+    again = Image.open(io.BytesIO(base64.b64decode(png_base64(prompts[0].images[0])[22:])))
+    assert np.array_equal(np.asarray(again), np.asarray(prompts[0].images[0]))
