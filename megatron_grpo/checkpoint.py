@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from .model.builder import unwrap
 from .model.lora import is_adapter_param, lora_settings
-from .platform.compat.megatron import (adam_step_fixed_on_load,
+from .platform.compat.megatron import (adam_step_fixed_on_load, regroup_loaded_optimizer_state,
                                       torch_adam_distributed_optimizers, torch_optimizers)
 
 logger = logging.getLogger("megatron_grpo.checkpoint")
@@ -231,7 +231,16 @@ def _layout() -> dict:
             "pp": ps.get_pipeline_model_parallel_world_size(),
             "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
             "cp": ps.get_context_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
+            "dp": ps.get_data_parallel_world_size(),
+            # MoE: the experts' own split (each EP rank has its own expert RNG stream).
+            "ep": ps.get_expert_model_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size()}
+
+
+def _same_layout(saved: dict) -> bool:
+    """`saved` (checkpoint.json's layout) is this run's; files written before the layout
+    recorded ep/etp had Megatron's defaults (EP 1, expert TP = TP)."""
+    return {"ep": 1, "etp": saved.get("tp"), **saved} == _layout()
 
 
 def _prime_optimizer_state(optimizer) -> None:
@@ -464,13 +473,15 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     if optimizer is not None:
         # no_grad: with fp32 weights the distributed optimizer's main params are views
         # of the model's leaf params, and the dp_reshardable loader copies into them.
+        # A checkpoint of another expert parallel size chained its optimizers otherwise.
+        state = regroup_loaded_optimizer_state(optimizer, loaded["optimizer"])
         with adam_step_fixed_on_load(optimizer), torch.no_grad():
-            optimizer.load_state_dict(loaded["optimizer"])
+            optimizer.load_state_dict(state)
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
 
     rank = dist.get_rank()
-    same_layout = meta["layout"] == _layout()
+    same_layout = _same_layout(meta["layout"])
     if not same_layout:
         logger.warning("checkpoint %s was saved with layout %s, now %s: RNG states are not "
                        "restored and rank 0's extra_state is used", path, meta["layout"],
