@@ -1,6 +1,7 @@
 """The CPU quickstart behind `bash scripts/quickstart.sh`.
 
-Builds a tiny Qwen2 checkpoint (random weights, locally trained tokenizer), then runs
+Builds a tiny Qwen2 checkpoint (random weights, locally trained tokenizer; the tiny
+Qwen3-MoE instead for a config that names it, configs/quickstart_moe_cpu.yaml), then runs
 `NPROC_PER_NODE=2 megatron rlhf --config configs/quickstart_cpu.yaml`: GRPO with a
 DP=2 Megatron-Core model (distributed optimizer) and a colocated vLLM engine in each of 2 CPU processes, rewarding
 digits in the completions (examples/plugins/digits_reward.py). It ends by printing
