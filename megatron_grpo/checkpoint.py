@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 from .model.builder import unwrap
 from .model.lora import is_adapter_param, lora_settings
-from .platform.compat.megatron import (adam_step_fixed_on_load, regroup_loaded_optimizer_state,
+from .platform.compat.megatron import (adam_step_fixed_on_load, is_distributed_optimizer,
+                                      regroup_loaded_optimizer_state,
                                       torch_adam_distributed_optimizers, torch_optimizers)
 
 logger = logging.getLogger("megatron_grpo.checkpoint")
@@ -451,6 +452,16 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
                          "the weights only")
     if contents["optimizer"] == "fresh":
         optimizer = None  # saved before the first step: a new optimizer is that state
+    saved_ep, ep = meta["layout"].get("ep", 1), _layout()["ep"]
+    if optimizer is not None and (saved_ep > 1) != (ep > 1) and \
+            not is_distributed_optimizer(optimizer):
+        # Megatron chains a dense and an expert optimizer at EP > 1 and one at EP = 1; only
+        # the distributed optimizer's state is regrouped across that (regroup_loaded_...).
+        raise ValueError(f"{path} was saved at --expert_model_parallel_size {saved_ep}; its "
+                         f"optimizer state loads at --expert_model_parallel_size {ep} only with "
+                         "--use_distributed_optimizer true (on both runs). Fix: resume at "
+                         f"--expert_model_parallel_size {saved_ep}, or load the weights only "
+                         "(--resume PATH --finetune true)")
     if scheduler is not None and not contents["scheduler"]:
         raise ValueError(f"{path} holds no LR scheduler state; pass scheduler=None")
     from megatron.core import dist_checkpointing

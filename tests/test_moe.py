@@ -225,7 +225,7 @@ def test_moe_expert_parallel_gradients_match_ep1(world):
 SEQ, MBS = 10, 2
 
 
-def _moe_trainer(world_size, path, ep, load_hf=False):
+def _moe_trainer(world_size, path, ep, load_hf=False, dist_opt=True):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -245,10 +245,10 @@ def _moe_trainer(world_size, path, ep, load_hf=False):
         for c in chunks:
             for p in c.parameters():
                 p.data.fill_(float("nan"))
-    chunks = wrap_ddp(config, chunks, use_distributed_optimizer=True)
+    chunks = wrap_ddp(config, chunks, use_distributed_optimizer=dist_opt)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, bf16=False,
-                        use_distributed_optimizer=True, clip_grad=1.0), chunks)
+                        use_distributed_optimizer=dist_opt, clip_grad=1.0), chunks)
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=3e-3, min_lr=3e-4,
                                     lr_warmup_steps=1, lr_decay_steps=6, lr_decay_style="cosine",
                                     start_wd=0.01, end_wd=0.01, wd_incr_steps=6,
@@ -310,6 +310,13 @@ def _resume(rank, world, path, out):
     for step in (3, 4):
         _moe_step(chunks, opt, sched, step)
     got["restarted"] = None, _hf_weights(chunks, config, args)
+    # Megatron's plain optimizer: its state is not regrouped across EP > 1 <-> EP = 1.
+    chunks, config, args, opt, sched = _moe_trainer(world, path, ep=1, dist_opt=False)
+    try:
+        resume(out, chunks, opt, sched)
+        got["plain"] = "loaded"
+    except ValueError as e:
+        got["plain"] = str(e)
     return got
 
 
@@ -336,6 +343,7 @@ def test_moe_training_checkpoint_resumes_across_expert_parallel_sizes(tmp_path_f
                 for k in want:
                     torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5,
                                                msg=lambda m, k=k, ep=ep: f"rank {rank} EP {ep} {k}: {m}")
+        assert "only with --use_distributed_optimizer true" in resumed[rank]["plain"]
         _, restarted = resumed[rank]["restarted"]
         worst = max((restarted[k] - want[k]).abs().max().item() for k in want)
         assert worst > 1e-4, "the test cannot tell a restarted optimizer from a resumed one"

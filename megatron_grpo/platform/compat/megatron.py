@@ -372,6 +372,15 @@ def adam_step_fixed_on_load(optimizer):
                 state["step"] = state["step"].clone()
 
 
+def is_distributed_optimizer(optimizer) -> bool:
+    """Every optimizer in `optimizer` (chained or not; stubs aside) is Megatron's
+    DistributedOptimizer."""
+    check_version()
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return all(isinstance(o, DistributedOptimizer) for o in _leaf_optimizers(optimizer))
+
+
 def regroup_loaded_optimizer_state(optimizer, loaded: dict):
     """What `dist_checkpointing.load` returned for `optimizer.sharded_state_dict(...)`, in the
     shape `optimizer.load_state_dict` takes, also when the checkpoint's optimizer was chained
