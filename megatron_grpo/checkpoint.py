@@ -56,7 +56,8 @@ from bridge.hf_checkpoint import copy_hf_side_files
 
 from .model.builder import unwrap
 from .model.lora import is_adapter_param, lora_settings
-from .platform.compat.megatron import (adam_step_fixed_on_load,
+from .platform.compat.megatron import (adam_step_fixed_on_load, is_distributed_optimizer,
+                                      regroup_loaded_optimizer_state,
                                       torch_adam_distributed_optimizers, torch_optimizers)
 
 logger = logging.getLogger("megatron_grpo.checkpoint")
@@ -234,7 +235,16 @@ def _layout() -> dict:
             "pp": ps.get_pipeline_model_parallel_world_size(),
             "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
             "cp": ps.get_context_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
+            "dp": ps.get_data_parallel_world_size(),
+            # MoE: the experts' own split (each EP rank has its own expert RNG stream).
+            "ep": ps.get_expert_model_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size()}
+
+
+def _same_layout(saved: dict) -> bool:
+    """`saved` (checkpoint.json's layout) is this run's; files written before the layout
+    recorded ep/etp had Megatron's defaults (EP 1, expert TP = TP)."""
+    return {"ep": 1, "etp": saved.get("tp"), **saved} == _layout()
 
 
 def _prime_optimizer_state(optimizer) -> None:
@@ -443,6 +453,16 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
                          "the weights only")
     if contents["optimizer"] == "fresh":
         optimizer = None  # saved before the first step: a new optimizer is that state
+    saved_ep, ep = meta["layout"].get("ep", 1), _layout()["ep"]
+    if optimizer is not None and (saved_ep > 1) != (ep > 1) and \
+            not is_distributed_optimizer(optimizer):
+        # Megatron chains a dense and an expert optimizer at EP > 1 and one at EP = 1; only
+        # the distributed optimizer's state is regrouped across that (regroup_loaded_...).
+        raise ValueError(f"{path} was saved at --expert_model_parallel_size {saved_ep}; its "
+                         f"optimizer state loads at --expert_model_parallel_size {ep} only with "
+                         "--use_distributed_optimizer true (on both runs). Fix: resume at "
+                         f"--expert_model_parallel_size {saved_ep}, or load the weights only "
+                         "(--resume PATH --finetune true)")
     if scheduler is not None and not contents["scheduler"]:
         raise ValueError(f"{path} holds no LR scheduler state; pass scheduler=None")
     from megatron.core import dist_checkpointing
@@ -465,13 +485,15 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     if optimizer is not None:
         # no_grad: with fp32 weights the distributed optimizer's main params are views
         # of the model's leaf params, and the dp_reshardable loader copies into them.
+        # A checkpoint of another expert parallel size chained its optimizers otherwise.
+        state = regroup_loaded_optimizer_state(optimizer, loaded["optimizer"])
         with adam_step_fixed_on_load(optimizer), torch.no_grad():
-            optimizer.load_state_dict(loaded["optimizer"])
+            optimizer.load_state_dict(state)
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
 
     rank = dist.get_rank()
-    same_layout = meta["layout"] == _layout()
+    same_layout = _same_layout(meta["layout"])
     if not same_layout:
         logger.warning("checkpoint %s was saved with layout %s, now %s: RNG states are not "
                        "restored and rank 0's extra_state is used", path, meta["layout"],

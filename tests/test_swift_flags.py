@@ -83,7 +83,9 @@ def test_accepted_options(model_dir):
     (["--recompute_granularity", "full", "--recompute_method", "uniform",
       "--recompute_num_layers", "0"], "--recompute_num_layers 0 must be >= 1"),
     (["--recompute_num_layers", "2"], "applies to --recompute_granularity full only"),
-    (["--recompute_modules", "moe"], "--recompute_modules 'moe' is not a valid choice"),
+    (["--recompute_modules", "moe_layer"], "--recompute_modules 'moe_layer' is not a valid choice"),
+    (["--recompute_modules", "moe"], "--recompute_modules moe recomputes part of a "
+                                     "mixture-of-experts layer"),   # model_dir is dense
     (["--attention_backend", "sdpa"], "--attention_backend 'sdpa' is not a valid choice"),
     (["--dataset_num_proc", "0"], "--dataset_num_proc 0"),
 ])

@@ -1,6 +1,7 @@
 """The CPU quickstart behind `bash scripts/quickstart.sh`.
 
-Builds a tiny Qwen2 checkpoint (random weights, locally trained tokenizer), then runs
+Builds a tiny Qwen2 checkpoint (random weights, locally trained tokenizer; the tiny
+Qwen3-MoE instead for a config that names it, configs/quickstart_moe_cpu.yaml), then runs
 `NPROC_PER_NODE=2 megatron rlhf --config configs/quickstart_cpu.yaml`: GRPO with a
 DP=2 Megatron-Core model (distributed optimizer) and a colocated vLLM engine in each of 2 CPU processes, rewarding
 digits in the completions (examples/plugins/digits_reward.py). It ends by printing
@@ -76,16 +77,41 @@ def vllm_generate(model_dir: str) -> None:
           flush=True)
 
 
-def build_tiny(out_dir: str) -> str:
+# The tiny checkpoints the shipped configs name (their `model:`), by folder name. hidden 128
+# / 4 heads: vLLM's CPU attention needs head_dim >= 32.
+TINY_MODELS = {
+    "tiny-qwen2": dict(family="qwen2", intermediate_size=256),
+    # 4 experts of 128, top-2: the active MLP width of tiny-qwen2's 256.
+    "tiny-qwen3-moe": dict(family="qwen3_moe", head_dim=32,
+                           moe=dict(num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=128)),
+}
+
+
+def build_tiny(out_dir: str, name: str = "tiny-qwen2") -> str:
     from tools.make_tiny_model import make_tiny_model
 
-    model_dir = os.path.join(out_dir, "tiny-qwen2")
-    step(f"building a tiny Qwen2 checkpoint (random weights, local tokenizer) in {model_dir}")
-    # hidden 128 / 4 heads: vLLM's CPU attention needs head_dim >= 32.
-    make_tiny_model(model_dir, family="qwen2", num_layers=2, hidden_size=128,
-                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
-                    vocab_size=999)
+    model_dir = os.path.join(out_dir, name)
+    spec = TINY_MODELS[name]
+    step(f"building a tiny {spec['family']} checkpoint (random weights, local tokenizer) in "
+         f"{model_dir}")
+    make_tiny_model(model_dir, num_layers=2, hidden_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=999, **spec)
     return model_dir
+
+
+def config_model_name(config_path: str) -> str:
+    """The tiny model a shipped config trains: the folder name of its `model:` (flat or under
+    `model:`), tiny-qwen2 for a config that names none of TINY_MODELS."""
+    import yaml
+
+    with open(config_path) as f:
+        cfg = yaml.safe_load(f) or {}
+    model = cfg.get("model")
+    if isinstance(model, dict):
+        model = model.get("model")
+    name = os.path.basename(str(model or "").rstrip("/"))
+    return name if name in TINY_MODELS else "tiny-qwen2"
 
 
 def smoke(out_dir: str) -> None:
@@ -108,7 +134,8 @@ def main() -> None:
     p.add_argument("--output_dir", default=os.path.join(ROOT, "runs", "quickstart"))
     p.add_argument("--smoke", action="store_true", help="run the smoke job instead of GRPO")
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "quickstart_cpu.yaml"),
-                   help="the run's YAML (configs/quickstart_lora_cpu.yaml: the LoRA variant)")
+                   help="the run's YAML (configs/quickstart_lora_cpu.yaml: the LoRA variant, "
+                        "configs/quickstart_moe_cpu.yaml: mixture of experts, EP=2)")
     p.add_argument("--_forward", help=argparse.SUPPRESS)
     p.add_argument("--_generate", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -120,11 +147,12 @@ def main() -> None:
 
     if a.smoke or importlib.util.find_spec("megatron_grpo.trainer") is None:
         return smoke(a.output_dir)
-    model_dir = build_tiny(a.output_dir)
     cfg = os.path.abspath(a.config)
+    model_dir = build_tiny(a.output_dir, config_model_name(cfg))
     name = os.path.splitext(os.path.basename(cfg))[0]
     out = os.path.join(a.output_dir, {"quickstart_cpu": "grpo",
-                                      "quickstart_lora_cpu": "grpo_lora"}.get(name, name))
+                                      "quickstart_lora_cpu": "grpo_lora",
+                                      "quickstart_moe_cpu": "grpo_moe"}.get(name, name))
     if os.path.isdir(out):   # a demo starts fresh (megatron rlhf itself would resume)
         import shutil
 

@@ -202,10 +202,17 @@ class TrainingOptions(_Group):
               "recomputes the first recompute_num_layers layers of each pipeline stage.")
     recompute_num_layers: Optional[int] = opt(
         None, "full recompute: layers per group (uniform) or per stage (block).")
-    recompute_modules: List[Literal["core_attn", "mlp", "layernorm"]] = opt(
+    recompute_modules: List[Literal["core_attn", "mlp", "layernorm", "moe", "moe_act",
+                                    "shared_experts"]] = opt(
         help="selective recompute: the parts of each layer to recompute (ms-swift's default "
-             "core_attn). The MoE ones (moe, moe_act, shared_experts) come with MoE, issue 16.",
+             "core_attn). mlp: a dense model's MLP. MoE models: moe (the whole MoE layer: "
+             "router, token dispatch and experts), shared_experts (Qwen2-MoE's shared expert), "
+             "moe_act (the experts' activation; needs --moe_grouped_gemm, GPU only).",
         factory=lambda: ["core_attn"])
+    moe_layer_recompute: bool = opt(
+        False, "MoE: recompute each whole MoE layer (router, token dispatch, experts) in "
+               "backward; ms-swift's flag for --recompute_modules moe (Megatron's newer "
+               "spelling), added to them. Needs --recompute_granularity selective.")
     padding_free: bool = opt(
         False, "Pack each micro-batch's completions one after the other without padding "
                "(Megatron's packed sequences, THD with cu_seqlens): no compute on pad tokens; "

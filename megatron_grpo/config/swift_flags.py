@@ -195,7 +195,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         vllm_enable_lora tuner_backend use_swift_lora adapter_load ref_adapter_load
     """,
     "MoE, issue 16": """
-        moe_enable_deepep moe_shared_expert_overlap moe_layer_recompute
+        moe_enable_deepep moe_shared_expert_overlap
         experts_impl moe_apply_probs_on_input moe_router_bias_update_rate
         moe_router_enable_expert_bias
     """,

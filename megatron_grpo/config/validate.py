@@ -248,7 +248,8 @@ def _check_recompute(t, p: Problems) -> None:
     if t.recompute_granularity == "selective":
         p.require(bool(t.recompute_modules),
                   "--recompute_granularity selective needs --recompute_modules (core_attn, mlp, "
-                  "layernorm). Fix: e.g. --recompute_modules core_attn, or "
+                  "layernorm; MoE: moe, shared_experts, moe_act). Fix: e.g. --recompute_modules "
+                  "core_attn, or "
                   "--recompute_granularity none")
 
 
@@ -300,6 +301,53 @@ def _check_router_replay(cfg: "GRPOConfig", p: Problems) -> None:
               "--router_replay_mode R3 with --recompute_granularity full is not supported yet "
               "(a recomputed router would replay the wrong micro-batch's experts). Fix: "
               "--recompute_granularity selective or none")
+    p.require(not ({"moe", "shared_experts"} & set(cfg.training.recompute_modules)
+                   and cfg.training.recompute_granularity == "selective"),
+              "--router_replay_mode R3 with --recompute_modules moe (or --moe_layer_recompute "
+              "true) is not supported yet: the recomputed router would not replay the rollout's "
+              "experts. Fix: drop moe from --recompute_modules")
+
+
+MOE_RECOMPUTE_MODULES = ("moe", "moe_act", "shared_experts")
+
+
+def _check_moe_recompute(cfg: "GRPOConfig", p: Problems, experts: int, hf: dict) -> None:
+    """--recompute_modules against the model's layers. Megatron-Core skips `mlp` on an MoE
+    layer without a word and accepts `moe`/`shared_experts` on a dense one, where they do
+    nothing: say so here instead of training without the recompute that was asked for."""
+    t = cfg.training
+    p.require(not t.moe_layer_recompute or t.recompute_granularity == "selective",
+              f"--moe_layer_recompute true is a selective recompute (--recompute_modules moe), "
+              f"but --recompute_granularity {t.recompute_granularity} is not. Fix: "
+              "--recompute_granularity selective, or --moe_layer_recompute false")
+    p.require(not t.moe_layer_recompute or experts > 0,
+              f"--moe_layer_recompute true recomputes mixture-of-experts layers; --model "
+              f"{cfg.model.model!r} is dense. Fix: drop it")
+    if t.recompute_granularity != "selective":
+        return
+    asked = ", ".join(t.recompute_modules)
+    if not experts:
+        for name in MOE_RECOMPUTE_MODULES:
+            p.require(name not in t.recompute_modules,
+                      f"--recompute_modules {name} recomputes part of a mixture-of-experts layer; "
+                      f"--model {cfg.model.model!r} is dense. Fix: mlp (its MLP) or core_attn, "
+                      f"instead of {name}")
+        return
+    p.require("mlp" not in t.recompute_modules,
+              f"--recompute_modules {asked}: mlp recomputes a dense MLP, and every layer of this "
+              "MoE model is an MoE layer (Megatron would skip it). Fix: moe (the whole MoE layer) "
+              "instead of mlp")
+    p.require("shared_experts" not in t.recompute_modules
+              or int(hf.get("shared_expert_intermediate_size") or 0) > 0,
+              f"--recompute_modules {asked}: shared_experts needs a model with a shared expert "
+              f"(Qwen2-MoE); {hf.get('model_type')} has none. Fix: moe instead")
+    grouped = cfg.model.moe_grouped_gemm
+    te = importlib.util.find_spec("transformer_engine") is not None
+    p.require("moe_act" not in t.recompute_modules or grouped or (grouped is None and te),
+              f"--recompute_modules {asked}: moe_act recomputes the experts' activation inside "
+              "grouped GEMM experts (--moe_grouped_gemm, Transformer Engine on a GPU), which "
+              + ("is off" if te else "is not installed here") +
+              ". Fix: moe (the whole MoE layer) instead of moe_act")
 
 
 def _check_moe(cfg: "GRPOConfig", p: Problems) -> None:
@@ -316,6 +364,7 @@ def _check_moe(cfg: "GRPOConfig", p: Problems) -> None:
     p.require(experts or m.router_replay_mode == "disabled",
               f"--router_replay_mode {m.router_replay_mode} needs a mixture-of-experts model; "
               f"--model {m.model!r} is dense. Fix: --router_replay_mode disabled")
+    _check_moe_recompute(cfg, p, experts, hf)
     if not experts:
         p.require(par.expert_model_parallel_size == 1 and par.expert_tensor_parallel_size in
                   (None, par.tensor_model_parallel_size),

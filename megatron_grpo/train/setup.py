@@ -76,13 +76,19 @@ def build_chunks(cfg, load_weights: bool = True):
         recompute=dict(recompute_granularity=t.recompute_granularity,
                        recompute_method=t.recompute_method,
                        recompute_num_layers=t.recompute_num_layers,
-                       recompute_modules=t.recompute_modules),
+                       recompute_modules=recompute_modules_of(t)),
         attention_backend=cfg.model.attention_backend, ep=p.expert_model_parallel_size,
         etp=p.expert_tensor_parallel_size, moe=MoEOptions.from_config(cfg))
     chunks = build_model(config, args, padding_free=t.padding_free)
     if load_weights:
         load_hf_weights(chunks, config, args, cfg.model.model)
     return config, args, chunks
+
+
+def recompute_modules_of(t) -> list:
+    """--recompute_modules, with moe when --moe_layer_recompute asks for it (ms-swift)."""
+    extra = ["moe"] if t.moe_layer_recompute and "moe" not in t.recompute_modules else []
+    return [*t.recompute_modules, *extra]
 
 
 def lora_settings_of(cfg):

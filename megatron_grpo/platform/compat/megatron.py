@@ -60,7 +60,8 @@ PRIVATE_NAMES = (
     # shard_float16_groups, shard_fp32_from_float16_groups)
     "megatron.core.optimizer.optimizer:MegatronOptimizer.get_main_grads_for_grad_norm",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._get_model_param_range_map",
-    # checkpoint.py (instance attributes: model_param_group_index_map, optimizer)
+    # checkpoint.py (instance attributes: model_param_group_index_map, optimizer,
+    # chained_optimizers, is_stub_optimizer; the optimizer state dict's layout)
     "megatron.core.optimizer.distrib_optimizer:HAVE_APEX_OR_TE",
     "megatron.core.optimizer.distrib_optimizer:"
     "DistributedOptimizer._set_main_param_and_optimizer_states",
@@ -402,3 +403,70 @@ def adam_step_fixed_on_load(optimizer):
         for state in opt.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
+
+
+def is_distributed_optimizer(optimizer) -> bool:
+    """Every optimizer in `optimizer` (chained or not; stubs aside) is Megatron's
+    DistributedOptimizer."""
+    check_version()
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return all(isinstance(o, DistributedOptimizer) for o in _leaf_optimizers(optimizer))
+
+
+def regroup_loaded_optimizer_state(optimizer, loaded: dict):
+    """What `dist_checkpointing.load` returned for `optimizer.sharded_state_dict(...)`, in the
+    shape `optimizer.load_state_dict` takes, also when the checkpoint's optimizer was chained
+    differently from this one.
+
+    Megatron (0.16) chains one optimizer for the dense parameters and one for the experts
+    when expert parallel size > 1 (their grads reduce over other groups), and one optimizer
+    for all when it is 1. The per-parameter state (fully_reshardable) is stored by parameter
+    name and loads into either; the plain part (each optimizer's param groups: `step`, lr,
+    the identifiers wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) is stored as
+    rank 0 wrote it: `{"optimizer": {"param_groups": [...]}, ...}` for one optimizer,
+    `{0: {...}, 1: {...}}` for a chain. After an EP change those no longer line up (a
+    KeyError or "Expected 2 entries" inside Megatron): each live param group then takes the
+    saved one with its wd/lr identifiers (is_expert_parallel preferred equal, else the
+    dense one), keeping its own is_expert_parallel. Returns `loaded` unchanged when the
+    shapes match, and for other optimizers than the distributed one (whose EP changes
+    are not handled here).
+    """
+    check_version()
+    chained = getattr(optimizer, "chained_optimizers", None)
+    subs = list(chained) if chained is not None else [optimizer]   # a chain of 1 at EP=1
+
+    def saved_parts(d):  # the plain dicts rank 0 saved, one per optimizer it had
+        if "optimizer" in d:
+            return [d]
+        return [d[k] for k in sorted(k for k in d if isinstance(k, int)) if "optimizer" in d[k]]
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    saved = saved_parts(loaded)
+    if len(saved) == len(subs) or not saved or not all(
+            isinstance(o, DistributedOptimizer) or getattr(o, "is_stub_optimizer", False)
+            for o in subs):
+        return loaded   # the same chain, or not the distributed optimizer's format
+    groups = [g for part in saved for g in part["optimizer"]["param_groups"]]
+    extra = {k: v for k, v in saved[0].items() if k not in ("optimizer", "param_state")}
+
+    def match(live: dict) -> dict:
+        ident = ("wd_mult", "lr_mult", "is_decoupled_lr")
+        same = [g for g in groups if all(g.get(k) == live.get(k) for k in ident)]
+        if not same:
+            raise ValueError(f"checkpoint optimizer: no saved param group with "
+                             f"{ {k: live.get(k) for k in ident} } (saved: "
+                             f"{[{k: g.get(k) for k in ident} for g in groups]})")
+        exact = [g for g in same if g.get("is_expert_parallel") == live.get("is_expert_parallel")]
+        return {**(exact or same)[0], "is_expert_parallel": live.get("is_expert_parallel")}
+
+    parts = []
+    for i, sub in enumerate(subs):
+        own = loaded[i] if len(subs) > 1 else loaded   # the sharded tensors follow the request
+        part = {k: v for k, v in own.items() if not isinstance(k, int)}
+        live = [] if getattr(sub, "is_stub_optimizer", False) else sub.optimizer.param_groups
+        part.update(extra)
+        part["optimizer"] = {"param_groups": [match(g) for g in live]}
+        parts.append(part)
+    return parts if len(subs) > 1 else parts[0]
