@@ -174,6 +174,8 @@ def test_replayed_routing_gives_vllms_logprobs(world):
     ("moe", ["--router_replay_mode", "R3", "--recompute_granularity", "full",
              "--recompute_method", "uniform", "--recompute_num_layers", "1"],
      ["--router_replay_mode R3", "--recompute_granularity full"]),
+    ("moe", ["--router_replay_mode", "R3", "--recompute_granularity", "selective",
+             "--recompute_modules", "moe"], ["--router_replay_mode R3", "--recompute_modules moe"]),
     ("dense", ["--router_replay_mode", "R3"], ["--router_replay_mode R3", "dense",
                                                "--router_replay_mode disabled"]),
 ])
