@@ -133,6 +133,10 @@ class EngineSettings:
     seed: int = 42
     dtype: str = "auto"
     sleep_level: int = 0
+    # Adapter-only LoRA sync: vLLM serves the base weights loaded at start plus one LoRA
+    # adapter of rank <= vllm_max_lora_rank, replaced by every sync (sync.py).
+    vllm_enable_lora: bool = False
+    vllm_max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -205,6 +209,8 @@ class ColocateEngine:
         )
         if st.vllm_max_num_seqs is not None:
             kwargs["max_num_seqs"] = st.vllm_max_num_seqs
+        if st.vllm_enable_lora:   # one adapter at a time: each sync replaces it
+            kwargs.update(enable_lora=True, max_lora_rank=st.vllm_max_lora_rank, max_loras=1)
         if self.world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(kv_kwargs)
@@ -213,6 +219,8 @@ class ColocateEngine:
             self.llm = LLM(**kwargs)
             self.tokenizer = self.llm.get_tokenizer()
         self.engine_steps = 0     # engine steps run by generate_turns
+        self.lora_request = None  # the adapter every request runs with (adapter-only sync)
+        self.adapter_version = 0
         self._requests = 0        # request ids of generate_turns
 
     def close(self) -> None:
@@ -266,7 +274,7 @@ class ColocateEngine:
         def run(all_prompts: List[List[int]]) -> List[List[Completion]]:
             with without_cuda_rewrite():
                 outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], params,
-                                         use_tqdm=False)
+                                         use_tqdm=False, lora_request=self.lora_request)
             return [[_completion(i, c) for c in out.outputs] for i, out in enumerate(outs)]
 
         per_prompt = self._in_tp_group(prompts, run)
@@ -330,7 +338,8 @@ class ColocateEngine:
                 for (m, i, _), prompt in zip(batch, inputs):
                     self._requests += 1
                     request_id = f"mg-turn-{self._requests}"
-                    engine.add_request(request_id, prompt, params)
+                    engine.add_request(request_id, prompt, params,
+                                       lora_request=self.lora_request)
                     owner[request_id] = (m, i)
                 if not engine.has_unfinished_requests():
                     break
@@ -366,7 +375,7 @@ class ColocateEngine:
         def run(all_pairs):
             with without_cuda_rewrite():
                 outs = self.llm.generate([{"prompt_token_ids": p + c} for p, c in all_pairs],
-                                         params, use_tqdm=False)
+                                         params, use_tqdm=False, lora_request=self.lora_request)
             return [prompt_logprobs_of(out, p, c) for out, (p, c) in zip(outs, all_pairs)]
 
         return self._in_tp_group(pairs, run)
@@ -388,6 +397,30 @@ class ColocateEngine:
     def reset_prefix_cache(self) -> None:
         with without_cuda_rewrite():
             self.llm.reset_prefix_cache()
+
+    def begin_adapter_update(self) -> None:
+        with without_cuda_rewrite():
+            self.llm.collective_rpc("mg_begin_adapter_update")
+
+    def load_adapter_bucket(self, bucket: Sequence) -> None:
+        with without_cuda_rewrite():
+            self.llm.collective_rpc("mg_load_adapter", args=(list(bucket),))
+
+    def finish_adapter_update(self, peft_config: dict) -> str:
+        """Register the adapter sent since begin_adapter_update under a new id and name
+        (the old one is removed); every later request runs with it. Returns its name."""
+        self.adapter_version += 1
+        name = f"mgrpo-lora-{self.adapter_version}"
+        with without_cuda_rewrite():
+            self.llm.collective_rpc("mg_finish_adapter_update",
+                                    args=(self.adapter_version, dict(peft_config)))
+            self.lora_request = compat.lora_request(name, self.adapter_version)
+        return name
+
+    def adapter_fingerprints(self) -> List[dict]:
+        """Per vLLM engine (here one: this rank's), its workers' adapter fingerprints."""
+        with without_cuda_rewrite():
+            return [self.llm.collective_rpc("mg_adapter_fingerprints")]
 
     def sleep(self, level: int) -> None:
         with without_cuda_rewrite():
