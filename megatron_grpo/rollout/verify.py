@@ -314,7 +314,10 @@ def vllm_fingerprint_pieces(model: torch.nn.Module) -> List[dict]:
                               else (param, ""))
             tied = id(param) in seen  # e.g. lm_head.weight is embed_tokens.weight
             seen.add(id(param))
-            for piece in _pieces_of(module_name, module, pname, value, packed):
+            # A LoRA-enabled vLLM wraps each linear (`qkv_proj.base_layer`): the HF names
+            # are those of the wrapper.
+            hf_module = module_name.removesuffix(".base_layer")
+            for piece in _pieces_of(hf_module, module, pname, value, packed):
                 if problem:
                     out.append(dict(name=piece.name, error=problem))
                 if tied:
