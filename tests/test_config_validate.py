@@ -65,6 +65,8 @@ CASES = [
                                       "--vllm_max_lora_rank 64"]),
     (["--tuner_type", "lora", "--lora_rank", "1024", "--vllm_enable_lora", "true"],
      ["--lora_rank 1024 is above vLLM's largest LoRA rank 512"]),
+    (["--tuner_type", "lora", "--vllm_enable_lora", "true", "--sleep_level", "2"],
+     ["--sleep_level 2 with --vllm_enable_lora true", "allowed: --sleep_level 0 or 1"]),
     (["--train_type", "qlora"], ["--tuner_type 'qlora'", "full, lora"]),
     (["--kl_estimator", "k4"], ["--kl_estimator", "k1, k2, k3"]),
     # batch sizes

@@ -333,8 +333,7 @@ def _worker(a, path: str) -> None:
     for r, (fn, afp) in adapter_only.items():
         info = fn()
         adapter_bytes[r] = info["bytes"]
-        version = int(info["lora_name"].rsplit("-", 1)[1])
-        checks[f"adapter-only sync r={r}"] = check_adapter_sync(engine, afp, version)
+        checks[f"adapter-only sync r={r}"] = check_adapter_sync(engine, afp, info["lora_id"])
     dist.barrier()
     engine.close()
     if not rank0:

@@ -564,6 +564,10 @@ def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:
                      "there is no adapter to send. Fix: add --tuner_type lora, or drop "
                      "--vllm_enable_lora"):
         return
+    p.require(v.sleep_level != 2,
+              "--sleep_level 2 with --vllm_enable_lora true: level 2 discards vLLM's weights "
+              "while it sleeps, and adapter-only sync never sends the base weights again; "
+              "allowed: --sleep_level 0 or 1 (or --vllm_enable_lora false)")
     rank = _adapter_rank(t)
     if v.vllm_max_lora_rank is None and rank is not None:
         fits = [r for r in VLLM_LORA_RANKS if r >= rank]
@@ -598,7 +602,6 @@ def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:
 
 def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
     v = cfg.rollout
-    _check_vllm_lora(cfg, p)
     if not v.use_vllm:
         p.require(v.vllm_mode is None,
                   f"--vllm_mode {v.vllm_mode} is set but --use_vllm is false; valid vllm_mode values "
@@ -647,6 +650,7 @@ def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
             for url in v.vllm_server_base_url:
                 p.require(url.startswith(("http://", "https://")),
                           f"--vllm_server_base_url {url!r} must start with http:// or https://")
+    _check_vllm_lora(cfg, p)     # after sleep_level is settled for server mode
 
 
 def _check_report_to(log, p: Problems) -> None:

@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from ..platform.compat import vllm as compat
 from ..platform.cpu import without_cuda_rewrite
 from .kv_cache import kv_cache_engine_kwargs, parse_size
+from .weights import adapter_name
 from .worker_ext import WORKER_EXTENSION
 
 
@@ -410,7 +411,7 @@ class ColocateEngine:
         """Register the adapter sent since begin_adapter_update under a new id and name
         (the old one is removed); every later request runs with it. Returns its name."""
         self.adapter_version += 1
-        name = f"mgrpo-lora-{self.adapter_version}"
+        name = adapter_name(self.adapter_version)
         with without_cuda_rewrite():
             self.llm.collective_rpc("mg_finish_adapter_update",
                                     args=(self.adapter_version, dict(peft_config)))

@@ -106,6 +106,8 @@ def make_router(engine, api_key: Optional[str], app_state=None):
     app's state, where adapter-only LoRA sync registers each new adapter's name)."""
     from fastapi import APIRouter, HTTPException, Request, Response
 
+    from .weights import adapter_name
+
     router = APIRouter()
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     adapter = {"version": 0, "name": None}     # the adapter requests run with
@@ -161,7 +163,7 @@ def make_router(engine, api_key: Optional[str], app_state=None):
         authorise(request)
         body = await request.json()
         version = adapter["version"] + 1
-        name = f"mgrpo-lora-{version}"
+        name = adapter_name(version)
         await rpc_all("mg_finish_adapter_update", version, body["peft_config"])
         compat.register_served_lora(app_state, compat.lora_request(name, version),
                                     previous=adapter["name"])

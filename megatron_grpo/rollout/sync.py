@@ -112,8 +112,7 @@ class WeightSync:
         else:
             info = load_adapter_stream(self.engine, stream, peft_config(settings))
             if expected is not None:
-                version = int(info["lora_name"].rsplit("-", 1)[1])   # mgrpo-lora-<id>
-                check_adapter_sync(self.engine, expected, version)
+                check_adapter_sync(self.engine, expected, info["lora_id"])
         if self.is_server:            # every rank's client samples with the new adapter
             name = [info.get("lora_name")]
             dist.broadcast_object_list(name, src=0)
