@@ -468,7 +468,8 @@ class AdapterFingerprints:
 def check_adapter_sync(engine, expected: AdapterFingerprints, lora_id: int) -> int:
     """Raise WeightSyncError unless every vLLM worker holds exactly one adapter, `lora_id`,
     active in its LoRA slots, whose tensors are bit for bit the trainer's (A, and scale * B
-    as vLLM stores it). Returns the number of tensors checked."""
+    as vLLM stores it), and whose slots (what the kernels read) hold them too. Returns the
+    number of tensors checked."""
     if not expected.result:
         raise WeightSyncError("no expected fingerprints: the adapter stream was empty")
     problems = []
@@ -478,6 +479,7 @@ def check_adapter_sync(engine, expected: AdapterFingerprints, lora_id: int) -> i
             if held["ids"] != [lora_id] or held["active"] != [lora_id]:
                 problems.append(f"{where}holds adapters {held['ids']} (active: {held['active']})"
                                 f"; expected only the one just synced, {lora_id}")
+            problems += [where + p for p in held.get("slot_problems", [])]
             if held["dtypes"] and set(held["dtypes"]) != expected.dtypes:
                 problems.append(f"{where}holds the adapter in {held['dtypes']}, the trainer "
                                 f"sent {sorted(expected.dtypes)}")

@@ -121,6 +121,7 @@ class RolloutWorkerExtension:
 
         held = compat.worker_lora_tensors(self)
         return {"ids": held["ids"], "active": held["active"],
+                "slot_problems": held["slot_problems"],
                 "dtypes": sorted({str(t.dtype) for _, t in held["tensors"]}),
                 "tensors": {name: fingerprint(t) for name, t in held["tensors"]}}
 

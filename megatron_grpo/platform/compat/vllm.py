@@ -97,8 +97,9 @@ PRIVATE_NAMES = (
 # a routed-experts layer's moe_config.moe_parallel_config, expert_map, quant_method.moe_kernel
 # .fused_experts (its isa, _use_zentorch),
 # a worker's model_runner.lora_manager (WorkerLoRAManager: _adapter_manager, lora_config,
-# vocab_size, max_position_embeddings), the adapter manager's packed_modules and
-# lora_index_to_id, OpenAIServingModels.lora_requests (app.state.openai_serving_models),
+# vocab_size, max_position_embeddings), the adapter manager's packed_modules, modules and
+# lora_index_to_id, a LoRA layer's lora_a_stacked / lora_b_stacked / slice_lora_a /
+# slice_lora_b / tp_size, OpenAIServingModels.lora_requests (app.state.openai_serving_models),
 # LayerReloadingInfo's fields (kernel_tensors, restore_metadata, load_numel,
 # load_numel_total, loaded_weights), the loader-unwrapping convention (__wrapped__,
 # __name__ "online_process_loader").
@@ -397,7 +398,40 @@ def worker_lora_tensors(worker) -> dict:
                 out.append((f"base_model.model.{name}.lora_A.weight", ta))
                 out.append((f"base_model.model.{name}.lora_B.weight", tb))
     active = [i for i in manager.lora_index_to_id if i is not None]
-    return {"ids": ids, "active": active, "tensors": out}
+    return {"ids": ids, "active": active, "tensors": out,
+            "slot_problems": _slot_problems(manager)}
+
+
+def _slot_problems(manager) -> list:
+    """Modules whose LoRA slot (the stacked buffers the punica kernels read) does not hold
+    the registered adapter's tensors as `set_lora` copies them in (this TP rank's slice):
+    an adapter registered but not copied in would leave the kernels on stale values."""
+    import torch
+
+    problems = []
+    for lora_id in manager.list_adapters():
+        if lora_id not in manager.lora_index_to_id:
+            continue
+        index = manager.lora_index_to_id.index(lora_id)
+        lora = manager.get_adapter(lora_id)
+        for name, module in manager.modules.items():
+            weights = lora.get_lora(name)
+            if weights is None or not hasattr(module, "lora_a_stacked"):
+                continue
+            a, b = weights.lora_a, weights.lora_b
+            if getattr(module, "tp_size", 1) > 1:
+                a, b = module.slice_lora_a(a), module.slice_lora_b(b)
+            a, b = (a, b) if isinstance(a, list) else ([a], [b])
+            for i, (ta, tb) in enumerate(zip(a, b)):
+                for kind, t, slot in (("A", ta, module.lora_a_stacked[i]),
+                                      ("B", tb, module.lora_b_stacked[i])):
+                    if t is None:
+                        continue
+                    held = slot[index, 0, :t.shape[0], :t.shape[1]]
+                    if not torch.equal(held.cpu(), t.to(held.dtype).cpu()):
+                        problems.append(f"{name}: LoRA slot {kind}[{i}] differs from the "
+                                        "registered adapter (the kernels would use stale values)")
+    return problems
 
 
 def register_served_lora(app_state, request, previous: str = None) -> None:
