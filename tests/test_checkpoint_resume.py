@@ -2,6 +2,9 @@
 
 Dropout is switched on (hidden and attention) so that a resume that failed to restore
 the torch generator or Megatron's RNG tracker would draw other masks and diverge.
+The LoRA case (adapters on every linear, with dropout on their input too; the base
+frozen) holds that a checkpoint of adapters and their optimizer state alone resumes
+exactly: the same losses, adapter weights and learning rate as the uninterrupted run.
 """
 import os
 
@@ -15,14 +18,18 @@ SEQ, MBS, VOCAB = 16, 2, TINY_QWEN2["vocab_size"]
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 
 
-def _trainer(world, tp, dist_opt, seed):
-    """Model, optimizer and a warm-up + cosine LR schedule (the LR changes every step)."""
+def _trainer(world, tp, dist_opt, seed, lora=False):
+    """Model, optimizer and a warm-up + cosine LR schedule (the LR changes every step).
+    lora: rank-4 adapters on every linear (dropout 0.1), the base frozen."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_grpo.model import wrap_ddp
+    from megatron_grpo.model.lora import LoraSettings, apply_lora
 
     config, args, chunks = setup(world, tp=tp, seed=seed, **DROPOUT)
+    if lora:
+        apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.1))
     chunks = wrap_ddp(config, chunks, use_distributed_optimizer=dist_opt)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01,
@@ -66,11 +73,11 @@ def _eval_logits(chunks):
     return logits[0][..., :VOCAB]
 
 
-def _first_run(rank, world, out, tp, dist_opt, sharding="fully_reshardable"):
+def _first_run(rank, world, out, tp, dist_opt, sharding="fully_reshardable", lora=False):
     """Train 2 steps, save, train 2 more: the reference for the resumed run."""
     from megatron_grpo.checkpoint import save_checkpoint
 
-    chunks, opt, sched = _trainer(world, tp, dist_opt, seed=1234)
+    chunks, opt, sched = _trainer(world, tp, dist_opt, seed=1234, lora=lora)
     for step in (1, 2):
         _train_step(chunks, opt, sched, step)
     logits = _eval_logits(chunks)  # eval mode: draws no random numbers
@@ -82,13 +89,15 @@ def _first_run(rank, world, out, tp, dist_opt, sharding="fully_reshardable"):
     return losses, *_state(chunks, opt), logits
 
 
-def _resumed_run(rank, world, out, tp, dist_opt):
+def _resumed_run(rank, world, out, tp, dist_opt, lora=False):
     import random
 
     from megatron_grpo.checkpoint import find_latest_checkpoint, resume
 
     # Other initial weights and RNG streams: only the checkpoint can make them agree.
-    chunks, opt, sched = _trainer(world, tp, dist_opt, seed=999)
+    # (LoRA: the frozen base is the run's --model, not in the checkpoint: the same seed
+    # builds the same base here; the adapters start from their initial values.)
+    chunks, opt, sched = _trainer(world, tp, dist_opt, seed=1234 if lora else 999, lora=lora)
     random.seed(7)
     torch.manual_seed(7)
     before = _state(chunks, opt)[0]
@@ -106,19 +115,21 @@ def tp2_plain_first_run(tmp_path_factory):
     return out, run_distributed(_first_run, 2, args=(out, 2, False), timeout=300)
 
 
-@pytest.mark.parametrize("tp,dist_opt,sharding", [
-    (2, False, None), (1, True, "fully_reshardable"),
-    pytest.param(1, True, "dp_reshardable", marks=pytest.mark.slow),
-    pytest.param(2, True, "fully_reshardable", marks=pytest.mark.slow)],
-    ids=["tp2-plain", "dp2-distopt", "dp2-distopt-dp_reshardable", "tp2-distopt"])
-def test_resume_is_bit_identical(tmp_path, request, tp, dist_opt, sharding):
+@pytest.mark.parametrize("tp,dist_opt,sharding,lora", [
+    (2, False, None, False), (1, True, "fully_reshardable", False),
+    pytest.param(1, True, "dp_reshardable", False, marks=pytest.mark.slow),
+    pytest.param(2, True, "fully_reshardable", False, marks=pytest.mark.slow),
+    pytest.param(1, True, "fully_reshardable", True, marks=pytest.mark.slow)],
+    ids=["tp2-plain", "dp2-distopt", "dp2-distopt-dp_reshardable", "tp2-distopt",
+         "dp2-distopt-lora"])
+def test_resume_is_bit_identical(tmp_path, request, tp, dist_opt, sharding, lora):
     if not dist_opt:
         out, first = request.getfixturevalue("tp2_plain_first_run")
     else:
         out = str(tmp_path)
-        first = run_distributed(_first_run, 2, args=(out, tp, dist_opt, sharding),
+        first = run_distributed(_first_run, 2, args=(out, tp, dist_opt, sharding, lora),
                                 timeout=300)
-    resumed = run_distributed(_resumed_run, 2, args=(out, tp, dist_opt), timeout=300)
+    resumed = run_distributed(_resumed_run, 2, args=(out, tp, dist_opt, lora), timeout=300)
     for rank in range(2):
         ref_losses, ref_w, ref_lr, _ = first[rank]
         losses, w, lr, extra, before, name = resumed[rank]

@@ -200,6 +200,12 @@ def test_rollout_server_args(model_dir):
         parse_rollout_args(["--model", model_dir, "--reward_funcs", "format"])
     with pytest.raises(ValueError, match="no config.json"):
         parse_rollout_args(["--model", model_dir + "-missing"])
+    cfg = parse_rollout_args(["--model", model_dir, "--vllm_enable_lora", "true",
+                              "--vllm_max_lora_rank", "64"])
+    assert (cfg.vllm_enable_lora, cfg.vllm_max_lora_rank) == (True, 64)
+    with pytest.raises(ValueError, match="--vllm_max_lora_rank 48 is not a rank vLLM can reserve; "
+                                         "allowed: 1 8 16"):
+        parse_rollout_args(["--model", model_dir, "--vllm_max_lora_rank", "48"])
 
 
 def test_none_is_a_value_where_it_is_a_choice(model_dir, tmp_path):

@@ -54,6 +54,18 @@ CASES = [
     (["--tuner_type", "lora", "--adapters", "/nonexistent"],
      ["--adapters '/nonexistent'", "adapter_config.json"]),
     (["--merge_lora", "true"], ["--merge_lora True", "needs --tuner_type lora"]),
+    (["--vllm_enable_lora", "true"], ["--vllm_enable_lora true needs --tuner_type lora",
+                                      "'full'"]),
+    (["--vllm_max_lora_rank", "16"], ["--vllm_max_lora_rank 16 needs --vllm_enable_lora true"]),
+    (["--tuner_type", "lora", "--vllm_enable_lora", "true", "--vllm_max_lora_rank", "24"],
+     ["--vllm_max_lora_rank 24", "allowed: 1 8 16 32 64 128 256 320 512"]),
+    (["--tuner_type", "lora", "--lora_rank", "64", "--vllm_enable_lora", "true",
+      "--vllm_max_lora_rank", "32"], ["--vllm_max_lora_rank 32 is below the adapter's rank 64",
+                                      "--vllm_max_lora_rank 64"]),
+    (["--tuner_type", "lora", "--lora_rank", "1024", "--vllm_enable_lora", "true"],
+     ["--lora_rank 1024 is above vLLM's largest LoRA rank 512"]),
+    (["--tuner_type", "lora", "--vllm_enable_lora", "true", "--sleep_level", "2"],
+     ["--sleep_level 2 with --vllm_enable_lora true", "allowed: --sleep_level 0 or 1"]),
     (["--train_type", "qlora"], ["--tuner_type 'qlora'", "full, lora"]),
     (["--kl_estimator", "k4"], ["--kl_estimator", "k1, k2, k3"]),
     # batch sizes
@@ -347,3 +359,24 @@ def test_yaml_and_flag_problems_together(model_dir, tmp_path):
     assert "3 problems" in msg, msg
     assert "unknown option --num_generatons" in msg and "--lr 'x'" in msg and "--epsilon 2" in msg
     assert "ppo" not in msg           # the flag overrides the file's value
+
+
+def test_vllm_lora_rank_defaults_to_the_smallest_that_fits(model_dir, tmp_path):
+    cfg = parse_rlhf_args(args(model_dir, "--tuner_type", "lora", "--lora_rank", "12",
+                               "--vllm_enable_lora", "true"))
+    assert cfg.rollout.vllm_max_lora_rank == 16
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 64, "lora_alpha": 16}))
+    cfg = parse_rlhf_args(args(model_dir, "--tuner_type", "lora", "--adapters", str(adapter),
+                               "--vllm_enable_lora", "true"))
+    assert cfg.rollout.vllm_max_lora_rank == 64     # the adapter's r, not --lora_rank
+
+
+def test_vllm_lora_refused_for_moe(tmp_path):
+    d = tmp_path / "moe"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
+    message = error_of(args(str(d), "--tuner_type", "lora", "--vllm_enable_lora", "true"))
+    assert "--vllm_enable_lora true with the mixture-of-experts model" in message
+    assert "--vllm_enable_lora false" in message

@@ -9,9 +9,13 @@ the PEFT adapter folder through megatron_grpo/model/lora_peft.py, then must give
   gradient on any base parameter;
 - with adapters disabled, the base model's logits (the reference policy of a LoRA run);
 - a merged export stream (W + s B A per HF tensor) equal to PEFT's merge_and_unload;
+- an adapter-only sync stream (model/lora_peft.adapter_stream, in buckets) holding exactly the
+  PEFT adapter's tensors, at every layout (TP gathers, PP stages);
 - a PEFT adapter written from the gathered factors that peft loads with the same logits.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -34,8 +38,8 @@ def _batch(vocab):
 def _world(rank, world_size, model_dir, adapter_dir, out_dir):
     from bridge import export_hf_weights, load_hf_weights
     from megatron_grpo.convert import megatron_logits
-    from megatron_grpo.model.lora_peft import (gather_adapters, load_peft_adapter, merge_lora_stream,
-                             peft_settings, save_peft_adapter)
+    from megatron_grpo.model.lora_peft import (adapter_stream, gather_adapters, load_peft_adapter,
+                                               merge_lora_stream, peft_settings, save_peft_adapter)
     from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
     from megatron_grpo.model.lora import adapters_disabled, apply_lora
     from megatron_grpo.platform import ParallelDims, init_parallel
@@ -63,6 +67,9 @@ def _world(rank, world_size, model_dir, adapter_dir, out_dir):
         trainable = sorted(n for c in chunks for n, p in c.named_parameters() if p.requires_grad)
         grads = gather_adapters(chunks, source=lambda p: p.main_grad if sp else p.grad)
         factors = gather_adapters(chunks)
+        # adapter-only sync's stream (small buckets: several per sync)
+        buckets = [[(n, t.clone()) for n, t in b]
+                   for b in adapter_stream(chunks, bucket_size_bytes=4 << 10)]
         merged = {}
         if tp == 2 and not sp:
             stream = export_hf_weights(chunks, config, args, bucket_size_bytes=32 << 10)
@@ -71,7 +78,8 @@ def _world(rank, world_size, model_dir, adapter_dir, out_dir):
             if rank == 0:
                 save_peft_adapter(out_dir, factors, settings, base_model=model_dir)
         out[tp, pp, sp] = dict(logits=logits, base_logits=base_logits, grads=grads,
-                           base_grads=base_grads, trainable=trainable, merged=merged)
+                           base_grads=base_grads, trainable=trainable, merged=merged,
+                           buckets=buckets)
     return out
 
 
@@ -138,7 +146,8 @@ def world(tmp_path_factory):
     out_dir = str(root / "exported")
     results = run_distributed(_world, world_size=2, args=(model_dir, adapter_dir, out_dir),
                               timeout=400)
-    return dict(model_dir=model_dir, out_dir=out_dir, ids=ids, ref=ref, results=results)
+    return dict(model_dir=model_dir, adapter_dir=adapter_dir, out_dir=out_dir, ids=ids, ref=ref,
+                results=results)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -173,6 +182,22 @@ def test_merged_stream_equals_peft_merge(world):
         assert sorted(merged) == sorted(ref)
         for name, t in merged.items():
             assert (t - ref[name]).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_adapter_stream_is_the_peft_adapter(world, layout):
+    """Adapter-only sync's stream: every PEFT tensor of the adapter once, exactly the file
+    that was loaded (gathered over TP, from every PP stage), in several buckets."""
+    from safetensors.torch import load_file
+
+    want = load_file(os.path.join(world["adapter_dir"], "adapter_model.safetensors"))
+    for r in world["results"]:
+        buckets = r[layout]["buckets"]
+        assert len(buckets) > 2
+        got = [item for b in buckets for item in b]
+        assert sorted(n for n, _ in got) == sorted(want)
+        for name, t in got:
+            assert torch.equal(t, want[name].to(t.dtype)), name
 
 
 def test_exported_adapter_loads_in_peft(world):

@@ -2,7 +2,7 @@
 colocated vLLM engine, merged sync verified inside vLLM, resume, and the PEFT adapter.
 
 One run of 3 steps (beta > 0: the reference is the policy with adapters off), then a
-resumed run to step 4. Checked: `--check_weight_sync` passes after every merged sync
+resumed run to step 4 with adapter-only sync (--vllm_enable_lora true, checked too). Checked: `--check_weight_sync` passes after every merged sync
 (vLLM holds exactly W + s B A of every adapted tensor, which test_lora.py holds equal to
 peft's merge_and_unload); the KL is 0 until a step with a gradient (B = 0: the policy
 is the base) and not after; checkpoints hold adapter tensors only; final_hf/ is a PEFT adapter that peft loads,
@@ -71,7 +71,9 @@ def test_lora_run_sync_resume_and_adapter(tiny, tmp_path):
         peft_logits = PeftModel.from_pretrained(base, adapter)(input_ids=ids).logits
     assert (peft_logits - base_logits).abs().max() > 1e-4
 
-    r = _run(_argv(tiny, out, train_iters=4, **lora))      # resumes from checkpoint-3
+    # Resumed from checkpoint-3 with adapter-only sync: vLLM keeps the base it loaded and
+    # gets the adapter at the start and after step 4, each checked (--check_weight_sync).
+    r = _run(_argv(tiny, out, train_iters=4, vllm_enable_lora="true", **lora))
     assert r.returncode == 0, r.stderr[-4000:]
     rows = _metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]

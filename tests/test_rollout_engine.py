@@ -27,7 +27,9 @@ def _shape(fn) -> list:
 def test_protocol_lists_what_the_trainer_calls():
     assert set(MEMBERS) == {"generate", "generate_turns", "score", "begin_weight_update", "load_bucket",
                             "finish_weight_update", "reset_prefix_cache",
-                            "weight_fingerprints", "sleep", "wake_up", "close"}
+                            "weight_fingerprints", "begin_adapter_update",
+                            "load_adapter_bucket", "finish_adapter_update",
+                            "adapter_fingerprints", "sleep", "wake_up", "close"}
     assert "tp_size" in RolloutEngine.__annotations__
 
 

@@ -39,10 +39,14 @@ merged_stream(lora_chunks, export_hf_weights(lora_chunks, ...)))`, i.e. the adap
 gathered whole and `W + (alpha/R) B @ A` merged into each bucket before vLLM loads it
 (rollout/sync.py). Each LoRA model is its own copy of the perturbed base with adapters
 added, timed interleaved with the other paths, and fingerprint-checked after its sync.
-Bytes into vLLM are the same as a full sync (every HF tensor). Adapter-only sync (vLLM's
-own LoRA, ms-swift's --vllm_enable_lora: the base loaded once, only A and B shipped per
-sync) is NOT implemented here: its row gives the bytes the PEFT adapter tensors of that
-rank would be (the gathered factors, counted exactly) and no time.
+Bytes into vLLM are the same as a full sync (every HF tensor). And the adapter-only sync
+(--vllm_enable_lora true: vLLM keeps the base it loaded and gets only A and B, in PEFT
+names, which it registers as a new LoRA adapter): `load_adapter_stream(engine,
+adapter_stream(lora_chunks, ...), peft_config(settings))`, fingerprint-checked after
+(check_adapter_sync). With --lora_rank the engine is started with LoRA enabled
+(max_lora_rank: the smallest of vLLM's ranks >= the largest R) for every path, so all
+rows run on the same engine; the full sync reloads the base layers inside vLLM's LoRA
+wrappers (checked as well).
 
 --moe builds a Qwen3-MoE (make_tiny_model's qwen3_moe family: --experts routed experts of
 --moe_ffn each, top --topk, every layer sparse) in place of the Qwen2; the sync then moves
@@ -204,8 +208,11 @@ def _worker(a, path: str) -> None:
     from megatron_grpo.rollout.verify import (StreamFingerprints, WeightSyncError,
                                               check_weight_sync)
     from megatron_grpo.rollout.weights import load_weight_stream
-    from megatron_grpo.model.lora_peft import gather_adapters, merged_stream
+    from megatron_grpo.model.lora_peft import adapter_stream, gather_adapters, merged_stream, peft_config
+    from megatron_grpo.config.validate import VLLM_LORA_RANKS
     from megatron_grpo.model.lora import LoraSettings, apply_lora
+    from megatron_grpo.rollout.verify import AdapterFingerprints, check_adapter_sync
+    from megatron_grpo.rollout.weights import load_adapter_stream
 
     init_process_group()
     init_parallel(ParallelDims(world_size=dist.get_world_size(), tp=a.tp))
@@ -227,11 +234,13 @@ def _worker(a, path: str) -> None:
 
     # LoRA: per rank its own copy of the perturbed base, adapters on every linear.
     lora = {}   # rank -> (stream of the merged weights, adapter bytes, fingerprints)
+    adapter_only = {}   # rank -> (the sync, its fingerprints)
     for r in a.lora_ranks:
         lchunks = build_model(config, args)
         load_hf_weights(lchunks, config, args, path)
         _perturb(lchunks)
-        apply_lora(lchunks, config, args, LoraSettings(rank=r, alpha=2.0 * r, dropout=0.0))
+        settings = LoraSettings(rank=r, alpha=2.0 * r, dropout=0.0)
+        apply_lora(lchunks, config, args, settings)
         _randomize_b(lchunks, seed=r)
 
         def lstream(lchunks=lchunks):
@@ -245,11 +254,24 @@ def _worker(a, path: str) -> None:
         for _ in fp.watch(lstream()):
             pass
         lora[r] = (lstream, adapter_bytes, fp)
+        afp = AdapterFingerprints(settings.scale)
+        for _ in afp.watch(adapter_stream(lchunks, bucket_size_bytes=bucket)):
+            pass
+
+        def adapter_sync(lchunks=lchunks, settings=settings):
+            return load_adapter_stream(engine, adapter_stream(lchunks, bucket_size_bytes=bucket),
+                                       peft_config(settings))
+
+        adapter_only[r] = (adapter_sync, afp)
 
     t0 = time.perf_counter()
+    max_rank = max(a.lora_ranks, default=0)
     engine = ColocateEngine(path, vllm_tensor_parallel_size=a.tp,
                             vllm_max_model_len=256,
-                            vllm_enforce_eager=True, dtype=a.dtype, max_completion_length=4)
+                            vllm_enforce_eager=True, dtype=a.dtype, max_completion_length=4,
+                            vllm_enable_lora=bool(a.lora_ranks),
+                            vllm_max_lora_rank=min([k for k in VLLM_LORA_RANKS if k >= max_rank]
+                                                   or [VLLM_LORA_RANKS[-1]]))
     engine_start = time.perf_counter() - t0
 
     # The naive path's folder: config and tokenizer once; the weights at every update.
@@ -286,6 +308,7 @@ def _worker(a, path: str) -> None:
     paths = [("export", export_only), ("sync (ours)", sync), ("disk reload", disk_reload)]
     paths += [(f"merged LoRA sync r={r}", lambda s=s: load_weight_stream(engine, s()))
               for r, (s, _, _) in lora.items()]
+    paths += [(f"adapter-only sync r={r}", fn) for r, (fn, _) in adapter_only.items()]
     clock = _Clock()
     for name, fn in paths:
         fn()  # warm-up: first-call costs (allocator, page faults, lazy imports)
@@ -306,6 +329,11 @@ def _worker(a, path: str) -> None:
             if name != "disk reload":
                 raise
             failed[name] = str(e).splitlines()[0]
+    adapter_bytes = {}
+    for r, (fn, afp) in adapter_only.items():
+        info = fn()
+        adapter_bytes[r] = info["bytes"]
+        checks[f"adapter-only sync r={r}"] = check_adapter_sync(engine, afp, info["lora_id"])
     dist.barrier()
     engine.close()
     if not rank0:
@@ -327,8 +355,10 @@ def _worker(a, path: str) -> None:
     for k, why in failed.items():
         print(f"fingerprint check FAILED after {k} (its time is unverified): {why}")
     print(f"{'path':<30} {'wall s':>8} {'CPU s':>8} {'GB/s':>7} {'ours / it':>10}")
+    moved = {f"adapter-only sync r={r}": n for r, n in adapter_bytes.items()}
     for name, (wall, cpu) in best.items():
-        print(f"{name:<30} {wall:8.3f} {cpu:8.3f} {total / wall / 1e9:7.2f} {ours / wall:10.3f}")
+        print(f"{name:<30} {wall:8.3f} {cpu:8.3f} {moved.get(name, total) / wall / 1e9:7.2f} "
+              f"{ours / wall:10.3f}")
     print(f"{'engine start LLM(...) (once)':<30} {engine_start:8.3f} {'':>8} {'':>7} "
           f"{ours / engine_start:10.3f}")
     if lora:
@@ -339,13 +369,16 @@ def _worker(a, path: str) -> None:
             wall = best[f"merged LoRA sync r={r}"][0]
             print(f"{f'merged LoRA sync r={r}':<34} {total / 1e6:9.3f} {wall:8.3f} "
                   f"{wall / ours:8.3f}")
-            print(f"{f'adapter-only sync r={r}':<34} {nbytes / 1e6:9.3f} "
-                  f"{'not implemented':>17}")
+            wall = best[f"adapter-only sync r={r}"][0]
+            print(f"{f'adapter-only sync r={r}':<34} {adapter_bytes[r] / 1e6:9.3f} {wall:8.3f} "
+                  f"{wall / ours:8.3f}")
         for r, (_, nbytes, _) in lora.items():
-            wall = best[f"merged LoRA sync r={r}"][0]
-            print(f"lora_sync rank={r} merged_vs_full={wall / ours:.3f} "
+            assert nbytes == adapter_bytes[r], (nbytes, adapter_bytes[r])
+            merged = best[f"merged LoRA sync r={r}"][0]
+            wall = best[f"adapter-only sync r={r}"][0]
+            print(f"lora_sync rank={r} merged_vs_full={merged / ours:.3f} "
                   f"adapter_only_bytes={nbytes} adapter_only_bytes_vs_full={nbytes / total:.4f} "
-                  "adapter_only_s=not_implemented")
+                  f"adapter_only_vs_full={wall / ours:.3f}")
     print(f"weight_sync vs_export={ours / best['export'][0]:.3f} "
           f"vs_disk_reload={ours / best['disk reload'][0]:.3f}")
 

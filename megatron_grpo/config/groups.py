@@ -401,7 +401,17 @@ class RolloutOptions(_Group):
     repetition_penalty: float = opt(1.0, "vLLM repetition penalty.")
     move_model_batches: Optional[int] = opt(None, "Split each weight sync into this many buckets.")
     check_weight_sync: bool = opt(False, "After each sync, compare per-tensor fingerprints in vLLM "
-                                         "with the trainer's export (this project's option).")
+                                         "with the trainer's export (this project's option); with "
+                                         "vllm_enable_lora, those of the adapter.")
+    vllm_enable_lora: bool = opt(
+        False, "tuner_type lora: vLLM keeps the base weights it loaded at start and each sync "
+               "sends only the LoRA adapter (PEFT tensors), which vLLM applies itself; false: "
+               "each sync sends the merged weights W + alpha/r B A.")
+    vllm_max_lora_rank: Optional[int] = opt(
+        None, "With vllm_enable_lora: the largest adapter rank vLLM reserves room for (one of "
+              "vLLM's 1 8 16 32 64 128 256 320 512, >= the adapter's rank). None: the smallest "
+              "of those >= the adapter's rank (this project's option in `megatron rlhf`; "
+              "ms-swift's in `swift rollout`).")
     sleep_level: Literal[0, 1, 2] = opt(0, "vLLM sleep while training: 0 none, 1 free KV cache and "
                                            "offload weights, 2 free both. Forced to 0 in server mode.")
     offload_model: bool = opt(False, "Move Megatron's parameters to CPU during generation.")

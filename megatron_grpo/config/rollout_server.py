@@ -56,6 +56,11 @@ class RolloutServerConfig:
     port: int = opt(8000, "Port to listen on.")
     api_key: Optional[str] = opt(None, "Shared token the trainer must send to update weights.")
     seed: int = opt(42, "Sampling seed.")
+    vllm_enable_lora: bool = opt(False, "Serve one LoRA adapter beside the base model, sent and "
+                                         "replaced by the trainer's adapter-only sync (its "
+                                         "--vllm_enable_lora true).")
+    vllm_max_lora_rank: int = opt(16, "With vllm_enable_lora: the largest adapter rank vLLM "
+                                      "reserves room for (1 8 16 32 64 128 256 320 512).")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -69,6 +74,11 @@ class RolloutServerConfig:
         check_vllm_memory(self, p)
         check_vllm_model(self.model, self.vllm_max_model_len, p)
         check_vision_options(self.model, self.max_pixels, self.vllm_limit_mm_per_prompt, p)
+        from .validate import VLLM_LORA_RANKS
+
+        p.require(self.vllm_max_lora_rank in VLLM_LORA_RANKS,
+                  f"--vllm_max_lora_rank {self.vllm_max_lora_rank} is not a rank vLLM can reserve; "
+                  f"allowed: {' '.join(map(str, VLLM_LORA_RANKS))}")
         p.require(0 < self.port < 65536, f"--port {self.port} is not a valid port (1-65535)")
         p.raise_if_any()
 

@@ -192,7 +192,7 @@ LEGACY_FLAGS: Tuple[str, ...] = _names("""
 UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
     "LoRA, issue 15": """
         mcore_adapter mcore_ref_adapter ref_adapters target_regex lora_bias lora_dtype
-        vllm_enable_lora tuner_backend use_swift_lora adapter_load ref_adapter_load
+        tuner_backend use_swift_lora adapter_load ref_adapter_load
     """,
     "MoE, issue 16": """
         moe_enable_deepep moe_shared_expert_overlap

@@ -654,6 +654,72 @@ def _check_multi_turn(cfg: "GRPOConfig", p: Problems) -> None:
                   "--external_plugins (envs['name'] = cls)")
 
 
+# The ranks vLLM can reserve for LoRA adapters (vllm.config.lora.MaxLoRARanks, 0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _adapter_rank(t) -> Optional[int]:
+    """The LoRA rank the run trains: --adapters' r when one is given, else --lora_rank."""
+    import json
+
+    for folder in t.adapters:
+        try:
+            with open(os.path.join(folder, "adapter_config.json")) as f:
+                return int(json.load(f)["r"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None                       # reported by _check_lora
+    return t.lora_rank
+
+
+def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:
+    """--vllm_enable_lora / --vllm_max_lora_rank: what vLLM's LoRA would refuse, now."""
+    v, t = cfg.rollout, cfg.training
+    if not v.vllm_enable_lora:
+        p.require(v.vllm_max_lora_rank is None,
+                  f"--vllm_max_lora_rank {v.vllm_max_lora_rank} needs --vllm_enable_lora true. "
+                  "Fix: add --vllm_enable_lora true, or drop --vllm_max_lora_rank")
+        return
+    if not p.require(t.tuner_type == "lora",
+                     f"--vllm_enable_lora true needs --tuner_type lora (it is {t.tuner_type!r}): "
+                     "there is no adapter to send. Fix: add --tuner_type lora, or drop "
+                     "--vllm_enable_lora"):
+        return
+    p.require(v.sleep_level != 2,
+              "--sleep_level 2 with --vllm_enable_lora true: level 2 discards vLLM's weights "
+              "while it sleeps, and adapter-only sync never sends the base weights again; "
+              "allowed: --sleep_level 0 or 1 (or --vllm_enable_lora false)")
+    rank = _adapter_rank(t)
+    if v.vllm_max_lora_rank is None and rank is not None:
+        fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+        v.vllm_max_lora_rank = fits[0] if fits else VLLM_LORA_RANKS[-1]
+    if not p.require(v.vllm_max_lora_rank in VLLM_LORA_RANKS,
+                     f"--vllm_max_lora_rank {v.vllm_max_lora_rank} is not a rank vLLM can "
+                     f"reserve; allowed: {' '.join(map(str, VLLM_LORA_RANKS))}"):
+        return
+    if rank is not None:
+        p.require(rank <= v.vllm_max_lora_rank,
+                  f"--vllm_max_lora_rank {v.vllm_max_lora_rank} is below the adapter's rank "
+                  f"{rank} (--lora_rank or --adapters' r); vLLM would refuse the adapter. Fix: "
+                  f"--vllm_max_lora_rank {min(r for r in VLLM_LORA_RANKS if r >= rank)}"
+                  if rank <= VLLM_LORA_RANKS[-1] else
+                  f"--lora_rank {rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]} "
+                  "(--vllm_enable_lora true). Fix: a smaller --lora_rank, or --vllm_enable_lora "
+                  "false (merged sync)")
+    model = cfg.model.model
+    if model and os.path.isfile(os.path.join(model, "config.json")):
+        from .hf_model import text_config
+
+        try:
+            hf = text_config(model)
+            experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        except (OSError, ValueError, TypeError):
+            experts = 0
+        p.require(experts == 0,
+                  f"--vllm_enable_lora true with the mixture-of-experts model {model}: adapter-"
+                  "only sync into vLLM's LoRA layers is not supported for MoE models here; "
+                  "allowed: dense models. Fix: --vllm_enable_lora false (merged sync)")
+
+
 def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
     v = cfg.rollout
     if not v.use_vllm:
@@ -704,6 +770,7 @@ def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
             for url in v.vllm_server_base_url:
                 p.require(url.startswith(("http://", "https://")),
                           f"--vllm_server_base_url {url!r} must start with http:// or https://")
+    _check_vllm_lora(cfg, p)     # after sleep_level is settled for server mode
 
 
 def _check_report_to(log, p: Problems) -> None:

@@ -4,6 +4,7 @@
     load_peft_adapter(chunks, adapter_dir)                 # each rank copies its slices
     factors = gather_adapters(chunks)                      # {PEFT key: full tensor}, every rank
     stream = merge_lora_stream(export_hf_weights(...), factors, settings)   # W + s B A
+    for bucket in adapter_stream(chunks, bucket_size_bytes=64 << 20): ...  # adapter-only sync
     save_peft_adapter(out_dir, factors, settings, base_model=hf_dir)
 
 PEFT's names (what `PeftModel.save_pretrained` writes and vLLM's LoRA loader reads):
@@ -18,6 +19,10 @@ covers gets `W += scale * B @ A` in its bucket slot, in place (the slot is a reu
 staging buffer, the model's own weights are not touched); the product is computed per
 tensor, so no second copy of the model exists. The factors are small (r (in + out) per
 target) and are gathered whole once per sync.
+
+Adapter-only sync (--vllm_enable_lora): vLLM keeps the base weights it loaded at start
+and gets only the factors, in PEFT names, gathered over TP factor by factor into buckets
+(`adapter_stream`); vLLM's LoRA layers apply `scale * B (A x)` themselves.
 """
 from __future__ import annotations
 
@@ -186,18 +191,70 @@ def merged_stream(chunks, stream) -> Iterator[list]:
     return merge_lora_stream(stream, gather_adapters(chunks), settings)
 
 
+def adapter_stream(chunks, bucket_size_bytes: int = 64 << 20) -> Iterator[list]:
+    """Buckets of (PEFT key, full factor) of the whole model, on every rank, each bucket
+    about `bucket_size_bytes` (at least one tensor). TP: a split factor is all-gathered
+    along its axis when it is reached (one factor at a time); PP: each stage makes its
+    own buckets, and bucket i of every stage travels to every stage together
+    (all_gather_object over the pipeline group), so at most PP buckets are held at once.
+    LOCKSTEP: collective over the TP and PP groups; iterate to the end on every rank."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+
+    def local_buckets():
+        bucket, size = [], 0
+        for layer, _, adapter in adapters(chunks):
+            for target in adapter.lora_A:
+                for factor in ("lora_A", "lora_B"):
+                    t = getattr(adapter, factor)[target].detach().contiguous()
+                    axis = _split_axis(adapter.kind, factor)
+                    if axis is not None and tp > 1:
+                        parts = [torch.empty_like(t) for _ in range(tp)]
+                        dist.all_gather(parts, t, group=tp_group)
+                        t = torch.cat(parts, dim=axis)
+                    bucket.append((peft_key(layer, target, factor), t))
+                    size += t.numel() * t.element_size()
+                    if size >= bucket_size_bytes:
+                        yield bucket
+                        bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    if pp == 1:
+        yield from local_buckets()
+        return
+    mine = local_buckets()
+    while True:
+        part = next(mine, None)
+        if part is not None:
+            part = [(k, v.cpu()) for k, v in part]
+        everything = [None] * pp
+        dist.all_gather_object(everything, part, group=ps.get_pipeline_model_parallel_group())
+        if all(p is None for p in everything):
+            return
+        yield [item for p in everything if p for item in p]
+
+
+def peft_config(settings: LoraSettings, base_model: str | None = None) -> dict:
+    """adapter_config.json of `settings`, as PEFT writes it (vLLM reads the same keys)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank,
+            "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+            "target_modules": list(settings.targets), "use_rslora": settings.rslora,
+            "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+            "init_lora_weights": True, "inference_mode": True,
+            "base_model_name_or_path": base_model}
+
+
 def save_peft_adapter(out_dir: str, factors: dict[str, torch.Tensor], settings: LoraSettings,
                       base_model: str | None = None, dtype: torch.dtype | None = None) -> None:
     """Write `out_dir/adapter_config.json` + `adapter_model.safetensors` as PEFT does."""
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank,
-              "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
-              "target_modules": list(settings.targets), "use_rslora": settings.rslora,
-              "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
-              "init_lora_weights": True, "inference_mode": True,
-              "base_model_name_or_path": base_model}
+    config = peft_config(settings, base_model)
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     tensors = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in factors.items()}

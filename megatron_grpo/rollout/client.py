@@ -63,6 +63,7 @@ class RolloutClient:
                                         max_completion_length, num_generations)
         self.seed = seed
         self._model: Optional[str] = None
+        self.lora_name: Optional[str] = None  # the synced adapter (adapter-only LoRA sync)
         self._calls = 0       # generate_turns and image generate calls (request seeds)
 
     # ------------------------------------------------------------------ HTTP
@@ -164,7 +165,7 @@ class RolloutClient:
     def _completions(self, prompts: List[List[int]], opts: SamplingOptions,
                      seed: Optional[int]) -> List[Completion]:
         """One /v1/completions request: opts.num_generations completions per prompt."""
-        payload = dict(model=self.model, prompt=prompts, n=opts.num_generations,
+        payload = dict(model=self.lora_name or self.model, prompt=prompts, n=opts.num_generations,
                        max_tokens=opts.max_completion_length, temperature=opts.temperature,
                        top_p=opts.top_p, top_k=opts.top_k,
                        repetition_penalty=opts.repetition_penalty, logprobs=0,
@@ -244,7 +245,7 @@ class RolloutClient:
             raise ValueError(f"score: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
         full = [[int(t) for t in p] + [int(t) for t in c] for p, c in zip(prompt_ids, completion_ids)]
         out = self._post_json("/v1/completions", dict(
-            model=self.model, prompt=full, max_tokens=1, temperature=0.0, prompt_logprobs=0))
+            model=self.lora_name or self.model, prompt=full, max_tokens=1, temperature=0.0, prompt_logprobs=0))
         choices = sorted(out["choices"], key=lambda c: c["index"])
         result = []
         for choice, ids, p in zip(choices, full, prompt_ids):
@@ -258,16 +259,7 @@ class RolloutClient:
         self._request("POST", "/update_weights/begin", b"")
 
     def load_bucket(self, bucket: Sequence) -> None:
-        from safetensors.torch import save
-
-        tensors, seen = {}, set()
-        for name, t in bucket:
-            t = t.detach().contiguous()
-            if t.untyped_storage().data_ptr() in seen:  # safetensors refuses shared storage
-                t = t.clone()
-            seen.add(t.untyped_storage().data_ptr())
-            tensors[name] = t.cpu()
-        self._request("POST", "/update_weights/bucket", save(tensors),
+        self._request("POST", "/update_weights/bucket", _serialise(bucket),
                       content_type="application/octet-stream")
 
     def finish_weight_update(self) -> None:
@@ -275,6 +267,23 @@ class RolloutClient:
 
     def reset_prefix_cache(self) -> None:
         self._request("POST", "/reset_prefix_cache", b"")
+
+    def begin_adapter_update(self) -> None:
+        self._request("POST", "/update_adapter/begin", b"")
+
+    def load_adapter_bucket(self, bucket: Sequence) -> None:
+        self._request("POST", "/update_adapter/bucket", _serialise(bucket),
+                      content_type="application/octet-stream")
+
+    def finish_adapter_update(self, peft_config: dict) -> str:
+        """The server registers the adapter under a new name, which later requests use."""
+        out = self._post_json("/update_adapter/finish", {"peft_config": dict(peft_config)})
+        self.lora_name = out["lora_name"]
+        return self.lora_name
+
+    def adapter_fingerprints(self) -> List[dict]:
+        """Per vLLM engine, its workers' adapter fingerprints."""
+        return self._request("GET", "/adapter_fingerprints")["engines"]
 
     def sleep(self, level: int) -> None:
         """Server mode never sleeps (the server has its own devices): a no-op."""
@@ -289,3 +298,17 @@ class RolloutClient:
     def close(self) -> None:
         """Nothing to release (each request opens its own connection); the server
         outlives the run."""
+
+
+def _serialise(bucket: Sequence) -> bytes:
+    """A bucket of (name, tensor) as safetensors bytes (CPU copies)."""
+    from safetensors.torch import save
+
+    tensors, seen = {}, set()
+    for name, t in bucket:
+        t = t.detach().contiguous()
+        if t.untyped_storage().data_ptr() in seen:  # safetensors refuses shared storage
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        tensors[name] = t.cpu()
+    return save(tensors)

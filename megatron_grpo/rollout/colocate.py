@@ -57,6 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from ..platform.compat import vllm as compat
 from ..platform.cpu import without_cuda_rewrite
 from .kv_cache import kv_cache_engine_kwargs, parse_size
+from .weights import adapter_name
 from .worker_ext import WORKER_EXTENSION
 
 
@@ -156,6 +157,10 @@ class EngineSettings:
     # R3, routing.py); turns vLLM's prefix caching off (a cached prefix has no routing) and
     # runs the model eagerly (a compiled graph would not call the capture hook).
     return_routed_experts: bool = False
+    # Adapter-only LoRA sync: vLLM serves the base weights loaded at start plus one LoRA
+    # adapter of rank <= vllm_max_lora_rank, replaced by every sync (sync.py).
+    vllm_enable_lora: bool = False
+    vllm_max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -244,6 +249,8 @@ class ColocateEngine:
             kwargs["limit_mm_per_prompt"] = dict(st.vllm_limit_mm_per_prompt)
         if self.vision and st.mm_processor_kwargs:
             kwargs["mm_processor_kwargs"] = dict(st.mm_processor_kwargs)
+        if st.vllm_enable_lora:   # one adapter at a time: each sync replaces it
+            kwargs.update(enable_lora=True, max_lora_rank=st.vllm_max_lora_rank, max_loras=1)
         if self.world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(kv_kwargs)
@@ -254,6 +261,8 @@ class ColocateEngine:
             if st.return_routed_experts:
                 self.llm.collective_rpc("mg_capture_routing")
         self.engine_steps = 0     # engine steps run by generate_turns
+        self.lora_request = None  # the adapter every request runs with (adapter-only sync)
+        self.adapter_version = 0
         self._requests = 0        # request ids of generate_turns
 
     def close(self) -> None:
@@ -319,7 +328,8 @@ class ColocateEngine:
             requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": imgs}} if imgs
                         else {"prompt_token_ids": p} for p, imgs in all_items]
             with without_cuda_rewrite():
-                outs = self.llm.generate(requests, params, use_tqdm=False)
+                outs = self.llm.generate(requests, params, use_tqdm=False,
+                                         lora_request=self.lora_request)
             result = []
             for i, (out, (_, imgs)) in enumerate(zip(outs, all_items)):
                 group = [_completion(i, c) for c in out.outputs]
@@ -405,7 +415,8 @@ class ColocateEngine:
                 for (m, i, _), prompt in zip(batch, inputs):
                     self._requests += 1
                     request_id = f"mg-turn-{self._requests}"
-                    engine.add_request(request_id, prompt, params)
+                    engine.add_request(request_id, prompt, params,
+                                       lora_request=self.lora_request)
                     owner[request_id] = (m, i)
                 if not engine.has_unfinished_requests():
                     break
@@ -441,7 +452,7 @@ class ColocateEngine:
         def run(all_pairs):
             with without_cuda_rewrite():
                 outs = self.llm.generate([{"prompt_token_ids": p + c} for p, c in all_pairs],
-                                         params, use_tqdm=False)
+                                         params, use_tqdm=False, lora_request=self.lora_request)
             return [prompt_logprobs_of(out, p, c) for out, (p, c) in zip(outs, all_pairs)]
 
         return self._in_tp_group(pairs, run)
@@ -463,6 +474,30 @@ class ColocateEngine:
     def reset_prefix_cache(self) -> None:
         with without_cuda_rewrite():
             self.llm.reset_prefix_cache()
+
+    def begin_adapter_update(self) -> None:
+        with without_cuda_rewrite():
+            self.llm.collective_rpc("mg_begin_adapter_update")
+
+    def load_adapter_bucket(self, bucket: Sequence) -> None:
+        with without_cuda_rewrite():
+            self.llm.collective_rpc("mg_load_adapter", args=(list(bucket),))
+
+    def finish_adapter_update(self, peft_config: dict) -> str:
+        """Register the adapter sent since begin_adapter_update under a new id and name
+        (the old one is removed); every later request runs with it. Returns its name."""
+        self.adapter_version += 1
+        name = adapter_name(self.adapter_version)
+        with without_cuda_rewrite():
+            self.llm.collective_rpc("mg_finish_adapter_update",
+                                    args=(self.adapter_version, dict(peft_config)))
+            self.lora_request = compat.lora_request(name, self.adapter_version)
+        return name
+
+    def adapter_fingerprints(self) -> List[dict]:
+        """Per vLLM engine (here one: this rank's), its workers' adapter fingerprints."""
+        with without_cuda_rewrite():
+            return [self.llm.collective_rpc("mg_adapter_fingerprints")]
 
     def sleep(self, level: int) -> None:
         with without_cuda_rewrite():

@@ -57,6 +57,20 @@ class RolloutEngine(Protocol):
     def weight_fingerprints(self) -> List[List[dict]]:
         """Fingerprint pieces of the weights vLLM holds, one list per engine (verify.py)."""
 
+    def begin_adapter_update(self) -> None:
+        """Start an adapter-only LoRA sync (weights.load_adapter_stream); the base
+        weights stay as they are."""
+
+    def load_adapter_bucket(self, bucket: Bucket) -> None:
+        """Load one bucket of (PEFT name, full adapter tensor)."""
+
+    def finish_adapter_update(self, peft_config: dict) -> str:
+        """Make what arrived the adapter every later request runs with (a new id: the
+        previous adapter is removed); returns its name."""
+
+    def adapter_fingerprints(self) -> List[dict]:
+        """Per engine, its workers' adapter fingerprints (verify.check_adapter_sync)."""
+
     def sleep(self, level: int) -> None:
         """Free memory for training (sleep_level 1 or 2)."""
 

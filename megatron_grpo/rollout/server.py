@@ -13,6 +13,12 @@ API behaves as in `vllm serve`) with routes added for the trainer:
     POST /update_weights/finish           finish it; resets the prefix cache
     POST /reset_prefix_cache
     GET  /weight_fingerprints             per-engine fingerprint pieces (verify.py)
+    POST /update_adapter/begin            adapter-only LoRA sync (--vllm_enable_lora true):
+    POST /update_adapter/bucket           PEFT-named adapter tensors, safetensors-serialised
+    POST /update_adapter/finish           body {"peft_config": ...}: register them as a new
+                                          adapter (the old one removed); answers its
+                                          lora_name, the `model` later requests name
+    GET  /adapter_fingerprints            per-engine adapter fingerprints (verify.py)
     POST /generate_images                 image prompts (vision-language models), below
 
 `/v1/completions` takes no images, hence `/generate_images`: JSON `{"prompts":
@@ -82,6 +88,9 @@ def vllm_cli_args(cfg, on_cpu: Optional[bool] = None) -> list:
         argv.append("--enforce-eager")
     if cfg.vllm_max_num_seqs is not None:
         argv += ["--max-num-seqs", str(cfg.vllm_max_num_seqs)]
+    if cfg.vllm_enable_lora:   # one adapter at a time: each sync replaces it
+        argv += ["--enable-lora", "--max-lora-rank", str(cfg.vllm_max_lora_rank),
+                 "--max-loras", "1"]
     kv = kv_cache_engine_kwargs(
         cfg.model, on_cpu=on_cpu, size=cfg.vllm_kv_cache_memory,
         sequences=cfg.vllm_max_num_seqs or SERVER_SEQUENCES, max_model_len=cfg.vllm_max_model_len,
@@ -111,12 +120,16 @@ def build_vllm_namespace(cfg):
     return args
 
 
-def make_router(engine, api_key: Optional[str]):
-    """The trainer's routes, bound to vLLM's engine client."""
+def make_router(engine, api_key: Optional[str], app_state=None):
+    """The trainer's routes, bound to vLLM's engine client (`app_state`: the OpenAI
+    app's state, where adapter-only LoRA sync registers each new adapter's name)."""
     from fastapi import APIRouter, HTTPException, Request, Response
+
+    from .weights import adapter_name
 
     router = APIRouter()
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    adapter = {"version": 0, "name": None}     # the adapter requests run with
 
     def authorise(request: Request) -> None:
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -133,9 +146,8 @@ def make_router(engine, api_key: Optional[str]):
         await rpc_all("mg_begin_weight_update")
         return {"ok": True}
 
-    @router.post("/update_weights/bucket")
-    async def bucket(request: Request):
-        authorise(request)
+    async def load_file(request: Request, method: str):
+        """A bucket's bytes into a temporary file every worker reads with `method`."""
         body = await request.body()
         if not body:
             raise HTTPException(status_code=400, detail="empty bucket")
@@ -144,10 +156,46 @@ def make_router(engine, api_key: Optional[str]):
             with os.fdopen(fd, "wb") as f:
                 f.write(body)
             del body
-            counts = await rpc_all("mg_load_weights_file", path)
+            counts = await rpc_all(method, path)
         finally:
             os.unlink(path)
         return {"ok": True, "tensors": counts[0][0]}
+
+    @router.post("/update_weights/bucket")
+    async def bucket(request: Request):
+        authorise(request)
+        return await load_file(request, "mg_load_weights_file")
+
+    @router.post("/update_adapter/begin")
+    async def adapter_begin(request: Request):
+        authorise(request)
+        await rpc_all("mg_begin_adapter_update")
+        return {"ok": True}
+
+    @router.post("/update_adapter/bucket")
+    async def adapter_bucket(request: Request):
+        authorise(request)
+        return await load_file(request, "mg_load_adapter_file")
+
+    @router.post("/update_adapter/finish")
+    async def adapter_finish(request: Request):
+        authorise(request)
+        body = await request.json()
+        version = adapter["version"] + 1
+        name = adapter_name(version)
+        await rpc_all("mg_finish_adapter_update", version, body["peft_config"])
+        compat.register_served_lora(app_state, compat.lora_request(name, version),
+                                    previous=adapter["name"])
+        adapter.update(version=version, name=name)
+        await engine.reset_prefix_cache()
+        return {"ok": True, "lora_name": name}
+
+    @router.get("/adapter_fingerprints")
+    async def adapter_fingerprints(request: Request):
+        authorise(request)
+        per_engine = await rpc_all("mg_adapter_fingerprints")
+        return Response(json.dumps({"engines": per_engine}, allow_nan=True),
+                        media_type="application/json")
 
     @router.post("/update_weights/finish")
     async def finish(request: Request):
@@ -228,7 +276,7 @@ async def serve(cfg) -> None:
     sock = compat.bind_server_socket(args)
     async with compat.engine_client(args) as engine:
         app = await compat.build_openai_app(args, engine)
-        app.include_router(make_router(engine, api_key))
+        app.include_router(make_router(engine, api_key, app.state))
         shutdown = await compat.serve_app(app, sock, args)
     try:
         await shutdown

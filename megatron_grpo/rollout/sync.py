@@ -12,6 +12,11 @@ bucket by bucket. Every trainer rank iterates the stream (the export is collecti
 in server mode rank 0 alone uploads. One staging buffer (`bridge.BucketBuffer`) holds
 the buckets for every sync, since allocating it is slow; when it lives in accelerator
 memory it is dropped before vLLM generates and re-made by the next sync.
+
+LoRA: by default vLLM gets the merged weights `W + scale B A` (model/lora_peft.py). With
+`vllm_enable_lora` it keeps the base weights it loaded at start, and each sync streams
+only the adapter's factors (PEFT names, gathered over TP factor by factor), which vLLM
+registers as a new adapter that every later request runs with.
 """
 from __future__ import annotations
 
@@ -37,12 +42,14 @@ class WeightSync:
 
     def bucket_bytes(self) -> int:
         """move_model_batches buckets per sync (of an upper bound of the HF model's bytes:
-        every rank's TP/PP shards summed), else 512 MiB."""
+        every rank's TP/PP shards summed; adapter-only sync: of the adapter's), else 512 MiB."""
+        from ..model.lora import is_adapter_param
         from ..platform import device
 
         if not self.opts.move_model_batches:
             return 512 << 20
-        params = [p for c in self.policy.chunks for p in c.parameters()]
+        params = [p for c in self.policy.chunks for n, p in c.named_parameters()
+                  if not self.opts.vllm_enable_lora or is_adapter_param(n)]
         total = sum(p.numel() * p.element_size() for p in params)
         total = torch.tensor(float(total), device=device())   # NCCL reduces device tensors only
         dist.all_reduce(total)
@@ -52,7 +59,7 @@ class WeightSync:
         """Stream the policy's HF weights into vLLM (collective over every trainer rank);
         with check_weight_sync, prove vLLM holds them. Returns the engine's load info."""
         from bridge import BucketBuffer, export_hf_weights
-        from megatron_grpo.model.lora_peft import merged_stream
+        from ..model.lora_peft import merged_stream
 
         from .verify import StreamFingerprints, check_weight_sync
 
@@ -60,6 +67,8 @@ class WeightSync:
         if not self.is_server:   # vLLM slept through training (sleep_level > 0): weights back first
             wake_up(self.engine, level=r.sleep_level)
         bucket = self.bucket_bytes()
+        if r.vllm_enable_lora:
+            return self._sync_adapter(bucket)
         if self.staging is None:
             first = next(p for c in policy.chunks for p in c.parameters())
             self.staging = BucketBuffer("cpu" if r.offload_bridge else first.device)
@@ -80,6 +89,35 @@ class WeightSync:
             info = load_weight_stream(self.engine, stream)
             if expected is not None:
                 check_weight_sync(self.engine, expected.result)
+        dist.barrier()
+        return info
+
+    def _sync_adapter(self, bucket: int) -> dict:
+        """Adapter-only sync: the factors in buckets of at most `bucket` bytes (collective
+        over every trainer rank); in server mode rank 0 alone uploads."""
+        from ..model.lora_peft import adapter_stream, peft_config
+        from megatron_grpo.model.lora import lora_settings
+
+        from .verify import AdapterFingerprints, check_adapter_sync
+        from .weights import load_adapter_stream
+
+        settings = lora_settings(self.policy.chunks)
+        stream = adapter_stream(self.policy.chunks, bucket_size_bytes=bucket)
+        expected = AdapterFingerprints(settings.scale) if self.opts.check_weight_sync else None
+        if expected is not None:
+            stream = expected.watch(stream)
+        if self.is_server and dist.get_rank() != 0:
+            for _ in stream:          # take part in the collectives; rank 0 does the upload
+                pass
+            info = {}
+        else:
+            info = load_adapter_stream(self.engine, stream, peft_config(settings))
+            if expected is not None:
+                check_adapter_sync(self.engine, expected, info["lora_id"])
+        if self.is_server:            # every rank's client samples with the new adapter
+            name = [info.get("lora_name")]
+            dist.broadcast_object_list(name, src=0)
+            self.engine.lora_name = name[0]
         dist.barrier()
         return info
 

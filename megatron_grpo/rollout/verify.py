@@ -314,7 +314,10 @@ def vllm_fingerprint_pieces(model: torch.nn.Module) -> List[dict]:
                               else (param, ""))
             tied = id(param) in seen  # e.g. lm_head.weight is embed_tokens.weight
             seen.add(id(param))
-            for piece in _pieces_of(module_name, module, pname, value, packed):
+            # A LoRA-enabled vLLM wraps each linear (`qkv_proj.base_layer`): the HF names
+            # are those of the wrapper.
+            hf_module = module_name.removesuffix(".base_layer")
+            for piece in _pieces_of(hf_module, module, pname, value, packed):
                 if problem:
                     out.append(dict(name=piece.name, error=problem))
                 if tied:
@@ -426,3 +429,63 @@ def check_weight_sync(engine, expected: Dict[str, Fingerprint]) -> int:
         raise WeightSyncError(f"vLLM does not hold the trainer's weights ({len(problems)} "
                               "problem(s)):\n  " + "\n  ".join(problems))
     return len(expected)
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+class AdapterFingerprints:
+    """Fingerprints of an adapter-only stream (PEFT names) as vLLM will hold it.
+
+    vLLM folds the adapter's scale into B when it registers an adapter
+    (`lora_b *= scale`, in its LoRA dtype), so the expected B is the streamed B times
+    `scale`, computed the same way (one IEEE multiply per element: the same bits on
+    any device); A is compared as sent.
+
+        expected = AdapterFingerprints(settings.scale)
+        info = load_adapter_stream(engine, expected.watch(adapter_buckets), config)
+        check_adapter_sync(engine, expected, lora_id)
+    """
+
+    def __init__(self, scale: float) -> None:
+        self.scale = float(scale)
+        self.stream = StreamFingerprints()
+        self.dtypes: set = set()
+
+    @property
+    def result(self) -> Dict[str, Fingerprint]:
+        return self.stream.result
+
+    def watch(self, buckets):
+        for bucket in buckets:
+            for name, tensor in bucket:
+                self.dtypes.add(str(tensor.dtype))
+                if name.endswith("lora_B.weight") and self.scale != 1:
+                    tensor = tensor.clone()
+                    tensor *= self.scale
+                self.stream.add(name, tensor)
+            yield bucket
+
+
+def check_adapter_sync(engine, expected: AdapterFingerprints, lora_id: int) -> int:
+    """Raise WeightSyncError unless every vLLM worker holds exactly one adapter, `lora_id`,
+    active in its LoRA slots, whose tensors are bit for bit the trainer's (A, and scale * B
+    as vLLM stores it), and whose slots (what the kernels read) hold them too. Returns the
+    number of tensors checked."""
+    if not expected.result:
+        raise WeightSyncError("no expected fingerprints: the adapter stream was empty")
+    problems = []
+    for i, workers in enumerate(engine.adapter_fingerprints()):
+        for w, held in enumerate(workers):
+            where = f"vLLM engine {i} worker {w}: "
+            if held["ids"] != [lora_id] or held["active"] != [lora_id]:
+                problems.append(f"{where}holds adapters {held['ids']} (active: {held['active']})"
+                                f"; expected only the one just synced, {lora_id}")
+            problems += [where + p for p in held.get("slot_problems", [])]
+            if held["dtypes"] and set(held["dtypes"]) != expected.dtypes:
+                problems.append(f"{where}holds the adapter in {held['dtypes']}, the trainer "
+                                f"sent {sorted(expected.dtypes)}")
+            problems += [where + p for p in compare_fingerprints(expected.result,
+                                                                 held["tensors"])]
+    if problems:
+        raise WeightSyncError(f"vLLM does not hold the trainer's LoRA adapter ({len(problems)} "
+                              "problem(s)):\n  " + "\n  ".join(problems))
+    return len(expected.result)

