@@ -214,7 +214,11 @@ def _begin(out: str, rank: int) -> str:
 
 
 def megatron_logits(chunks, config, args, ids):
-    """HF-vocab logits [B, S, V] of the model, on every rank (forward_only schedule)."""
+    """HF-vocab logits [B, S, V] of the model, on every rank (forward_only schedule).
+
+    With virtual pipeline chunks the interleaved schedule refuses fewer micro-batches than
+    `microbatch_group_size_per_vp_stage` (>= PP): the same batch then runs that many times
+    and the first result is kept."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -236,10 +240,11 @@ def megatron_logits(chunks, config, args, ids):
 
     for c in chunks:
         c.eval()
-    data = [iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None])
+    n = config.microbatch_group_size_per_vp_stage if len(chunks) > 1 else 1
+    data = [iter([None] * n) for _ in chunks] if len(chunks) > 1 else iter([None])
     with torch.no_grad():
         result = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=data, model=chunks, num_microbatches=1,
+            forward_step_func=step, data_iterator=data, model=chunks, num_microbatches=n,
             seq_length=seq, micro_batch_size=batch, forward_only=True)
     logits = torch.empty((batch, seq, args.vocab_size), dtype=torch.float32, device=device)
     # The last stage's ranks hold them; the last rank of the world is one of those.

@@ -1,4 +1,5 @@
-"""LoRA on Megatron against PEFT (issue 15): one 2-rank gloo world, TP=1, TP=2, PP=2, TP=2+SP.
+"""LoRA on Megatron against PEFT (issue 15): one 2-rank gloo world, TP=1, TP=2, PP=2, TP=2+SP,
+PP=2 x VPP=2 (interleaved schedule, 4 micro-batches), CP=2 (sequence split, padded).
 
 The reference is an independent implementation: a tiny Qwen2 in HF transformers wrapped
 by `peft` (every linear targeted, rslora, A and B set to random values so that every
@@ -22,11 +23,14 @@ import torch
 
 from tests.harness import run_distributed
 
-# (tp, pp, sequence parallel); SP runs under Megatron's DDP, whose finalize_model_grads
-# sums the sequence-partial adapter gradients over TP.
-LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 1, True)]
+# (tp, pp, vpp, cp, sequence parallel); SP and CP run under Megatron's DDP, whose
+# finalize_model_grads sums the sequence-partial adapter gradients over TP (SP) and the
+# per-slice ones over CP. VPP needs 4 layers (1 per chunk) and >= PP micro-batches.
+LAYOUTS = [(1, 1, None, 1, False), (2, 1, None, 1, False), (1, 2, None, 1, False),
+           (2, 1, None, 1, True), (1, 2, 2, 1, False), (1, 1, None, 2, False)]
+MERGE_LAYOUT = (2, 1, None, 1, False)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-SEQ, MBS = 10, 2
+SEQ, MBS = 10, 4
 
 
 def _batch(vocab):
@@ -44,65 +48,114 @@ def _world(rank, world_size, model_dir, adapter_dir, out_dir):
     from megatron_grpo.model.lora import adapters_disabled, apply_lora
     from megatron_grpo.platform import ParallelDims, init_parallel
     out = {}
-    for tp, pp, sp in LAYOUTS:
-        init_parallel(ParallelDims(world_size=world_size, tp=tp, pp=pp))
-        config, args = build_transformer_config(model_dir, tp=tp, pp=pp, sequence_parallel=sp)
+    for layout in LAYOUTS:
+        tp, pp, vpp, cp, sp = layout
+        init_parallel(ParallelDims(world_size=world_size, tp=tp, pp=pp, vpp=vpp, cp=cp))
+        config, args = build_transformer_config(model_dir, tp=tp, pp=pp, vpp=vpp, cp=cp,
+                                                sequence_parallel=sp)
         chunks = build_model(config, args)
         load_hf_weights(chunks, config, args, model_dir)
         settings = peft_settings(adapter_dir)
         apply_lora(chunks, config, args, settings)
         load_peft_adapter(chunks, adapter_dir)
-        if sp:
+        ddp = sp or cp > 1
+        if ddp:
             chunks = wrap_ddp(config, chunks)
         ids, pos, labels = _batch(args.vocab_size)[0]
-        logits = megatron_logits(chunks, config, args, ids)
+        logits_fn = _cp_logits if cp > 1 else megatron_logits
+        logits = logits_fn(chunks, config, args, ids)
         with adapters_disabled(chunks):
-            base_logits = megatron_logits(chunks, config, args, ids)
+            base_logits = logits_fn(chunks, config, args, ids)
         for c in chunks:
             c.train()
-        _ce_backward(chunks, ids, pos, labels, args.vocab_size)
+        _ce_backward(chunks, config, ids, pos, labels, args.vocab_size)
         base_grads = [n for c in chunks for n, p in c.named_parameters()
                       if "_lora." not in n and (p.grad is not None
                                                 or getattr(p, "main_grad", None) is not None)]
         trainable = sorted(n for c in chunks for n, p in c.named_parameters() if p.requires_grad)
-        grads = gather_adapters(chunks, source=lambda p: p.main_grad if sp else p.grad)
+        grads = gather_adapters(chunks, source=lambda p: p.main_grad if ddp else p.grad)
         factors = gather_adapters(chunks)
         # adapter-only sync's stream (small buckets: several per sync)
         buckets = [[(n, t.clone()) for n, t in b]
                    for b in adapter_stream(chunks, bucket_size_bytes=4 << 10)]
         merged = {}
-        if tp == 2 and not sp:
+        if layout == MERGE_LAYOUT:
             stream = export_hf_weights(chunks, config, args, bucket_size_bytes=32 << 10)
             for bucket in merge_lora_stream(stream, factors, settings):
                 merged.update({n: t.clone() for n, t in bucket})
             if rank == 0:
                 save_peft_adapter(out_dir, factors, settings, base_model=model_dir)
-        out[tp, pp, sp] = dict(logits=logits, base_logits=base_logits, grads=grads,
-                           base_grads=base_grads, trainable=trainable, merged=merged,
-                           buckets=buckets)
+        out[layout] = dict(logits=logits, base_logits=base_logits, grads=grads,
+                       base_grads=base_grads, trainable=trainable, merged=merged,
+                       buckets=buckets)
     return out
 
 
-def _ce_backward(chunks, ids, pos, labels, vocab):
+def _cp_logits(chunks, config, args, ids):
+    """HF-vocab logits [B, S, V] under context parallelism: each CP rank runs its two
+    sequence slices (padded to a multiple of 2 * cp), the slices are gathered back."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_grpo.data.cp_split import gather_from_cp, shard_batch
+
+    (model,) = chunks
+    pos = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
+    shard = shard_batch({"input_ids": ids, "position_ids": pos},
+                        ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())
+    model.eval()
+    with torch.no_grad():
+        out = model(shard["input_ids"], shard["position_ids"], None)      # [B, S/cp, V/tp]
+        out = gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size]
+        return gather_from_cp(out.float(), seq_len=ids.shape[1])
+
+
+def _ce_backward(chunks, config, ids, pos, labels, vocab):
     """Token-mean CE over the HF vocab (as the PEFT reference computes it: Megatron's own
-    CE would include the padded vocab rows) through Megatron's pipeline schedule."""
+    CE would include the padded vocab rows) through Megatron's pipeline schedule.
+
+    CP: each rank sums the CE of its valid tokens and divides by the whole batch's token
+    count (the schedule's x cp and finalize_model_grads' 1 / cp cancel). VPP: the batch
+    runs as 2 * `microbatch_group_size_per_vp_stage` (= 2 PP) micro-batches, each loss
+    scaled by their number (the schedule divides it back), so the sum is the same token mean.
+    With only PP micro-batches (all in rank 0's warm-up) a forward-backward pass of
+    Megatron 0.16's interleaved schedule hangs on gloo (rank 0 in send_forward_recv_forward,
+    rank 1 in send_forward_backward_recv_forward_backward); forward_only runs."""
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from megatron_grpo.data.cp_split import shard_batch
+
+    cp = ps.get_context_parallel_world_size()
+    mask = torch.ones(labels.shape)
+    if cp > 1:
+        shard = shard_batch({"input_ids": ids, "position_ids": pos, "labels": labels}, cp,
+                            ps.get_context_parallel_rank())
+        ids, pos, labels = shard["input_ids"], shard["position_ids"], shard["labels"]
+        mask = shard.valid.float()
+    count = mask.sum()
+    if cp > 1:
+        torch.distributed.all_reduce(count, group=ps.get_context_parallel_group())
+    n = 2 * config.microbatch_group_size_per_vp_stage if len(chunks) > 1 else 1
+    micro = list(zip(*(t.chunk(n) for t in (ids, pos, labels, mask))))
+
     def step(data_iterator, model):
-        next(data_iterator)
-        out = model(ids, pos, None)
+        m_ids, m_pos, m_labels, m_mask = next(data_iterator)
+        out = model(m_ids, m_pos, None)
 
         def loss_fn(o):
             full = gather_from_tensor_model_parallel_region(o)[..., :vocab].float()
-            loss = torch.nn.functional.cross_entropy(full.reshape(-1, vocab), labels.reshape(-1))
+            ce = torch.nn.functional.cross_entropy(full.reshape(-1, vocab), m_labels.reshape(-1),
+                                                   reduction="none")
+            loss = (ce * m_mask.reshape(-1)).sum() / count * n
             return loss, {"loss": loss.detach().clone()}
         return out, loss_fn
 
-    data = [iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None])
+    data = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
     get_forward_backward_func()(forward_step_func=step, data_iterator=data, model=chunks,
-                                num_microbatches=1, seq_length=SEQ, micro_batch_size=MBS,
-                                forward_only=False)
+                                num_microbatches=n, seq_length=ids.shape[1],
+                                micro_batch_size=ids.shape[0] // n, forward_only=False)
 
 
 def _peft_model(model_dir, adapter_dir=None):
@@ -127,7 +180,7 @@ def world(tmp_path_factory):
     from tools.make_tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("lora")
-    model_dir = str(make_tiny_model(root / "base", family="qwen2", num_layers=2,
+    model_dir = str(make_tiny_model(root / "base", family="qwen2", num_layers=4,
                                     num_key_value_heads=2, vocab_size=999))
     peft_model = _peft_model(model_dir)
     adapter_dir = str(root / "adapter")
@@ -178,7 +231,7 @@ def test_adapter_grads_equal_peft(world, layout):
 def test_merged_stream_equals_peft_merge(world):
     ref = world["ref"]["merged"]
     for r in world["results"]:
-        merged = r[(2, 1, False)]["merged"]
+        merged = r[MERGE_LAYOUT]["merged"]
         assert sorted(merged) == sorted(ref)
         for name, t in merged.items():
             assert (t - ref[name]).abs().max().item() <= 1e-5, name

@@ -171,6 +171,12 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         variable_seq_lengths=True,
+        # Batched p2p (torch's batch_isend_irecv) posts send_prev, recv_prev, send_next,
+        # recv_next in that order on every rank; gloo pairs ops to one peer by order, so at
+        # PP=2 (prev = next) the interleaved schedule's send_forward_backward_recv_* swaps
+        # activation and gradient. Megatron's unbatched path orders even/odd ranks and uses
+        # a second group for one direction, which pairs correctly. NCCL groups batched ops.
+        batch_p2p_comm=torch.cuda.is_available(),
         moe_token_dispatcher_type="alltoall",  # dense models; allgather refuses variable lengths
         cross_entropy_loss_fusion=False,
     )
