@@ -16,7 +16,9 @@ What must hold for the trainer to train on what vLLM sampled from:
   still agrees with the trainer: the sync carries the language model, and the frozen
   vision tower (--freeze_vit and --freeze_aligner default true) that vLLM loaded from the
   checkpoint is the trainer's.
-The evaluation on the held-out prompts goes through the same image path.
+The evaluation on the held-out prompts goes through the same image path. 6 training
+prompts, 2 per step: step 4 samples images vLLM has seen before the weights changed (its
+encoder cache must be reset with them: rollout/colocate.py reset_prefix_cache).
 """
 import json
 import os
@@ -53,10 +55,10 @@ def test_vl_grpo_tp2_colocate(vl_model, count_data, tmp_path):
                    tensor_model_parallel_size=2, bf16="false", beta=0.04, lr=1e-2,
                    max_pixels=BUDGET, vllm_max_model_len=256, log_completions="true",
                    log_rollout_offpolicy_metrics="true", split_dataset_ratio=0.25,
-                   eval_steps=2))
+                   eval_steps=2, train_iters=4))
     assert r.returncode == 0, r.stderr[-4000:]
     rows = _metrics(out)
-    assert [row["step"] for row in rows] == [1, 2]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for row in rows:
         for key in ("kl", "log_ppl_diff_max", "log_ppl_diff_min"):
             assert abs(row["rollout_correction/" + key]) < 1e-4, row
@@ -78,4 +80,4 @@ def test_vl_grpo_tp2_colocate(vl_model, count_data, tmp_path):
     assert len(want) == 1 and want != image_tokens(own), (want, image_tokens(own))
     with open(os.path.join(out, "completions.jsonl")) as f:
         done = [json.loads(line) for line in f]
-    assert len(done) == 16 and {d["image_tokens"] for d in done} == want, done[0]
+    assert len(done) == 32 and {d["image_tokens"] for d in done} == want, done[0]
