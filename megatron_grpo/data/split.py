@@ -5,9 +5,10 @@
 `--split_dataset_ratio r` holds out max(int(n * r), 1) of the n DISTINCT prompts of
 `--dataset` (as ms-swift: at least one), drawn with the seed, or the last ones when
 `--dataset_shuffle false` (what HF's train_test_split without shuffling does, which
-ms-swift calls). "Distinct" is by the chat messages (and the images of image rows): a `#N` suffix larger than the file
-repeats rows, and a repeated prompt must not land on both sides, so every copy of a
-held-out prompt leaves the training set and the validation set keeps one copy.
+ms-swift calls). "Distinct" is by the chat messages (and the images of image rows): a
+`#N` suffix larger than the file repeats rows, and a repeated prompt must not land on
+both sides, so every copy of a held-out prompt leaves the training set and the validation
+set keeps one copy.
 The split is a pure function of (dataset, ratio, seed, shuffle): every rank, and every
 resumed run, computes the same one.
 """

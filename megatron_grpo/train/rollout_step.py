@@ -71,9 +71,17 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     lo, hi = rank * len(prompt_indices) // world, (rank + 1) * len(prompt_indices) // world
     images = {}                  # prompt position -> ImageInputs (image prompts)
     if multi_turn is None and getattr(dataset, "images", None) is not None:
-        payload, images = _single_turn_images(engine, vision, dataset, prompt_indices,
-                                              max_prompt_length, lo, hi)
+        payload, images = _single_turn_images(engine, vision, dataset, prompt_indices, lo, hi)
         images = {k: v for part in all_gather_objects(images) for k, v in part.items()}
+        # Left truncation (text prompts) could cut an image's tokens: refused, on every
+        # rank alike (after the gather: one rank raising alone would hang the others).
+        long = {k: img.image_mask.numel() for k, img in images.items()
+                if max_prompt_length and img.image_mask.numel() > max_prompt_length}
+        if long:
+            k, n = min(long.items())
+            raise ValueError(f"--max_length {max_prompt_length}: prompt {prompt_indices[k]} of the "
+                             f"dataset has {n} tokens with its images; image prompts are not "
+                             "truncated: raise --max_length or lower --max_pixels")
     elif multi_turn is None:
         payload = _single_turn(engine, tokenizer, dataset, prompt_indices, render,
                                max_prompt_length, lo, hi)
@@ -140,7 +148,7 @@ def _single_turn(engine, tokenizer, dataset, prompt_indices, render, max_prompt_
              c.truncated, c.logprobs, None, c.routed_experts) for c in completions]
 
 
-def _single_turn_images(engine, vision, dataset, prompt_indices, max_prompt_length, lo, hi):
+def _single_turn_images(engine, vision, dataset, prompt_indices, lo, hi):
     """`_single_turn` for a dataset with images: this rank's payload, and the ImageInputs
     of its image prompts by prompt position (one object per prompt)."""
     import os
@@ -153,13 +161,7 @@ def _single_turn_images(engine, vision, dataset, prompt_indices, max_prompt_leng
     encoded = []
     for i in prompt_indices[lo:hi]:
         base = os.path.dirname(dataset.sources[i]) if dataset.sources else None
-        p = vision.encode(dataset.messages[i], dataset.images[i], base_dir=base)
-        if max_prompt_length and len(p.prompt_ids) > max_prompt_length:
-            # Left truncation (text prompts) could cut an image's tokens: refused.
-            raise ValueError(f"--max_length {max_prompt_length}: prompt {i} of the dataset has "
-                             f"{len(p.prompt_ids)} tokens with its images; image prompts are not "
-                             "truncated: raise --max_length or lower --max_pixels")
-        encoded.append(p)
+        encoded.append(vision.encode(dataset.messages[i], dataset.images[i], base_dir=base))
     completions = []
     if hi > lo or engine.tp_size > 1:       # a vLLM TP group generates together
         completions = engine.generate([p.vllm_prompt_ids for p in encoded],
