@@ -1,5 +1,6 @@
 """Dynamic sampling and advantages over a generation batch (no vLLM: batches are built
 directly, the sampler is a list)."""
+import pytest
 import torch
 
 from megatron_grpo.train.batch import Sample
@@ -42,3 +43,54 @@ def test_without_dynamic_sample_and_advantages():
     assert adv[0] > 0 > adv[1] and adv[2] == adv[3] == 0.0
     assert out.metrics["frac_reward_zero_std"] == 0.5
     assert out.metrics["completions/mean_length"] == 2.0
+
+
+@pytest.mark.slow     # builds the tiny Qwen2.5-VL and its processor (~10 s)
+def test_image_prompts_encode_once_and_share_their_images(tmp_path):
+    """The rollout step's image path with a stand-in engine (the real one is
+    tests/test_vl_e2e.py): vLLM gets the unexpanded ids and the images, the samples carry
+    the processor's expanded ids and one ImageInputs per prompt; an expansion that differs
+    from the processor's, and an image prompt over --max_length, stop the step."""
+    from megatron_grpo.data import load_prompt_dataset
+    from megatron_grpo.data.vision import VisionProcessor
+    from megatron_grpo.rollout.colocate import Completion
+    from megatron_grpo.train.rollout_step import generate_and_score
+    from tools.make_tiny_vl_model import make_tiny_vl_model
+    from tools.make_vl_count_data import main as make_count_data
+
+    model = str(make_tiny_vl_model(tmp_path / "vl"))
+    ds = load_prompt_dataset([make_count_data(["--out_dir", str(tmp_path / "c"), "--n", "2"])])
+    vp = VisionProcessor(model)
+    want = [vp.encode(ds.messages[i], ds.images[i], str(tmp_path / "c")) for i in range(2)]
+
+    class Engine:
+        tp_size, calls, expand = 1, [], None
+
+        def generate(self, ids, images=None):
+            self.calls.append((ids, images))
+            return [Completion(k, [7, 8], "2", False, [-0.5, -0.25],
+                               prompt_token_ids=self.expand or want[k].prompt_ids)
+                    for k in range(len(ids)) for _ in range(2)]
+
+    def ones(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def run(engine, **kw):
+        return generate_and_score(engine=engine, tokenizer=vp.tokenizer, dataset=ds,
+                                  prompt_indices=[0, 1], reward_funcs=[ones], num_generations=2,
+                                  render=lambda t, m: "", vision=vp, **kw)
+
+    engine = Engine()
+    batch = run(engine)
+    ids, images = engine.calls[0]
+    assert ids == [w.vllm_prompt_ids for w in want] and len(images[0]) == 1
+    s = batch.samples
+    assert [x.prompt_ids for x in s] == [want[0].prompt_ids] * 2 + [want[1].prompt_ids] * 2
+    assert s[0].images is s[1].images and s[2].images is not s[0].images
+    assert int(s[0].images.image_mask.sum()) == want[0].prompt_ids.count(vp.image_token_id) > 1
+    engine.expand = want[0].prompt_ids[:-1]
+    with pytest.raises(RuntimeError, match="expanded an image prompt"):
+        run(engine)
+    engine.expand = None
+    with pytest.raises(ValueError, match="--max_length 10: prompt 0 .* image prompts are not"):
+        run(engine, max_prompt_length=10)

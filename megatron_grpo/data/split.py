@@ -5,14 +5,16 @@
 `--split_dataset_ratio r` holds out max(int(n * r), 1) of the n DISTINCT prompts of
 `--dataset` (as ms-swift: at least one), drawn with the seed, or the last ones when
 `--dataset_shuffle false` (what HF's train_test_split without shuffling does, which
-ms-swift calls). "Distinct" is by the chat messages: a `#N` suffix larger than the file
-repeats rows, and a repeated prompt must not land on both sides, so every copy of a
-held-out prompt leaves the training set and the validation set keeps one copy.
+ms-swift calls). "Distinct" is by the chat messages (and the images of image rows): a
+`#N` suffix larger than the file repeats rows, and a repeated prompt must not land on
+both sides, so every copy of a held-out prompt leaves the training set and the validation
+set keeps one copy.
 The split is a pure function of (dataset, ratio, seed, shuffle): every rank, and every
 resumed run, computes the same one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from typing import List, Optional, Tuple
@@ -20,9 +22,22 @@ from typing import List, Optional, Tuple
 from .loading import PromptDataset, load_prompt_dataset
 
 
-def prompt_key(messages: List[dict]) -> str:
-    """Identity of a prompt: its chat messages (system prompt included)."""
-    return json.dumps(messages, sort_keys=True, ensure_ascii=False)
+def prompt_key(messages: List[dict], images: Optional[list] = None) -> str:
+    """Identity of a prompt: its chat messages (system prompt included) and its images
+    (image rows often share one question: the images tell them apart)."""
+    key = json.dumps(messages, sort_keys=True, ensure_ascii=False)
+    return key + "".join("\0" + _image_key(ref) for ref in images or [])
+
+
+def _image_key(ref) -> str:
+    """A path as given; bytes (or a {"bytes"} dict, a PIL image) by their digest."""
+    if isinstance(ref, dict):
+        ref = ref.get("bytes") or ref.get("path")
+    if hasattr(ref, "tobytes"):                          # a PIL image
+        ref = ref.tobytes()
+    if isinstance(ref, (bytes, bytearray)):
+        return hashlib.sha1(ref).hexdigest()
+    return str(ref)
 
 
 def split_validation(dataset: PromptDataset, ratio: float, seed: int, shuffle: bool = True
@@ -36,7 +51,8 @@ def split_validation(dataset: PromptDataset, ratio: float, seed: int, shuffle: b
         raise ValueError(f"--split_dataset_ratio {ratio} must be in [0, 1)")
     if ratio == 0:
         return dataset, None
-    keys = [prompt_key(m) for m in dataset.messages]
+    keys = [prompt_key(m, dataset.images[i] if dataset.images else None)
+            for i, m in enumerate(dataset.messages)]
     first: dict = {}
     for i, key in enumerate(keys):
         first.setdefault(key, i)

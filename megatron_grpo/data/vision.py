@@ -220,6 +220,8 @@ class VisionProcessor:
         self.tokenizer = self.processor.tokenizer
         self.image_token = self.processor.image_token
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        # merged patches per image token along each side (vision_config.spatial_merge_size)
+        self.spatial_merge_size = int(getattr(self.processor.image_processor, "merge_size", 2))
 
     @property
     def mm_processor_kwargs(self) -> Dict[str, Any]:

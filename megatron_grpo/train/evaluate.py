@@ -107,13 +107,14 @@ class Evaluator:
     """
 
     def __init__(self, cfg, dataset, *, engine, tokenizer, render, reward_funcs, reward_names,
-                 total_steps: int, sync, logger, multi_turn=None) -> None:
+                 total_steps: int, sync, logger, multi_turn=None, vision=None) -> None:
         e, g = cfg.evaluation, cfg.grpo
         self.cfg, self.dataset, self.engine = cfg, dataset, engine
         self.tokenizer, self.render = tokenizer, render
         self.reward_funcs, self.reward_names = reward_funcs, list(reward_names)
         self.total_steps, self.sync, self.logger = total_steps, sync, logger
         self.multi_turn = multi_turn     # rollout.trajectory.MultiTurnRollout, or None
+        self.vision = vision             # data.vision.VisionProcessor (image prompts), or None
         self.n = e.num_generations_eval
         # Prompts per engine call: a generation batch's worth of completions.
         self.chunk = max(1, g.generation_batch_size // self.n)
@@ -154,7 +155,8 @@ class Evaluator:
             engine=_WithGenerations(self.engine, self.n), tokenizer=self.tokenizer,
             dataset=self.dataset, prompt_indices=prompt_indices, reward_funcs=self.reward_funcs,
             num_generations=self.n, render=self.render,
-            max_prompt_length=self.cfg.data.max_length, multi_turn=self.multi_turn)
+            max_prompt_length=self.cfg.data.max_length, multi_turn=self.multi_turn,
+            vision=self.vision)
 
     def _log(self, step: int, index: List[int], batch: GenerationBatch, metrics: dict) -> None:
         rows = [i for i in index for _ in range(self.n)]

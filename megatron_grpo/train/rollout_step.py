@@ -10,6 +10,14 @@ groups, and batch statistics for scale_rewards=batch) are computed once, identic
 Sampling is spread over the ranks: each takes a contiguous share of the prompts (a
 vLLM TP group pools its members' shares inside the engine); scoring likewise; both
 are then all-gathered.
+
+Image prompts (vision-language models, `vision`: a data.vision.VisionProcessor): the
+rank that samples a prompt encodes it once with the model's processor; vLLM gets the
+ids with one image placeholder per image plus the PIL images, and must expand them to
+the processor's ids (`check_expanded`). The prompt's `ImageInputs` (pixel values, grid,
+mrope positions) are all-gathered once per prompt, not per completion, and every
+completion of the prompt carries that one object as `Sample.images`, so the old, ref
+and training forwards see the pixels and positions vLLM sampled from.
 """
 from __future__ import annotations
 
@@ -47,20 +55,34 @@ def all_gather_objects(obj):
 
 def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int], reward_funcs,
                        num_generations: int, render, max_prompt_length=None,
-                       multi_turn=None) -> GenerationBatch:
+                       multi_turn=None, vision=None) -> GenerationBatch:
     """Sample `num_generations` completions for each prompt index and score them.
 
     `multi_turn` (a rollout.trajectory.MultiTurnRollout): whole trajectories instead of
     single completions; each sample then carries its loss mask, the reward functions see
     the last model message as the completion (plus `messages` and `rollout_infos`).
-    Advantages and reward metrics are left to `finish_batch` (after dynamic sampling)."""
+    Advantages and reward metrics are left to `finish_batch` (after dynamic sampling).
+    `vision` (data.vision.VisionProcessor): a dataset with images (module docstring)."""
     t0 = time.perf_counter()
     # Each rank samples a contiguous share of the prompts (vLLM TP groups pool their
     # members' shares inside `engine.generate`), then every rank gathers everything.
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     lo, hi = rank * len(prompt_indices) // world, (rank + 1) * len(prompt_indices) // world
-    if multi_turn is None:
+    images = {}                  # prompt position -> ImageInputs (image prompts)
+    if multi_turn is None and getattr(dataset, "images", None) is not None:
+        payload, images = _single_turn_images(engine, vision, dataset, prompt_indices, lo, hi)
+        images = {k: v for part in all_gather_objects(images) for k, v in part.items()}
+        # Left truncation (text prompts) could cut an image's tokens: refused, on every
+        # rank alike (after the gather: one rank raising alone would hang the others).
+        long = {k: img.image_mask.numel() for k, img in images.items()
+                if max_prompt_length and img.image_mask.numel() > max_prompt_length}
+        if long:
+            k, n = min(long.items())
+            raise ValueError(f"--max_length {max_prompt_length}: prompt {prompt_indices[k]} of the "
+                             f"dataset has {n} tokens with its images; image prompts are not "
+                             "truncated: raise --max_length or lower --max_pixels")
+    elif multi_turn is None:
         payload = _single_turn(engine, tokenizer, dataset, prompt_indices, render,
                                max_prompt_length, lo, hi)
     else:
@@ -103,7 +125,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
                               truncated=bool(truncated),
                               rollout_logps=list(logps) if logps else None, meta=meta,
                               loss_mask=list(extra["loss_mask"]) if extra else None,
-                              routed_experts=routed))
+                              images=images.get(pi), routed_experts=routed))
     rendered = {}
     prompts = [g[6]["prompt"] if g[6] else rendered.setdefault(
         g[0], render(tokenizer, dataset.messages[prompt_indices[g[0]]])) for g in gathered]
@@ -124,6 +146,39 @@ def _single_turn(engine, tokenizer, dataset, prompt_indices, render, max_prompt_
         completions = engine.generate(prompt_ids)            # num_generations per prompt
     return [(lo + c.prompt_index, list(prompt_ids[c.prompt_index]), c.token_ids, c.text,
              c.truncated, c.logprobs, None, c.routed_experts) for c in completions]
+
+
+def _single_turn_images(engine, vision, dataset, prompt_indices, lo, hi):
+    """`_single_turn` for a dataset with images: this rank's payload, and the ImageInputs
+    of its image prompts by prompt position (one object per prompt)."""
+    import os
+
+    from .batch import ImageInputs
+
+    if vision is None:
+        raise ValueError("the dataset has an `images` column, but --model is not a "
+                         "vision-language model (no image processor)")
+    encoded = []
+    for i in prompt_indices[lo:hi]:
+        base = os.path.dirname(dataset.sources[i]) if dataset.sources else None
+        encoded.append(vision.encode(dataset.messages[i], dataset.images[i], base_dir=base))
+    completions = []
+    if hi > lo or engine.tp_size > 1:       # a vLLM TP group generates together
+        completions = engine.generate([p.vllm_prompt_ids for p in encoded],
+                                      images=[p.images for p in encoded])
+    images = {}
+    for k, p in enumerate(encoded):
+        if p.images:
+            images[lo + k] = ImageInputs.from_prompt(p.prompt_ids, p.pixel_values,
+                                                     p.image_grid_thw, vision.image_token_id,
+                                                     vision.spatial_merge_size)
+    for c in completions:
+        p = encoded[c.prompt_index]
+        if p.images:     # vLLM's expansion of the placeholders must be the processor's
+            p.check_expanded(c.prompt_token_ids)
+    payload = [(lo + c.prompt_index, list(encoded[c.prompt_index].prompt_ids), c.token_ids,
+                c.text, c.truncated, c.logprobs, None, c.routed_experts) for c in completions]
+    return payload, images
 
 
 def _select_groups(batch: GenerationBatch, groups: list[int], k: int) -> GenerationBatch:
@@ -290,7 +345,8 @@ def rollout_phase(run) -> RolloutBatch:
             engine=run.engine, tokenizer=run.tokenizer, dataset=run.dataset,
             prompt_indices=run.sampler.next_batch(), reward_funcs=run.reward_funcs,
             num_generations=g.num_generations, render=run.render,
-            max_prompt_length=cfg.data.max_length, multi_turn=run.multi_turn),
+            max_prompt_length=cfg.data.max_length, multi_turn=run.multi_turn,
+            vision=run.vision),
         prompts, g.num_generations, dynamic_sample=g.dynamic_sample,
         max_resample_times=g.max_resample_times, reward_weights=cfg.reward.reward_weights)
     run.sync.take_back()

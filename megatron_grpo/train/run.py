@@ -42,6 +42,7 @@ class Run:
     dp: int                      # data-parallel size and this rank's DP rank
     dp_rank: int
     multi_turn: Any = None       # rollout.trajectory.MultiTurnRollout (--multi_turn_scheduler)
+    vision: Any = None           # data.vision.VisionProcessor (a dataset with images), or None
 
     @property
     def per_step(self) -> int:
@@ -87,6 +88,7 @@ def build_run(cfg) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.model)
     render = functools.partial(render_prompt, enable_thinking=cfg.data.enable_thinking)
     dataset = _drop_long_prompts(cfg, dataset, tokenizer, render)
+    vision = _vision_processor(cfg, dataset, val_dataset)
     sampler = PromptSampler(len(dataset), g.generation_batch_size // g.num_generations,
                             seed=t.seed, shuffle=cfg.data.dataset_shuffle)
     steps = total_steps(cfg, len(dataset))
@@ -118,11 +120,28 @@ def build_run(cfg) -> Run:
     evaluator = build_evaluator(cfg, val_dataset, engine=engine, tokenizer=tokenizer,
                                 render=render, reward_funcs=reward_funcs,
                                 reward_names=reward_names, total_steps=steps,
-                                sync=sync, logger=logger, multi_turn=multi_turn)
+                                sync=sync, logger=logger, multi_turn=multi_turn, vision=vision)
     return Run(cfg, loss, policy, ref, engine, sync, tokenizer, render, dataset, sampler,
                reward_funcs, reward_names, logger, evaluator, steps, step,
                ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-               multi_turn=multi_turn)
+               multi_turn=multi_turn, vision=vision)
+
+
+def _vision_processor(cfg, dataset, val_dataset):
+    """The model's processor with the run's pixel budget when a dataset has images (None
+    otherwise); checked before the model is built."""
+    from ..data.vision import VisionProcessor, is_vision_language
+
+    if all(d is None or d.images is None for d in (dataset, val_dataset)):
+        return None
+    if not is_vision_language(cfg.model.model):
+        raise ValueError(f"--dataset has an `images` column, but --model {cfg.model.model} is not "
+                         "a vision-language model (allowed: a Qwen2.5-VL checkpoint; or drop the "
+                         "images)")
+    if cfg.rollout.multi_turn_scheduler is not None:
+        raise ValueError(f"--multi_turn_scheduler {cfg.rollout.multi_turn_scheduler}: multi-turn "
+                         "rollouts take no images yet; the dataset has an `images` column")
+    return VisionProcessor(cfg.model.model, cfg.data.max_pixels)
 
 
 def build_multi_turn(cfg, tokenizer):
@@ -178,6 +197,9 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool) -> Non
         if run.multi_turn is not None:           # the whole trajectory, with roles
             extra["messages"] = [s.meta["messages"] for s in gen.samples]
             extra["num_turns"] = [s.meta["num_turns"] for s in gen.samples]
+        if run.vision is not None:               # the prompt's image tokens the trainer fed
+            extra["image_tokens"] = [0 if s.images is None else int(s.images.image_mask.sum())
+                                     for s in gen.samples]
         run.logger.completions(run.step, gen.prompts, gen.texts, gen.rewards_per_func.tolist(),
                                run.reward_names, extra=extra)
     if run.step % log.save_steps == 0 or run.step >= run.total_steps:
