@@ -147,6 +147,9 @@ def test_vision_options_are_checked_before_start_up(model_dir, count_data, monke
     assert "--max_pixels=100 is below the model's min_pixels=3136" in text
     assert "--vllm_limit_mm_per_prompt {'video': 1} is not valid" in text and \
         "allowed modalities: image" in text
+    _, problems = build_config(base + ["--check_weight_sync", "true"])
+    assert "--check_weight_sync true is not supported for vision-language models" in \
+        "\n".join(problems.messages)
     monkeypatch.setenv("MAX_PIXELS", "many")
     _, problems = build_config(base)
     assert "MAX_PIXELS (environment)='many' is not an integer" in "\n".join(problems.messages)
