@@ -79,24 +79,31 @@ class WeightSync:
         # LoRA: W + scale * B @ A per HF tensor, in its bucket slot (model/lora_peft.py)
         stream = merged_stream(policy.chunks, stream)
         expected = StreamFingerprints() if r.check_weight_sync else None
+        return self._deliver(stream, expected, lambda s: load_weight_stream(self.engine, s),
+                             lambda info: check_weight_sync(self.engine, expected.result))
+
+    def _deliver(self, stream, expected, load, check) -> dict:
+        """Feed `stream` to the engine through `load` (in server mode rank 0 alone uploads;
+        the other ranks iterate it to take part in its collectives), then, with
+        `expected` fingerprints, `check(info)` what the engine holds."""
         if expected is not None:
             stream = expected.watch(stream)
         if self.is_server and dist.get_rank() != 0:
-            for _ in stream:          # take part in the collectives; rank 0 does the upload
+            for _ in stream:
                 pass
             info = {}
         else:
-            info = load_weight_stream(self.engine, stream)
+            info = load(stream)
             if expected is not None:
-                check_weight_sync(self.engine, expected.result)
+                check(info)
         dist.barrier()
         return info
 
     def _sync_adapter(self, bucket: int) -> dict:
         """Adapter-only sync: the factors in buckets of at most `bucket` bytes (collective
         over every trainer rank); in server mode rank 0 alone uploads."""
+        from ..model.lora import lora_settings
         from ..model.lora_peft import adapter_stream, peft_config
-        from megatron_grpo.model.lora import lora_settings
 
         from .verify import AdapterFingerprints, check_adapter_sync
         from .weights import load_adapter_stream
@@ -104,21 +111,13 @@ class WeightSync:
         settings = lora_settings(self.policy.chunks)
         stream = adapter_stream(self.policy.chunks, bucket_size_bytes=bucket)
         expected = AdapterFingerprints(settings.scale) if self.opts.check_weight_sync else None
-        if expected is not None:
-            stream = expected.watch(stream)
-        if self.is_server and dist.get_rank() != 0:
-            for _ in stream:          # take part in the collectives; rank 0 does the upload
-                pass
-            info = {}
-        else:
-            info = load_adapter_stream(self.engine, stream, peft_config(settings))
-            if expected is not None:
-                check_adapter_sync(self.engine, expected, info["lora_id"])
+        info = self._deliver(
+            stream, expected, lambda s: load_adapter_stream(self.engine, s, peft_config(settings)),
+            lambda info: check_adapter_sync(self.engine, expected, info["lora_id"]))
         if self.is_server:            # every rank's client samples with the new adapter
             name = [info.get("lora_name")]
             dist.broadcast_object_list(name, src=0)
             self.engine.lora_name = name[0]
-        dist.barrier()
         return info
 
     def hand_over(self) -> None:
