@@ -168,7 +168,7 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
         _positive(p, "lr_decay_iters", t.lr_decay_iters)
     p.require(t.clip_grad >= 0, f"--clip_grad {t.clip_grad} must be >= 0 (0 disables clipping)")
     p.require(t.weight_decay >= 0, f"--weight_decay {t.weight_decay} must be >= 0")
-    _check_lora(t, p)
+    _check_lora(t, p, cfg.model.model)
     _check_recompute(t, p)
     _check_freeze(cfg, p)
     _check_vision_sync(cfg, p)
@@ -208,7 +208,7 @@ def _check_vision_sync(cfg: "GRPOConfig", p: Problems) -> None:
               "--check_weight_sync false")
 
 
-def _check_lora(t, p: Problems) -> None:
+def _check_lora(t, p: Problems, model: Optional[str] = None) -> None:
     """The LoRA options (tuner_type lora), one line each."""
     from .groups import LORA_TARGET_MODULES as HF_TARGETS
 
@@ -229,6 +229,14 @@ def _check_lora(t, p: Problems) -> None:
     bad = [m for m in t.modules_to_save if m.rsplit(".", 1)[-1] not in ("embed_tokens", "lm_head")]
     p.require(not bad, f"--modules_to_save {' '.join(t.modules_to_save)}: {bad} not supported; "
                        "allowed: any of embed_tokens lm_head")
+    saved = list(t.modules_to_save) or _adapter_modules_to_save(t)
+    hf = _hf_config(model) if saved else None
+    if hf is not None:   # model/lora.py trains Megatron's untied embedding / output layer
+        p.require("vision_config" not in hf and not hf.get("tie_word_embeddings", False),
+                  f"--modules_to_save {' '.join(saved)} with --model {model!r}: "
+                  + ("a vision-language model" if "vision_config" in hf else
+                     "lm_head is tied to embed_tokens (tie_word_embeddings)")
+                  + " is not supported; allowed: untied text models. Fix: drop --modules_to_save")
     p.require(len(t.adapters) <= 1,
               f"--adapters {' '.join(t.adapters)}: one adapter folder is allowed")
     for folder in t.adapters:
