@@ -314,3 +314,19 @@ def test_peft_settings_reads_modules_to_save(tmp_path):
     s = peft_settings(str(tmp_path))
     assert s.modules_to_save == ("embed_tokens", "lm_head")
     assert peft_config(s)["modules_to_save"] == ["embed_tokens", "lm_head"]
+
+
+def test_offload_model_moves_the_modules_to_save_original():
+    """offload_model frees the frozen original of a --modules_to_save parameter too (it is
+    not a parameter, so it would stay on the device while vLLM generates) and brings it back."""
+    from megatron_grpo.rollout.offload import offload_model, onload_model
+
+    chunk = torch.nn.Embedding(8, 4)
+    p = chunk.weight
+    p.lora_original = p.detach().clone() + 1
+    want = p.lora_original.clone()
+    offload_model([chunk])
+    left = p.lora_original.untyped_storage().nbytes()
+    onload_model([chunk])     # before any assert: pytest must not print a freed tensor
+    assert left == 0
+    assert torch.equal(p.lora_original, want)
