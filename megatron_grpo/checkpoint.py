@@ -55,7 +55,7 @@ import torch.distributed as dist
 from bridge.hf_checkpoint import copy_hf_side_files
 
 from .model.builder import unwrap
-from .model.lora import is_adapter_param, lora_settings
+from .model.lora import is_lora_state, lora_settings
 from .platform.compat.megatron import (adam_step_fixed_on_load, is_distributed_optimizer,
                                       regroup_loaded_optimizer_state,
                                       torch_adam_distributed_optimizers, torch_optimizers)
@@ -298,11 +298,13 @@ def _sharded_state_dict(chunks, optimizer, scheduler, is_loading: bool,
     else:
         for i, chunk in enumerate(chunks):
             sd[f"model{i}"] = unwrap(chunk).sharded_state_dict(metadata=dict(metadata))
-    if lora_settings(chunks) is not None:
-        # LoRA: the frozen base comes from --model; a checkpoint holds the adapters only
-        # (and, below, their optimizer state: the optimizer holds nothing else).
+    settings = lora_settings(chunks)
+    if settings is not None:
+        # LoRA: the frozen base comes from --model; a checkpoint holds the adapters and the
+        # --modules_to_save parameters only (and, below, their optimizer state: the
+        # optimizer holds nothing else).
         for key in [k for k in sd if k.startswith("model")]:
-            sd[key] = {k: v for k, v in sd[key].items() if is_adapter_param(k)}
+            sd[key] = {k: v for k, v in sd[key].items() if is_lora_state(k, settings)}
     if optimizer is not None:
         if is_loading:
             _prime_optimizer_state(optimizer)
@@ -475,13 +477,14 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     sd = _sharded_state_dict(chunks, optimizer, None, True, meta["optim_sharding_type"],
                              qkv_metadata)
     loaded = dist_checkpointing.load(sd, dist_dir)
-    lora = lora_settings(chunks) is not None   # adapters only; the base came from --model
+    settings = lora_settings(chunks)   # LoRA: adapters only; the base came from --model
+    lora = settings is not None
     for i, chunk in enumerate(chunks):
         missing, _ = unwrap(chunk).load_state_dict(
             loaded["model" if len(chunks) == 1 else f"model{i}"], strict=not lora)
-        if lora and any(is_adapter_param(k) for k in missing):
+        if lora and any(is_lora_state(k, settings) for k in missing):
             raise RuntimeError(f"checkpoint {path}: adapter tensors missing: "
-                               f"{[k for k in missing if is_adapter_param(k)][:5]}")
+                               f"{[k for k in missing if is_lora_state(k, settings)][:5]}")
     if optimizer is not None:
         # no_grad: with fp32 weights the distributed optimizer's main params are views
         # of the model's leaf params, and the dp_reshardable loader copies into them.

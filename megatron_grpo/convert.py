@@ -37,7 +37,7 @@ from megatron_grpo.config.hf_model import head_size, text_config
 from megatron_grpo.model import build_model, build_transformer_config, load_hf_config
 from megatron_grpo.model.kv_replication import (checkpoint_load_metadata, legacy_replicated_layout,
                                                 saved_query_groups)
-from megatron_grpo.model.lora import is_adapter_param, lora_settings
+from megatron_grpo.model.lora import is_lora_state, lora_settings
 from megatron_grpo.model.lora_peft import (gather_adapters, merged_stream, prepare_lora_export,
                                            save_peft_adapter)
 from megatron_grpo.config.parallel import ParallelDims
@@ -316,7 +316,9 @@ def main(argv: list[str]) -> int:
         metadata = checkpoint_load_metadata(src.dist_dir, chunks, repr(a.mcore_model))
         sd = _sharded_state_dict(chunks, metadata)
         if src.lora:    # the checkpoint holds the adapters only
-            sd = {k: {n: t for n, t in v.items() if is_adapter_param(n)} for k, v in sd.items()}
+            settings = lora_settings(chunks)   # adapters and --modules_to_save parameters
+            sd = {k: {n: t for n, t in v.items() if is_lora_state(n, settings)}
+                  for k, v in sd.items()}
         state = dist_checkpointing.load(sd, src.dist_dir)
         for i, chunk in enumerate(chunks):   # LoRA: the adapters only (base from HF)
             unwrap(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"],

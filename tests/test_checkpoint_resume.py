@@ -3,8 +3,8 @@
 Dropout is switched on (hidden and attention) so that a resume that failed to restore
 the torch generator or Megatron's RNG tracker would draw other masks and diverge.
 The LoRA case (adapters on every linear, with dropout on their input too; the base
-frozen) holds that a checkpoint of adapters and their optimizer state alone resumes
-exactly: the same losses, adapter weights and learning rate as the uninterrupted run.
+frozen but for --modules_to_save embed_tokens and lm_head) holds that a checkpoint of
+adapters, those two parameters and their optimizer state alone resumes exactly: the same losses, adapter weights and learning rate as the uninterrupted run.
 """
 import os
 
@@ -20,7 +20,8 @@ DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 
 def _trainer(world, tp, dist_opt, seed, lora=False):
     """Model, optimizer and a warm-up + cosine LR schedule (the LR changes every step).
-    lora: rank-4 adapters on every linear (dropout 0.1), the base frozen."""
+    lora: rank-4 adapters on every linear (dropout 0.1), the base frozen but for the
+    embedding and output layer (--modules_to_save embed_tokens lm_head)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -29,7 +30,8 @@ def _trainer(world, tp, dist_opt, seed, lora=False):
 
     config, args, chunks = setup(world, tp=tp, seed=seed, **DROPOUT)
     if lora:
-        apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.1))
+        apply_lora(chunks, config, args, LoraSettings(
+            rank=4, alpha=8, dropout=0.1, modules_to_save=("embed_tokens", "lm_head")))
     chunks = wrap_ddp(config, chunks, use_distributed_optimizer=dist_opt)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01,

@@ -49,8 +49,10 @@ CASES = [
     (["--tuner_type", "lora", "--lora_dropout", "1.5"], ["--lora_dropout 1.5", "[0, 1)"]),
     (["--tuner_type", "lora", "--target_modules", "q_proj", "qkv"],
      ["--target_modules q_proj qkv", "['qkv']", "all-linear", "q_proj k_proj v_proj o_proj"]),
-    (["--tuner_type", "lora", "--modules_to_save", "lm_head"],
-     ["--modules_to_save lm_head", "not supported yet"]),
+    (["--tuner_type", "lora", "--modules_to_save", "lm_head", "score"],
+     ["--modules_to_save lm_head score", "['score']", "embed_tokens lm_head"]),
+    (["--tuner_type", "lora", "--modules_to_save", "lm_head", "--vllm_enable_lora", "true"],
+     ["--modules_to_save lm_head with --vllm_enable_lora true", "--vllm_enable_lora false"]),
     (["--tuner_type", "lora", "--adapters", "/nonexistent"],
      ["--adapters '/nonexistent'", "adapter_config.json"]),
     (["--merge_lora", "true"], ["--merge_lora True", "needs --tuner_type lora"]),
@@ -371,6 +373,25 @@ def test_vllm_lora_rank_defaults_to_the_smallest_that_fits(model_dir, tmp_path):
     cfg = parse_rlhf_args(args(model_dir, "--tuner_type", "lora", "--adapters", str(adapter),
                                "--vllm_enable_lora", "true"))
     assert cfg.rollout.vllm_max_lora_rank == 64     # the adapter's r, not --lora_rank
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({"tie_word_embeddings": True}, "lm_head is tied to embed_tokens (tie_word_embeddings)"),
+    ({"vision_config": {}}, "a vision-language model")])
+def test_modules_to_save_refused_for_tied_and_vl_models(tmp_path, extra, expected):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", **extra}))
+    msg = error_of(args(str(d), "--tuner_type", "lora", "--modules_to_save", "embed_tokens"))
+    assert f"--modules_to_save embed_tokens with --model {str(d)!r}: {expected}" in msg
+    assert "allowed: untied text models" in msg
+    parse_rlhf_args(args(str(d), "--tuner_type", "lora"))   # without it: fine
+
+
+def test_modules_to_save_accepted(model_dir):
+    cfg = parse_rlhf_args(args(model_dir, "--tuner_type", "lora", "--modules_to_save",
+                               "lm_head", "embed_tokens"))
+    assert cfg.training.modules_to_save == ["lm_head", "embed_tokens"]
 
 
 def test_vllm_lora_refused_for_moe(tmp_path):

@@ -3,12 +3,14 @@ PP=2 x VPP=2 (interleaved schedule, 4 micro-batches), CP=2 (sequence split, padd
 
 The reference is an independent implementation: a tiny Qwen2 in HF transformers wrapped
 by `peft` (every linear targeted, rslora, A and B set to random values so that every
-adapter shows in the output). The Megatron model loads the HF base through the bridge and
+adapter shows in the output; modules_to_save embed_tokens and lm_head, their trained
+copies perturbed so that they show too). The Megatron model loads the HF base through the bridge and
 the PEFT adapter folder through megatron_grpo/model/lora_peft.py, then must give
 - the same logits (fp32, <= 1e-4) at every layout;
-- the same adapter gradients as PEFT for one CE loss (so TP=2 = TP=1 = PEFT), and no
-  gradient on any base parameter;
-- with adapters disabled, the base model's logits (the reference policy of a LoRA run);
+- the same adapter (and embed_tokens / lm_head) gradients as PEFT for one CE loss (so TP=2
+  = TP=1 = PEFT), and no gradient on any other base parameter;
+- with adapters disabled, the base model's logits (the reference policy of a LoRA run:
+  the original embed_tokens / lm_head, not the trained ones);
 - a merged export stream (W + s B A per HF tensor) equal to PEFT's merge_and_unload;
 - an adapter-only sync stream (model/lora_peft.adapter_stream, in buckets) holding exactly the
   PEFT adapter's tensors, at every layout (TP gathers, PP stages);
@@ -30,6 +32,8 @@ LAYOUTS = [(1, 1, None, 1, False), (2, 1, None, 1, False), (1, 2, None, 1, False
            (2, 1, None, 1, True), (1, 2, 2, 1, False), (1, 1, None, 2, False)]
 MERGE_LAYOUT = (2, 1, None, 1, False)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SAVED = ["lm_head", "embed_tokens"]                      # --modules_to_save
+SAVED_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 SEQ, MBS = 10, 4
 
 
@@ -70,7 +74,7 @@ def _world(rank, world_size, model_dir, adapter_dir, out_dir):
             c.train()
         _ce_backward(chunks, config, ids, pos, labels, args.vocab_size)
         base_grads = [n for c in chunks for n, p in c.named_parameters()
-                      if "_lora." not in n and (p.grad is not None
+                      if "_lora." not in n and not n.endswith(SAVED_PARAMS) and (p.grad is not None
                                                 or getattr(p, "main_grad", None) is not None)]
         trainable = sorted(n for c in chunks for n, p in c.named_parameters() if p.requires_grad)
         grads = gather_adapters(chunks, source=lambda p: p.main_grad if ddp else p.grad)
@@ -166,12 +170,15 @@ def _peft_model(model_dir, adapter_dir=None):
     if adapter_dir is not None:
         return PeftModel.from_pretrained(base, adapter_dir)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=6, target_modules=TARGETS,
-                                            lora_dropout=0.0, use_rslora=True))
+                                            lora_dropout=0.0, use_rslora=True,
+                                            modules_to_save=SAVED))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
     return model
 
 
@@ -190,8 +197,10 @@ def world(tmp_path_factory):
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              labels.reshape(-1))
     loss.backward()
-    grads = {n.replace(".default", ""): p.grad.clone()
+    # PEFT's parameter names -> its saved names (the modules_to_save copy under the module's)
+    grads = {n.replace(".default", "").replace(".modules_to_save", ""): p.grad.clone()
              for n, p in peft_model.named_parameters() if p.grad is not None}
+    assert len([n for n in grads if "lora_" not in n]) == len(SAVED)
     with torch.no_grad(), peft_model.disable_adapter():
         base_logits = peft_model(input_ids=ids).logits
     merged = {k: v.clone() for k, v in peft_model.merge_and_unload().state_dict().items()}
@@ -220,7 +229,8 @@ def test_adapter_grads_equal_peft(world, layout):
     for r in world["results"]:
         got = r[layout]
         assert got["base_grads"] == []
-        assert got["trainable"] and all("_lora.lora_" in n for n in got["trainable"])
+        assert got["trainable"] and all("_lora.lora_" in n or n.endswith(SAVED_PARAMS)
+                                        for n in got["trainable"])
         assert sorted(got["grads"]) == sorted(ref)
         for name, g in got["grads"].items():
             scale = ref[name].abs().max().item()
@@ -244,6 +254,7 @@ def test_adapter_stream_is_the_peft_adapter(world, layout):
     from safetensors.torch import load_file
 
     want = load_file(os.path.join(world["adapter_dir"], "adapter_model.safetensors"))
+    want = {k: v for k, v in want.items() if "lora_" in k}   # not modules_to_save's
     for r in world["results"]:
         buckets = r[layout]["buckets"]
         assert len(buckets) > 2
@@ -286,6 +297,36 @@ def test_peft_settings_rejects_what_is_not_supported(tmp_path):
 
     (tmp_path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
-         "modules_to_save": ["lm_head"]}))
-    with pytest.raises(ValueError, match="modules_to_save"):
+         "modules_to_save": ["lm_head", "score"]}))
+    with pytest.raises(ValueError, match=r"modules_to_save lm_head score: \['score'\] not "
+                                         "supported; allowed: any of embed_tokens lm_head"):
         peft_settings(str(tmp_path))
+
+
+def test_peft_settings_reads_modules_to_save(tmp_path):
+    import json
+
+    from megatron_grpo.model.lora_peft import peft_config, peft_settings
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+         "modules_to_save": ["lm_head", "model.embed_tokens"]}))
+    s = peft_settings(str(tmp_path))
+    assert s.modules_to_save == ("embed_tokens", "lm_head")
+    assert peft_config(s)["modules_to_save"] == ["embed_tokens", "lm_head"]
+
+
+def test_offload_model_moves_the_modules_to_save_original():
+    """offload_model frees the frozen original of a --modules_to_save parameter too (it is
+    not a parameter, so it would stay on the device while vLLM generates) and brings it back."""
+    from megatron_grpo.rollout.offload import offload_model, onload_model
+
+    chunk = torch.nn.Embedding(8, 4)
+    p = chunk.weight
+    p.lora_original = p.detach().clone() + 1
+    want = p.lora_original.clone()
+    offload_model([chunk])
+    left = p.lora_original.untyped_storage().nbytes()
+    onload_model([chunk])     # before any assert: pytest must not print a freed tensor
+    assert left == 0
+    assert torch.equal(p.lora_original, want)

@@ -239,8 +239,8 @@ class TrainingOptions(_Group):
     use_rslora: bool = opt(False, "Rank-stabilised LoRA: scale alpha / sqrt(r) instead of "
                                   "alpha / r.")
     modules_to_save: List[str] = opt(
-        help="Modules trained in full beside the adapters (e.g. embed_tokens, lm_head): not "
-             "supported yet; only the empty list is accepted.", factory=list)
+        help="Modules trained in full beside the adapters: embed_tokens and/or lm_head "
+             "(untied models; not with vllm_enable_lora).", factory=list)
     adapters: List[str] = opt(
         help="A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to "
              "start from; its r, alpha, target modules and rslora replace the lora_* options.",

@@ -168,7 +168,7 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
         _positive(p, "lr_decay_iters", t.lr_decay_iters)
     p.require(t.clip_grad >= 0, f"--clip_grad {t.clip_grad} must be >= 0 (0 disables clipping)")
     p.require(t.weight_decay >= 0, f"--weight_decay {t.weight_decay} must be >= 0")
-    _check_lora(t, p)
+    _check_lora(t, p, cfg.model.model)
     _check_recompute(t, p)
     _check_freeze(cfg, p)
     _check_vision_sync(cfg, p)
@@ -208,7 +208,7 @@ def _check_vision_sync(cfg: "GRPOConfig", p: Problems) -> None:
               "--check_weight_sync false")
 
 
-def _check_lora(t, p: Problems) -> None:
+def _check_lora(t, p: Problems, model: Optional[str] = None) -> None:
     """The LoRA options (tuner_type lora), one line each."""
     from .groups import LORA_TARGET_MODULES as HF_TARGETS
 
@@ -226,9 +226,17 @@ def _check_lora(t, p: Problems) -> None:
     p.require(bool(targets) and not bad,
               f"--target_modules {' '.join(targets) or '(empty)'}: {bad or 'nothing'} not "
               f"supported; allowed: all-linear or any of {' '.join(HF_TARGETS)}")
-    p.require(not t.modules_to_save,
-              f"--modules_to_save {' '.join(t.modules_to_save)} is not supported yet (LoRA "
-              "adapters only, issue 15); allowed: nothing. Fix: drop --modules_to_save")
+    bad = [m for m in t.modules_to_save if m.rsplit(".", 1)[-1] not in ("embed_tokens", "lm_head")]
+    p.require(not bad, f"--modules_to_save {' '.join(t.modules_to_save)}: {bad} not supported; "
+                       "allowed: any of embed_tokens lm_head")
+    saved = list(t.modules_to_save) or _adapter_modules_to_save(t)
+    hf = _hf_config(model) if saved else None
+    if hf is not None:   # model/lora.py trains Megatron's untied embedding / output layer
+        p.require("vision_config" not in hf and not hf.get("tie_word_embeddings", False),
+                  f"--modules_to_save {' '.join(saved)} with --model {model!r}: "
+                  + ("a vision-language model" if "vision_config" in hf else
+                     "lm_head is tied to embed_tokens (tie_word_embeddings)")
+                  + " is not supported; allowed: untied text models. Fix: drop --modules_to_save")
     p.require(len(t.adapters) <= 1,
               f"--adapters {' '.join(t.adapters)}: one adapter folder is allowed")
     for folder in t.adapters:
@@ -684,6 +692,19 @@ def _adapter_rank(t) -> Optional[int]:
     return t.lora_rank
 
 
+def _adapter_modules_to_save(t) -> list:
+    """--adapters' modules_to_save (PEFT's adapter_config.json), [] when none or unreadable."""
+    import json
+
+    for folder in t.adapters:
+        try:
+            with open(os.path.join(folder, "adapter_config.json")) as f:
+                return list(json.load(f).get("modules_to_save") or [])
+        except (OSError, ValueError, TypeError, AttributeError):
+            return []
+    return []
+
+
 def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:
     """--vllm_enable_lora / --vllm_max_lora_rank: what vLLM's LoRA would refuse, now."""
     v, t = cfg.rollout, cfg.training
@@ -701,6 +722,12 @@ def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:
               "--sleep_level 2 with --vllm_enable_lora true: level 2 discards vLLM's weights "
               "while it sleeps, and adapter-only sync never sends the base weights again; "
               "allowed: --sleep_level 0 or 1 (or --vllm_enable_lora false)")
+    saved = list(t.modules_to_save) or _adapter_modules_to_save(t)
+    p.require(not saved,
+              f"--modules_to_save {' '.join(saved)} with --vllm_enable_lora true: vLLM's LoRA "
+              "adapters cannot carry fully trained embed_tokens / lm_head; allowed: no "
+              "modules_to_save. Fix: --vllm_enable_lora false (merged sync), or drop "
+              "--modules_to_save")
     rank = _adapter_rank(t)
     if v.vllm_max_lora_rank is None and rank is not None:
         fits = [r for r in VLLM_LORA_RANKS if r >= rank]

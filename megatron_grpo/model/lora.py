@@ -37,6 +37,15 @@ names and the bridge's tables; `is_adapter_param` tells them apart. Their sharde
 dict (checkpoints) is TP-independent: B of a column-parallel linear and A of a
 row-parallel one are saved as slices of the full HF-shaped factor.
 
+--modules_to_save (PEFT's ModulesToSaveWrapper): `embed_tokens` and/or `lm_head` train in
+full beside the adapters. Megatron's own parameter (`embedding.word_embeddings.weight`,
+`output_layer.weight`, vocab-parallel) is unfrozen before DDP, so it gets gradients and
+optimizer state, is saved with the adapters, and the bridge exports it as it is (merged
+sync: automatic). The original weights are kept as a frozen clone beside it
+(`param.lora_original`, one extra copy of that module's shard, as PEFT keeps
+`original_module`) and `adapters_disabled` swaps them in: the reference policy is the base.
+Tied embeddings (tie_word_embeddings) are refused.
+
 Simplifications: the local layer spec only (Transformer Engine's fused layer-norm
 linears take the un-normed input); no k/v adapters when kv heads are replicated
 (fewer kv heads than TP); with dropout > 0 the masks are drawn per rank (still a
@@ -67,6 +76,23 @@ LINEARS = {
     "mlp.linear_fc1": ("column", ("gate_proj", "up_proj")),
     "mlp.linear_fc2": ("row", ("down_proj",)),
 }
+# --modules_to_save: PEFT's module name -> the Megatron parameter trained in full.
+SAVED_MODULES = {"embed_tokens": "embedding.word_embeddings.weight",
+                 "lm_head": "output_layer.weight"}
+
+
+def parse_modules_to_save(values) -> tuple[str, ...]:
+    """--modules_to_save (or an adapter_config's; PEFT matches by the name's last part)
+    -> the allowed module names, in SAVED_MODULES order."""
+    values = [values] if isinstance(values, str) else list(values or [])
+    names = [str(v).rsplit(".", 1)[-1] for v in values]
+    bad = [v for v, n in zip(values, names) if n not in SAVED_MODULES]
+    if bad:
+        raise ValueError(f"--modules_to_save {' '.join(map(str, values))}: {bad} not supported; "
+                         f"allowed: any of {' '.join(SAVED_MODULES)}")
+    return tuple(m for m in SAVED_MODULES if m in names)
+
+
 def parse_target_modules(values) -> tuple[str, ...]:
     """--target_modules: `all-linear` or PEFT names -> the HF targets, in HF order."""
     values = [values] if isinstance(values, str) else list(values or ["all-linear"])
@@ -87,6 +113,7 @@ class LoraSettings:
     targets: tuple[str, ...] = HF_TARGETS
     rslora: bool = False
     seed: int = 42
+    modules_to_save: tuple[str, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -235,10 +262,34 @@ def apply_lora(chunks, config, args, settings: LoraSettings) -> list[str]:
     shapes = {"q_proj": (heads * d, hidden), "k_proj": (kv_heads * d, hidden),
               "v_proj": (kv_heads * d, hidden), "o_proj": (hidden, heads * d),
               "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
+    saved = {SAVED_MODULES[m] for m in settings.modules_to_save}
+    if saved and any(getattr(unwrap(c), "share_embeddings_and_output_weights", False)
+                     for c in chunks):
+        raise ValueError(f"--modules_to_save {' '.join(settings.modules_to_save)} with a model "
+                         "that ties lm_head to embed_tokens (tie_word_embeddings) is not "
+                         "supported; allowed: untied models. Fix: drop --modules_to_save")
     for c in chunks:
         for p in c.parameters():
             p.requires_grad_(False)
     added = []
+    for c in chunks:   # trained in full; the original kept for the reference policy
+        model = unwrap(c)
+        found = set()
+        for name, p in model.named_parameters():
+            if name in saved:
+                p.requires_grad_(True)
+                p.lora_original = p.detach().clone()
+                p.lora_saved = (name, args.vocab_size)   # for lora_peft: name, HF rows
+                added.append(name)
+                found.add(name)
+        # the stage that holds the embedding (output layer) must have it under that name
+        want = {n for n, stage in ((SAVED_MODULES["embed_tokens"], "pre_process"),
+                                   (SAVED_MODULES["lm_head"], "post_process"))
+                if n in saved and getattr(model, stage, False)}
+        if want - found:
+            raise ValueError(f"--modules_to_save {' '.join(settings.modules_to_save)}: this "
+                             f"model has no parameter {sorted(want - found)} (e.g. a vision-"
+                             "language model); allowed: text models. Fix: drop --modules_to_save")
     for c in chunks:
         model = unwrap(c)
         for i, layer in enumerate(model.decoder.layers):
@@ -262,6 +313,21 @@ def apply_lora(chunks, config, args, settings: LoraSettings) -> list[str]:
     return added
 
 
+def saved_params(chunks):
+    """(Megatron name, parameter) of this rank's --modules_to_save parameters."""
+    for c in chunks:
+        for name, p in unwrap(c).named_parameters():
+            if hasattr(p, "lora_saved"):
+                yield name, p
+
+
+def is_lora_state(name: str, settings: LoraSettings | None) -> bool:
+    """Whether a state-dict key of a LoRA model is in its checkpoint: adapters and the
+    --modules_to_save parameters (the rest is the frozen base, from --model)."""
+    return is_adapter_param(name) or (settings is not None and name in {
+        SAVED_MODULES[m] for m in settings.modules_to_save})
+
+
 def adapters(chunks):
     """(global layer, Megatron linear path, LoraAdapter) of every adapter of `chunks`."""
     for c in chunks:
@@ -281,13 +347,20 @@ def lora_settings(chunks) -> LoraSettings | None:
 @contextlib.contextmanager
 def adapters_disabled(chunks):
     """The base model: every adapter of `chunks` off inside the block (the reference
-    policy of a LoRA run, without a second copy of the weights). No-op without adapters."""
+    policy of a LoRA run, without a second copy of the weights; --modules_to_save
+    parameters hold their original data inside). No-op without adapters."""
     found = [a for _, _, a in adapters(chunks)]
     before = [a.enabled for a in found]
+    saved = [p for _, p in saved_params(chunks)]
+    trained = [p.data for p in saved]
     for a in found:
         a.enabled = False
+    for p in saved:
+        p.data = p.lora_original
     try:
         yield
     finally:
         for a, e in zip(found, before):
             a.enabled = e
+        for p, t in zip(saved, trained):
+            p.data = t

@@ -14,6 +14,12 @@ split over TP along the dimension its linear splits, so a rank's slice of a PEFT
 is an even split along one axis: rows of B (column-parallel: q/k/v, gate/up) or
 columns of A (row-parallel: o_proj, down_proj).
 
+--modules_to_save: PEFT saves the trained copy of a module under the base model's name,
+`base_model.model.lm_head.weight` [vocab, hidden] (`...model.embed_tokens.weight`), and
+loads it from there (peft 0.21). Megatron's parameter is vocab-parallel with padded rows:
+rank r holds rows [r n, (r + 1) n) of the padded table, n = padded vocab / tp; the file has
+the HF vocab rows only.
+
 Merged sync: the bridge streams the base weights as always and each HF tensor a target
 covers gets `W += scale * B @ A` in its bucket slot, in place (the slot is a reused
 staging buffer, the model's own weights are not touched); the product is computed per
@@ -36,7 +42,8 @@ import torch.distributed as dist
 
 from bridge.load import check_checkpoint, load_hf_weights
 
-from .lora import HF_MODULE, LoraSettings, adapters, apply_lora, lora_settings, parse_target_modules
+from .lora import (HF_MODULE, LoraSettings, adapters, apply_lora, lora_settings,
+                   parse_modules_to_save, parse_target_modules, saved_params)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -45,6 +52,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 def peft_key(layer: int, target: str, factor: str) -> str:
     """PEFT's saved name of lora_A / lora_B of `target` in `layer`."""
     return f"base_model.model.model.layers.{layer}.{HF_MODULE[target]}.{factor}.weight"
+
+
+# --modules_to_save: Megatron parameter -> PEFT's key of its trained copy (text models).
+SAVED_KEYS = {"embedding.word_embeddings.weight": "base_model.model.model.embed_tokens.weight",
+              "output_layer.weight": "base_model.model.lm_head.weight"}
 
 
 def hf_weight_name(layer: int, target: str) -> str:
@@ -69,15 +81,17 @@ def peft_settings(adapter_dir: str, seed: int = 42) -> LoraSettings:
         targets = [targets]
     else:   # PEFT matches names by suffix; it saves all-linear expanded to module paths
         targets = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
-    if cfg.get("modules_to_save"):
-        raise ValueError(f"--adapters {adapter_dir!r}: modules_to_save "
-                         f"{cfg['modules_to_save']} is not supported yet (LoRA adapters only)")
+    try:
+        saved = parse_modules_to_save(cfg.get("modules_to_save"))
+    except ValueError as e:
+        raise ValueError(f"--adapters {adapter_dir!r}: {e}") from None
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"--adapters {adapter_dir!r}: bias {cfg['bias']!r}; allowed: none")
     return LoraSettings(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
                         dropout=float(cfg.get("lora_dropout", 0.0)),
                         targets=parse_target_modules(targets),
-                        rslora=bool(cfg.get("use_rslora", False)), seed=seed)
+                        rslora=bool(cfg.get("use_rslora", False)), seed=seed,
+                        modules_to_save=saved)
 
 
 def _split_axis(kind: str, factor: str) -> int | None:
@@ -108,6 +122,11 @@ def load_peft_adapter(chunks, adapter_dir: str) -> None:
                 key = peft_key(layer, target, factor)
                 expected[key] = tuple(shape)
                 work.append((key, param, axis))
+    saved = []
+    for name, param in saved_params(chunks):   # vocab-parallel, padded rows
+        key, vocab = SAVED_KEYS[name], param.lora_saved[1]
+        expected[key] = (vocab, param.shape[1])
+        saved.append((key, param))
     with safe_open(path, framework="pt") as f:
         found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         # Other stages' layers are in the file too: check only this rank's keys.
@@ -120,10 +139,16 @@ def load_peft_adapter(chunks, adapter_dir: str) -> None:
                     n = param.shape[axis]
                     full = full.narrow(axis, tp_rank * n, n)
                 param.copy_(full)
+            for key, param in saved:
+                rows = param.shape[0]
+                full = f.get_tensor(key)[tp_rank * rows:(tp_rank + 1) * rows]
+                param.zero_()            # vocab padding rows: no data, zero as the bridge does
+                param[:full.shape[0]].copy_(full)
 
 
 def gather_adapters(chunks, source=None) -> dict[str, torch.Tensor]:
-    """{PEFT key: full factor} of the whole model on every rank (CPU tensors).
+    """{PEFT key: full factor} of the whole model on every rank (CPU tensors), with the
+    --modules_to_save tensors (HF vocab rows) under their PEFT keys.
 
     TP: the split factor is all-gathered along its axis; PP: each stage's factors travel
     to every stage (all_gather_object over the pipeline group). `source(param)` picks
@@ -146,6 +171,14 @@ def gather_adapters(chunks, source=None) -> dict[str, torch.Tensor]:
                     dist.all_gather(parts, t, group=tp_group)
                     t = torch.cat(parts, dim=axis)
                 local[peft_key(layer, target, factor)] = t.cpu()
+    for name, param in saved_params(chunks):   # vocab-parallel: rows over TP, padding cut
+        t = source(param)
+        t = torch.zeros_like(param) if t is None else t.contiguous()
+        if tp > 1:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t, group=tp_group)
+            t = torch.cat(parts)
+        local[SAVED_KEYS[name]] = t[:param.lora_saved[1]].cpu()
     if ps.get_pipeline_model_parallel_world_size() > 1:
         everything = [None] * ps.get_pipeline_model_parallel_world_size()
         dist.all_gather_object(everything, local, group=ps.get_pipeline_model_parallel_group())
@@ -243,7 +276,7 @@ def peft_config(settings: LoraSettings, base_model: str | None = None) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank,
             "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
             "target_modules": list(settings.targets), "use_rslora": settings.rslora,
-            "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+            "bias": "none", "fan_in_fan_out": False, "modules_to_save": list(settings.modules_to_save) or None,
             "init_lora_weights": True, "inference_mode": True,
             "base_model_name_or_path": base_model}
 
@@ -272,4 +305,5 @@ def prepare_lora_export(chunks, config, args, lora: dict, base_model: str | None
     load_hf_weights(chunks, config, args, base)
     fields = {k: v for k, v in lora.items() if k in LoraSettings.__dataclass_fields__}
     fields["targets"] = tuple(fields.get("targets", ()))
+    fields["modules_to_save"] = tuple(fields.get("modules_to_save", ()))
     apply_lora(chunks, config, args, LoraSettings(**fields))

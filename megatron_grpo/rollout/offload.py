@@ -163,7 +163,9 @@ def offload_model(chunks: Sequence[torch.nn.Module]) -> int:
     freed = 0
     for chunk in chunks:
         params = list(chunk.parameters())
-        keep = params + list(torch.nn.Module.buffers(chunk))
+        # LoRA --modules_to_save: the frozen original kept for the reference (model/lora.py)
+        originals = [getattr(p, "lora_original", None) for p in params]
+        keep = params + originals + list(torch.nn.Module.buffers(chunk))
         drop = compat.ddp_grad_buffers(chunk) + [getattr(p, "main_grad", None) for p in params] + \
             [p.grad for p in params]
         freed += _offload(chunk, keep, drop, "the model chunk")

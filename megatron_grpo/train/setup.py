@@ -93,7 +93,7 @@ def recompute_modules_of(t) -> list:
 
 def lora_settings_of(cfg):
     """The run's LoraSettings: from --adapters' adapter_config.json, else the lora_* options."""
-    from ..model.lora import LoraSettings, parse_target_modules
+    from ..model.lora import LoraSettings, parse_modules_to_save, parse_target_modules
 
     t = cfg.training
     if t.adapters:
@@ -102,7 +102,7 @@ def lora_settings_of(cfg):
         return peft_settings(t.adapters[0], seed=t.seed)
     return LoraSettings(rank=t.lora_rank, alpha=float(t.lora_alpha), dropout=t.lora_dropout,
                         targets=parse_target_modules(t.target_modules), rslora=t.use_rslora,
-                        seed=t.seed)
+                        seed=t.seed, modules_to_save=parse_modules_to_save(t.modules_to_save))
 
 
 def apply_tuner(cfg, config, args, chunks) -> None:
