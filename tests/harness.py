@@ -28,10 +28,13 @@ processes), and after a call that imported vLLM (engine state is process-wide). 
 checks process-wide state such as the CPU layer's install), or set
 MGRPO_TEST_FRESH_WORLDS=1 to run every world in fresh processes (to rule the pool out
 when a test fails).
+
+`rollout_server(model, log_path, *flags)` runs `megatron rollout` for a test (below).
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -39,12 +42,13 @@ import pickle
 import queue as queue_mod
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 
 class DistributedTestError(AssertionError):
@@ -355,3 +359,70 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
 
 if __name__ == "__main__":  # pragma: no cover - manual smoke check
     print(run_distributed(lambda r, w: r, 2), file=sys.stderr)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class RolloutServerProcess:
+    """A `megatron rollout` started by `rollout_server`: its port, process and log."""
+
+    def __init__(self, port: int, proc: "subprocess.Popen", log: str) -> None:
+        self.port, self.proc, self.log = port, proc, log
+
+    def log_tail(self, chars: int = 5000) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def wait_until_ready(self, timeout: float = 400) -> None:
+        """Until /health answers; fails with the server's log if it never does."""
+        from megatron_grpo.rollout.client import RolloutClient, RolloutServerError
+
+        try:
+            RolloutClient(vllm_server_port=self.port, vllm_server_timeout=timeout).wait_until_ready()
+        except RolloutServerError as e:
+            raise AssertionError(f"{e}\nserver log (tail):\n{self.log_tail()}") from None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (the API server and its engine processes)."""
+        os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        """SIGTERM to the group, SIGKILL if it has not exited within 30 s."""
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.proc.wait()
+
+
+@contextlib.contextmanager
+def rollout_server(model, log_path, *flags: str, wait: bool = True, timeout: float = 400,
+                   unset_env: Sequence[str] = ()) -> Iterator[RolloutServerProcess]:
+    """`python -m megatron_grpo.rollout.server --model MODEL --port P *flags` (what
+    `megatron rollout` runs) on a free port, output to `log_path`, in its own session so
+    that the server and its engine processes are stopped as one group on exit.
+
+    wait=False returns at once (the caller starts other work while the engine loads,
+    and waits with `wait_until_ready`). The child gets OMP_NUM_THREADS=1, this checkout
+    on PYTHONPATH, and neither VLLM_ENABLE_V1_MULTIPROCESSING (the server's engine runs in
+    its own process) nor the names in `unset_env`.
+    """
+    drop = {"VLLM_ENABLE_V1_MULTIPROCESSING", *unset_env}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    port = free_port()
+    cmd = [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(model),
+           "--port", str(port), *flags]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        server = RolloutServerProcess(port, proc, str(log_path))
+        try:
+            if wait:
+                server.wait_until_ready(timeout)
+            yield server
+        finally:
+            server.stop()

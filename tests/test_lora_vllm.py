@@ -18,23 +18,18 @@ both ranks' clients sample with the new adapter (log-probs as HF's).
 """
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import types
 
 import pytest
 import torch
 
-from tests.harness import free_port, run_distributed
+from tests.harness import rollout_server, run_distributed
 from tests.test_rollout_colocate import (ATOL, engine_kwargs, hf_logprobs, max_diff, needs_vllm,
                                          tiny_vllm_model)
 from tests.test_rollout_sync import COMPLETIONS, PROMPTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _random_adapter(base_dir, root, name: str, seed: int):
@@ -172,31 +167,16 @@ def _adapter_body(rank, world_size, model_dir, adapter_dirs, port):
 def test_adapter_only_sync_colocate_and_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_vllm_adapter")
     base_dir = tiny_vllm_model(root / "base")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    log = open(root / "server.log", "w")
     # The server starts while the references are computed and the world comes up.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(base_dir),
-         "--port", str(port), "--vllm_max_model_len", "256", "--vllm_enforce_eager", "true",
-         "--vllm_engine_kwargs", '{"dtype": "float32"}', "--vllm_enable_lora", "true",
-         "--vllm_max_lora_rank", "8", "--vllm_kv_cache_memory", "64MiB"],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with rollout_server(base_dir, root / "server.log", "--vllm_max_model_len", "256",
+                        "--vllm_enforce_eager", "true", "--vllm_engine_kwargs",
+                        '{"dtype": "float32"}', "--vllm_enable_lora", "true",
+                        "--vllm_max_lora_rank", "8", "--vllm_kv_cache_memory", "64MiB",
+                        wait=False) as server:
         (a1, m1), (a2, m2) = (_random_adapter(base_dir, root, "a", seed=5),
                               _random_adapter(base_dir, root, "b", seed=6))
         seen = run_distributed(_adapter_body, world_size=2,
-                               args=(str(base_dir), [str(a1), str(a2)], port), timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+                               args=(str(base_dir), [str(a1), str(a2)], server.port), timeout=600)
     base = hf_logprobs(base_dir, PROMPTS, COMPLETIONS)
     ref_1 = hf_logprobs(m1, PROMPTS, COMPLETIONS)
     ref_2 = hf_logprobs(m2, PROMPTS, COMPLETIONS)

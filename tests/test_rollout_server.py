@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -25,7 +22,7 @@ from megatron_grpo.rollout.buckets import (iter_safetensors_buckets, perturb_buc
 from megatron_grpo.rollout.client import RolloutClient, RolloutServerError
 from megatron_grpo.rollout.verify import StreamFingerprints, WeightSyncError, check_weight_sync
 from megatron_grpo.rollout.weights import load_weight_stream
-from tests.harness import free_port
+from tests.harness import free_port, rollout_server
 from tests.test_rollout_colocate import (ATOL, COMPLETIONS, PROMPTS, TEMPERATURE, hf_logprobs,
                                          max_diff, needs_vllm, tiny_vllm_model)
 
@@ -34,36 +31,17 @@ TOKEN = "s3cret"
 # CPU) also covers weight updates and checks per replica, and passes, but starts
 # ~55 s slower on a 2-core machine: MGRPO_TEST_SERVER_DP=2 runs it.
 SERVER_DP = int(os.environ.get("MGRPO_TEST_SERVER_DP", "1"))
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout_server")
     base = tiny_vllm_model(root / "base", family="qwen3", head_dim=32)  # q/k norms
-    port = free_port()
-    log = open(root / "server.log", "w")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    cmd = [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(base),
-           "--port", str(port), "--vllm_data_parallel_size", str(SERVER_DP),
-           "--vllm_max_model_len", "256",
-           "--vllm_enforce_eager", "true", "--vllm_engine_kwargs", '{"dtype": "float32"}',
-           "--api_key", TOKEN, "--seed", "0"]
-    # Own session: the server and its engine processes can be killed as one group.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        yield dict(base=base, root=root, port=port, proc=proc, log=root / "server.log")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+    with rollout_server(base, root / "server.log", "--vllm_data_parallel_size", str(SERVER_DP),
+                        "--vllm_max_model_len", "256", "--vllm_enforce_eager", "true",
+                        "--vllm_engine_kwargs", '{"dtype": "float32"}', "--api_key", TOKEN,
+                        "--seed", "0") as proc:
+        yield dict(base=base, root=root, port=proc.port, proc=proc)
 
 
 def _client(server, **kwargs) -> RolloutClient:
@@ -77,11 +55,6 @@ def _client(server, **kwargs) -> RolloutClient:
 @needs_vllm
 def test_server_syncs_generates_and_verifies(server):
     client = _client(server)
-    try:
-        client.wait_until_ready()
-    except RolloutServerError:
-        print(server["log"].read_text()[-5000:])
-        raise
     base = server["base"]
 
     gen = client.generate(PROMPTS)
@@ -241,7 +214,7 @@ def test_killed_server_fails_the_client_quickly(server):
     worker.start()
     time.sleep(1.0)
     killed_at = time.monotonic()
-    os.killpg(server["proc"].pid, signal.SIGKILL)
+    server["proc"].kill()
     worker.join(timeout=30)
     assert not worker.is_alive(), "the client hung after the server died"
     assert time.monotonic() - killed_at < 15

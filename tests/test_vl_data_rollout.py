@@ -15,9 +15,6 @@ import base64
 import io
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,12 +22,11 @@ import torch
 
 from megatron_grpo.data import load_prompt_dataset
 from megatron_grpo.data.vision import VisionProcessor, png_base64, resolve_max_pixels
-from tests.harness import free_port, run_distributed
+from tests.harness import rollout_server, run_distributed
 from tests.test_vl_tiny_model import ATOL, TEMPERATURE, hf_logits, needs_vllm
 from tools.make_tiny_vl_model import make_tiny_vl_model
 from tools.make_vl_count_data import main as make_count_data
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 6x4 patches at most (6 image tokens): below the tiny model's 12544 (16 tokens), and the
 # count task's 112x84 images (12 tokens at the model's budget) are resized down to it.
 BUDGET = 28 * 28 * 6
@@ -262,38 +258,17 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
     flags; RolloutClient sends the images as PNG."""
     from megatron_grpo.rollout.client import RolloutClient
 
-    port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "MAX_PIXELS")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    cmd = [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(model_dir),
-           "--port", str(port), "--vllm_max_model_len", "256", "--vllm_enforce_eager", "true",
-           "--vllm_kv_cache_memory", "32MiB", "--vllm_engine_kwargs", '{"dtype": "float32"}',
-           "--max_pixels", str(BUDGET), "--vllm_limit_mm_per_prompt", '{"image": 1}',
-           "--seed", "0"]
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        client = RolloutClient(vllm_server_port=port, vllm_server_timeout=400,
+    with rollout_server(model_dir, tmp_path / "server.log", "--vllm_max_model_len", "256",
+                        "--vllm_enforce_eager", "true", "--vllm_kv_cache_memory", "32MiB",
+                        "--vllm_engine_kwargs", '{"dtype": "float32"}', "--max_pixels",
+                        str(BUDGET), "--vllm_limit_mm_per_prompt", '{"image": 1}', "--seed", "0",
+                        unset_env=("MAX_PIXELS",)) as server:
+        client = RolloutClient(vllm_server_port=server.port, vllm_server_timeout=400,
                                temperature=TEMPERATURE, num_generations=2,
                                max_completion_length=4, seed=0)
-        try:
-            client.wait_until_ready()
-        except Exception:
-            log.flush()
-            raise AssertionError((tmp_path / "server.log").read_text()[-4000:]) from None
         _, prompts = _encode_all(model_dir, count_data, BUDGET)
         out = client.generate([p.vllm_prompt_ids for p in prompts],
                               images=[p.images for p in prompts])
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
     assert [c.prompt_index for c in out] == [0, 0, 1, 1]
     for i, prompt in enumerate(prompts):
         _reference_check(hf_model, prompt, [c.__dict__ for c in out if c.prompt_index == i], i)
