@@ -16,6 +16,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 from megatron_grpo.rollout.buckets import (iter_safetensors_buckets, perturb_buckets,
                                            safetensors_index, save_hf_copy)
@@ -99,6 +100,17 @@ def test_server_syncs_generates_and_verifies(server):
                 "trainer's stream") in str(err.value)
     assert f"{SERVER_DP} problem(s)" in str(err.value)
 
+    # A broken model: vLLM's JSON cannot carry its NaN log-probs, and the client says what
+    # that means. Then the whole model again. NaN only in the final norm: keys and values
+    # stay finite (NaN inside the layers left the next 1-2 requests failing on CPU even
+    # after a correct re-sync: stale NaN in the engine, not weights).
+    load_weight_stream(client, [[(n, torch.full_like(t, float("nan")) if n == "model.norm.weight"
+                                  else t) for n, t in b] for b in stream])
+    with pytest.raises(RolloutServerError, match="HTTP 400: .*a NaN log-prob: the served model "
+                                                 "produced non-finite logits"):
+        client.generate(PROMPTS)
+    load_weight_stream(client, stream)
+
     # The weight routes want the token; the OpenAI routes work as in `vllm serve`.
     intruder = RolloutClient(vllm_server_port=server["port"])
     intruder.api_key = None
@@ -176,6 +188,38 @@ def test_client_turns_never_wait_for_each_other():
     assert turns == {0: 3, 1: 2} and threads == {threading.main_thread()}
     assert [p for p, _ in sent].index([1, 10]) < [p for p, _ in sent].index([2, 10])
     assert len({seed for _, seed in sent}) == len(sent) == 5
+
+
+def test_nan_logprob_answer_says_what_it_means():
+    """vLLM's /v1/completions cannot write a NaN log-prob (JSON has none) and answers 400
+    (seen in CI when a test sampled from a model holding uninitialised weights): the
+    client's error says it is a NaN log-prob from broken weights. A stand-in server gives
+    vLLM's answer."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.dumps({"error": {"message": "Out of range float values are not JSON "
+                                         "compliant", "type": "BadRequestError", "code": 400}})
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = RolloutClient(vllm_server_port=httpd.server_address[1])
+        client._model = "tiny"
+        with pytest.raises(RolloutServerError, match=r"HTTP 400: .*Out of range float.*a NaN "
+                                                     r"log-prob: the served model produced "
+                                                     r"non-finite logits.*check_weight_sync"):
+            client.generate([[1, 2]])
+    finally:
+        httpd.shutdown()
 
 
 def test_unreachable_server_fails_after_timeout():

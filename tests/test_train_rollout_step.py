@@ -94,3 +94,54 @@ def test_image_prompts_encode_once_and_share_their_images(tmp_path):
     engine.expand = None
     with pytest.raises(ValueError, match="--max_length 10: prompt 0 .* image prompts are not"):
         run(engine, max_prompt_length=10)
+
+
+def test_rollout_logprobs_nan_fails_and_minus_inf_leaves_the_loss():
+    """The sampler's log-probs, before anything trains on them (a stand-in engine; the
+    real engine gives -inf when it draws a token its own top_k/top_p masked, and NaN
+    when its model's logits are non-finite). -inf (colocate) and vLLM's JSON floor -9999
+    (server) take the token out of the loss, so the IS weights stay finite; NaN stops the
+    step with what it means."""
+    from megatron_grpo.algorithms.policy_loss import rollout_is_weights
+    from megatron_grpo.rollout.colocate import Completion
+    from megatron_grpo.train.batch import collate
+    from megatron_grpo.train.rollout_step import checked_rollout_logps, generate_and_score
+
+    class Engine:
+        tp_size, logps = 1, None
+
+        def generate(self, ids):
+            return [Completion(k, [7, 8, 9], "x", False, list(self.logps)) for k in range(len(ids))]
+
+    class Data:
+        messages = [[{"role": "user", "content": "q"}]]
+
+        def reward_columns(self, indices, n):
+            return {}
+
+    engine = Engine()
+
+    def run():
+        return generate_and_score(
+            engine=engine, tokenizer=lambda text, add_special_tokens: {"input_ids": [1, 2]},
+            dataset=Data(), prompt_indices=[0], reward_funcs=[lambda c, **kw: [1.0] * len(c)],
+            num_generations=1, render=lambda t, m: "")
+
+    for impossible in (float("-inf"), -9999.0):
+        engine.logps = [-0.5, impossible, -1.25]
+        [s] = run().samples
+        assert s.loss_mask == [1, 0, 1] and s.rollout_logps == [-0.5, -1.25]
+        b = collate([s])
+        assert b["completion_mask"].sum() == 2 and torch.isfinite(b["rollout_logps"]).all()
+        w = rollout_is_weights(torch.zeros_like(b["rollout_logps"]), b["rollout_logps"],
+                               b["completion_mask"], "token_truncate", 2.0)
+        assert torch.isfinite(w).all()
+    engine.logps = [-0.5, -0.1, -1.0]
+    assert run().samples[0].loss_mask is None                  # nothing to change
+    engine.logps = [-0.5, float("nan"), -1.0]
+    with pytest.raises(RuntimeError, match=r"rollout log-prob nan at model token 1 of completion "
+                                           r"0 \(prompt 0\).*non-finite logits.*check_weight_sync"):
+        run()
+    # Multi-turn: one log-prob per model token (loss_mask 1); the 2nd model token is index 2.
+    assert checked_rollout_logps([-1.0, float("-inf"), -2.0], [1, 0, 1, 1], 4, "t") == \
+        ([-1.0, -2.0], [1, 0, 0, 1], 1)

@@ -31,6 +31,15 @@ class RolloutServerError(RuntimeError):
     """The rollout server is unreachable, gone, or refused a request."""
 
 
+# What vLLM's OpenAI routes answer (HTTP 400) when a response holds NaN: a NaN log-prob
+# (JSON has no NaN; a -inf one is written as -9999.0 instead). Only a model with
+# non-finite logits gives one: its weights are broken.
+NON_FINITE_JSON = "Out of range float values are not JSON compliant"
+NON_FINITE_HELP = (" (a NaN log-prob: the served model produced non-finite logits. Its weights "
+                   "are broken: a diverged update (see grad_norm and loss) or an incomplete "
+                   "weight sync (--check_weight_sync true names the tensors))")
+
+
 class RolloutClient:
     """HTTP client of one rollout server (a rollout.engine.RolloutEngine)."""
 
@@ -80,6 +89,8 @@ class RolloutClient:
                 data = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
+            if NON_FINITE_JSON in detail:
+                detail += NON_FINITE_HELP
             raise RolloutServerError(f"rollout server {url} answered HTTP {e.code}: {detail}") \
                 from None
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError,

@@ -30,6 +30,9 @@ behaviour policy's true probability, which importance-sampling corrections need.
 `raw_logprobs` (vLLM's default) would return log_softmax(logits) at temperature 1,
 matching neither. Greedy sampling (temperature 0) returns log_softmax(logits).
 `score` (prompt log-probs) is always temperature 1: prompt tokens skip sampling.
+Non-finite ones reach the trainer as they come (server mode: vLLM's JSON writes -inf as
+-9999 and cannot carry NaN): the rollout step drops a -inf token from the loss and
+stops on NaN (train/rollout_step.py `checked_rollout_logps`).
 
 KV cache. On CPU it is sized in bytes from the sequences in flight (kv_cache.py),
 never as vLLM's fraction of the NUMA node; on GPU `vllm_gpu_memory_utilization`

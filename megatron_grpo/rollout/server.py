@@ -224,7 +224,10 @@ def make_router(engine, api_key: Optional[str], app_state=None):
 
     @router.post("/generate_images")
     async def generate_images(request: Request):
-        return await _generate_images(engine, await request.json())
+        # Plain json: a NaN log-prob (a broken model) reaches the trainer, which names it,
+        # instead of failing the encoding (FastAPI's JSON refuses NaN).
+        body = await _generate_images(engine, await request.json())
+        return Response(json.dumps(body, allow_nan=True), media_type="application/json")
 
     return router
 

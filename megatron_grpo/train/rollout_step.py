@@ -53,6 +53,44 @@ def all_gather_objects(obj):
     return out
 
 
+# vLLM's OpenAI routes write a -inf log-prob as this floor (JSON has no infinity).
+LOGPROB_FLOOR = -9999.0
+
+
+def checked_rollout_logps(logps, loss_mask, num_tokens: int, where: str):
+    """The sampler's log-probs of one completion (one per model token: loss_mask 1, all
+    tokens when None), checked before anything trains on them; returns (log-probs, loss
+    mask, tokens dropped).
+
+    NaN fails the step: the engine's model gave non-finite logits, so the sampled tokens
+    themselves are meaningless (colocate mode gets the NaN; server mode cannot carry it
+    through JSON, and RolloutClient fails with the same explanation). -inf (colocate) or
+    LOGPROB_FLOOR (server) means the sampler drew a token its processed distribution gave
+    probability 0 (top_k/top_p/min_p had masked it: a sampler defect). Its behaviour
+    probability is 0, so no importance weight old / rollout exists for it: the token
+    leaves the loss (loss mask 0, as an environment token: context, not trained), and
+    -inf never reaches rollout_is_weights or the rollout_correction metrics.
+    """
+    import math
+
+    logps = [float(x) for x in logps]
+    bad = [k for k, x in enumerate(logps) if math.isnan(x) or x == math.inf]
+    if bad:
+        raise RuntimeError(
+            f"rollout log-prob {logps[bad[0]]} at model token {bad[0]} of {where} ({len(bad)} "
+            "non-finite in it): the rollout engine's model produced non-finite logits. Its "
+            "weights are broken: a diverged update (see grad_norm and loss) or an incomplete "
+            "weight sync (--check_weight_sync true names the tensors)")
+    low = {k for k, x in enumerate(logps) if x <= LOGPROB_FLOOR}
+    if not low:
+        return logps, loss_mask, 0
+    mask = [1] * num_tokens if loss_mask is None else list(loss_mask)
+    model_positions = [i for i, m in enumerate(mask) if m]
+    for k in low:
+        mask[model_positions[k]] = 0
+    return [x for k, x in enumerate(logps) if k not in low], mask, len(low)
+
+
 def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int], reward_funcs,
                        num_generations: int, render, max_prompt_length=None,
                        multi_turn=None, vision=None) -> GenerationBatch:
@@ -115,17 +153,25 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     rewards = torch.cat(all_gather_objects(rows), dim=0)              # [N, F]
     t2 = time.perf_counter()
 
-    samples = []
+    samples, impossible = [], 0
     for j, (pi, prompt_ids, tokens, text, truncated, logps, extra, routed) in enumerate(gathered):
         meta = {"prompt_index": prompt_indices[pi], "rewards": rewards[j].tolist()}
         if extra:
             meta.update(messages=extra["messages"],
                         num_turns=int(extra["rollout_infos"].get("num_turns", 1)))
+        loss_mask = list(extra["loss_mask"]) if extra else None
+        if logps:
+            logps, loss_mask, dropped = checked_rollout_logps(
+                logps, loss_mask, len(tokens), f"completion {j} (prompt {prompt_indices[pi]})")
+            impossible += dropped
         samples.append(Sample(prompt_ids=list(prompt_ids), completion_ids=list(tokens),
                               truncated=bool(truncated),
                               rollout_logps=list(logps) if logps else None, meta=meta,
-                              loss_mask=list(extra["loss_mask"]) if extra else None,
-                              images=images.get(pi), routed_experts=routed))
+                              loss_mask=loss_mask, images=images.get(pi), routed_experts=routed))
+    if impossible and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"[megatron-grpo] {impossible} sampled token(s) had rollout log-prob -inf (vLLM "
+              "drew a token its own top_k/top_p/min_p had excluded): left out of the loss",
+              flush=True)
     rendered = {}
     prompts = [g[6]["prompt"] if g[6] else rendered.setdefault(
         g[0], render(tokenizer, dataset.messages[prompt_indices[g[0]]])) for g in gathered]
