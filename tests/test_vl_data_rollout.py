@@ -259,8 +259,15 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
                                                         tmp_path):
     """`megatron rollout` on the tiny Qwen2.5-VL (the patches applied in the server and
     its forked engine process), --max_pixels and --vllm_limit_mm_per_prompt given as
-    flags; RolloutClient sends the images as PNG."""
+    flags; RolloutClient sends the images as PNG.
+
+    Then, on the same server, 2 GRPO steps of `megatron rlhf --vllm_mode server` (TP=2,
+    fp32, beta 0.04): the trainer's log-probs of what the server sampled equal the
+    server's (rollout_correction/* < 1e-4) at step 1 and at step 2, which samples from
+    the weights step 1 streamed to the server (its KL to the reference is not 0; the
+    server resets vLLM's encoder cache with them)."""
     from megatron_grpo.rollout.client import RolloutClient
+    from tests.test_trainer_e2e import _argv, _metrics, _run
 
     port = free_port()
     env = {k: v for k, v in os.environ.items()
@@ -286,6 +293,13 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
         _, prompts = _encode_all(model_dir, count_data, BUDGET)
         out = client.generate([p.vllm_prompt_ids for p in prompts],
                               images=[p.images for p in prompts])
+        run = str(tmp_path / "run")
+        r = _run(_argv(str(model_dir), run, dataset=count_data,
+                       reward_funcs=["accuracy", "digits"], tensor_model_parallel_size=2,
+                       bf16="false", beta=0.04, lr=1e-2, max_pixels=BUDGET,
+                       vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
+                       vllm_server_timeout=300, log_rollout_offpolicy_metrics="true",
+                       vllm_max_model_len=256, train_iters=2))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -297,6 +311,13 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
     assert [c.prompt_index for c in out] == [0, 0, 1, 1]
     for i, prompt in enumerate(prompts):
         _reference_check(hf_model, prompt, [c.__dict__ for c in out if c.prompt_index == i], i)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _metrics(run)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        for key in ("kl", "log_ppl_diff_max", "log_ppl_diff_min"):
+            assert abs(row["rollout_correction/" + key]) < 1e-4, row
+    assert rows[0]["grad_norm"] > 0 and rows[1]["kl"] != 0.0, rows
     # PNG is lossless: the server decodes the pixels the trainer processed.
     from PIL import Image
 
