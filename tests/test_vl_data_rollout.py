@@ -100,6 +100,39 @@ def test_count_data_rows_load_with_their_answers(count_data, tmp_path):
         load_prompt_dataset([str(bad)])
 
 
+def test_colour_data_rows_are_balanced_and_drawn_as_answered(tmp_path):
+    """tools/make_vl_colour_data.py (the learning task of tests/test_vl_e2e.py): the
+    square's colour, read from the pixels, is the row's answer; rows alternate colours
+    (every even-sized window of consecutive rows is balanced); --blank draws white."""
+    from tools.make_vl_colour_data import COLOURS
+    from tools.make_vl_colour_data import main as make_colour_data
+    from PIL import Image
+
+    out = make_colour_data(["--out_dir", str(tmp_path / "a"), "--n", "6", "--n_val", "2",
+                            "--colours", "3"])
+    for split, n in (("train", 6), ("val", 2)):
+        rows = [json.loads(line) for line in open(out[split])]
+        assert [r["solution"] for r in rows] == [str(i % 3 + 1) for i in range(n)]
+        for r in rows:
+            a = np.asarray(Image.open(tmp_path / "a" / r["images"][0]).convert("RGB")).reshape(-1, 3)
+            ink = a[(a != 255).any(axis=1)]
+            assert len(ink) >= 48 * 48, r      # one square of side 48-64 px
+            want = COLOURS[int(r["solution"]) - 1][1]
+            assert (ink == want).all(axis=1).all(), (r, np.unique(ink, axis=0)[:3])
+    assert "model" not in out
+    blank = make_colour_data(["--out_dir", str(tmp_path / "b"), "--n", "2", "--n_val", "0",
+                              "--blank"])
+    for r in (json.loads(line) for line in open(blank["train"])):
+        assert (np.asarray(Image.open(tmp_path / "b" / r["images"][0])) == 255).all()
+    again = make_colour_data(["--out_dir", str(tmp_path / "c"), "--n", "6", "--n_val", "2",
+                              "--colours", "3"])
+    for name in ("train.jsonl", "images/train_0005.png"):    # same arguments, same bytes
+        assert (tmp_path / "c" / name).read_bytes() == (tmp_path / "a" / name).read_bytes()
+    assert again["val"].endswith("val.jsonl")
+    with pytest.raises(ValueError, match="--colours 4: allowed 2..3"):
+        make_colour_data(["--out_dir", str(tmp_path / "d"), "--colours", "4"])
+
+
 def test_processor_encodes_prompts_for_trainer_and_vllm(model_dir, count_data, monkeypatch):
     ds = load_prompt_dataset([count_data])
     base = os.path.dirname(count_data)

@@ -58,6 +58,37 @@ def colour_data(vl_model, tmp_path_factory):
                  "--n_val", "8", "--model", vl_model, "--max_pixels", str(BUDGET)])
 
 
+def test_warm_start_knows_the_answers_not_which_is_right(colour_data):
+    """The warm-started model's first token, by HF transformers: the two answers take
+    almost all the mass, about half each, on red and green images alike (the mean over
+    the training images of p("1") for red ones and for green ones differ by < 0.1), so
+    its accuracy is the image-blind 0.5 and only the GRPO run can teach the mapping.
+    Seen: p("1") = 0.556 on each of the 16 images (to 1e-4), p("1") + p("2") = 1.000;
+    the random model before the warm start: 0.0009."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megatron_grpo.data import load_prompt_dataset
+    from megatron_grpo.data.vision import VisionProcessor
+
+    ds = load_prompt_dataset([colour_data["train"]])
+    base = os.path.dirname(colour_data["train"])
+    vp = VisionProcessor(colour_data["model"], BUDGET)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(colour_data["model"],
+                                                               dtype=torch.float32).eval()
+    answers = [vp.tokenizer.convert_tokens_to_ids(a) for a in ("1", "2")]
+    p1 = {"1": [], "2": []}
+    with torch.no_grad():
+        for i in range(16):
+            e = vp.encode(ds.messages[i], ds.images[i], base)
+            probs = model(input_ids=torch.tensor([e.prompt_ids]), pixel_values=e.pixel_values,
+                          image_grid_thw=e.image_grid_thw).logits[0, -1].softmax(-1)[answers]
+            assert probs.sum() > 0.95 and 0.3 < probs[0] < 0.7, (i, probs)
+            p1[ds.columns["solution"][i]].append(probs[0].item())
+    red, green = (sum(v) / len(v) for v in (p1["1"], p1["2"]))
+    assert abs(red - green) < 0.1, (red, green)
+
+
 def test_vl_grpo_tp2_colocate_learns_colours(colour_data, tmp_path):
     out = str(tmp_path / "run")
     # 8 prompts x 8 completions of one token per step, one optimizer step each. The tower
