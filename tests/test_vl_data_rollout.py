@@ -96,6 +96,39 @@ def test_count_data_rows_load_with_their_answers(count_data, tmp_path):
         load_prompt_dataset([str(bad)])
 
 
+def test_colour_data_rows_are_balanced_and_drawn_as_answered(tmp_path):
+    """tools/make_vl_colour_data.py (the learning task of tests/test_vl_e2e.py): the
+    square's colour, read from the pixels, is the row's answer; rows alternate colours
+    (every even-sized window of consecutive rows is balanced); --blank draws white."""
+    from tools.make_vl_colour_data import COLOURS
+    from tools.make_vl_colour_data import main as make_colour_data
+    from PIL import Image
+
+    out = make_colour_data(["--out_dir", str(tmp_path / "a"), "--n", "6", "--n_val", "2",
+                            "--colours", "3"])
+    for split, n in (("train", 6), ("val", 2)):
+        rows = [json.loads(line) for line in open(out[split])]
+        assert [r["solution"] for r in rows] == [str(i % 3 + 1) for i in range(n)]
+        for r in rows:
+            a = np.asarray(Image.open(tmp_path / "a" / r["images"][0]).convert("RGB")).reshape(-1, 3)
+            ink = a[(a != 255).any(axis=1)]
+            assert len(ink) >= 48 * 48, r      # one square of side 48-64 px
+            want = COLOURS[int(r["solution"]) - 1][1]
+            assert (ink == want).all(axis=1).all(), (r, np.unique(ink, axis=0)[:3])
+    assert "model" not in out
+    blank = make_colour_data(["--out_dir", str(tmp_path / "b"), "--n", "2", "--n_val", "0",
+                              "--blank"])
+    for r in (json.loads(line) for line in open(blank["train"])):
+        assert (np.asarray(Image.open(tmp_path / "b" / r["images"][0])) == 255).all()
+    again = make_colour_data(["--out_dir", str(tmp_path / "c"), "--n", "6", "--n_val", "2",
+                              "--colours", "3"])
+    for name in ("train.jsonl", "images/train_0005.png"):    # same arguments, same bytes
+        assert (tmp_path / "c" / name).read_bytes() == (tmp_path / "a" / name).read_bytes()
+    assert again["val"].endswith("val.jsonl")
+    with pytest.raises(ValueError, match="--colours 4: allowed 2..3"):
+        make_colour_data(["--out_dir", str(tmp_path / "d"), "--colours", "4"])
+
+
 def test_processor_encodes_prompts_for_trainer_and_vllm(model_dir, count_data, monkeypatch):
     ds = load_prompt_dataset([count_data])
     base = os.path.dirname(count_data)
@@ -255,8 +288,15 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
                                                         tmp_path):
     """`megatron rollout` on the tiny Qwen2.5-VL (the patches applied in the server and
     its forked engine process), --max_pixels and --vllm_limit_mm_per_prompt given as
-    flags; RolloutClient sends the images as PNG."""
+    flags; RolloutClient sends the images as PNG.
+
+    Then, on the same server, 2 GRPO steps of `megatron rlhf --vllm_mode server` (TP=2,
+    fp32, beta 0.04): the trainer's log-probs of what the server sampled equal the
+    server's (rollout_correction/* < 1e-4) at step 1 and at step 2, which samples from
+    the weights step 1 streamed to the server (its KL to the reference is not 0; the
+    server resets vLLM's encoder cache with them)."""
     from megatron_grpo.rollout.client import RolloutClient
+    from tests.test_trainer_e2e import _argv, _metrics, _run
 
     with rollout_server(model_dir, tmp_path / "server.log", "--vllm_max_model_len", "256",
                         "--vllm_enforce_eager", "true", "--vllm_kv_cache_memory", "32MiB",
@@ -269,9 +309,24 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
         _, prompts = _encode_all(model_dir, count_data, BUDGET)
         out = client.generate([p.vllm_prompt_ids for p in prompts],
                               images=[p.images for p in prompts])
+        run = str(tmp_path / "run")
+        r = _run(_argv(str(model_dir), run, dataset=count_data,
+                       reward_funcs=["accuracy", "digits"], tensor_model_parallel_size=2,
+                       bf16="false", beta=0.04, lr=1e-2, max_pixels=BUDGET,
+                       vllm_mode="server", vllm_server_host="127.0.0.1",
+                       vllm_server_port=server.port, vllm_server_timeout=300,
+                       log_rollout_offpolicy_metrics="true", vllm_max_model_len=256,
+                       train_iters=2))
     assert [c.prompt_index for c in out] == [0, 0, 1, 1]
     for i, prompt in enumerate(prompts):
         _reference_check(hf_model, prompt, [c.__dict__ for c in out if c.prompt_index == i], i)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _metrics(run)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        for key in ("kl", "log_ppl_diff_max", "log_ppl_diff_min"):
+            assert abs(row["rollout_correction/" + key]) < 1e-4, row
+    assert rows[0]["grad_norm"] > 0 and rows[1]["kl"] != 0.0, rows
     # PNG is lossless: the server decodes the pixels the trainer processed.
     from PIL import Image
 
