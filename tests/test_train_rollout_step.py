@@ -94,3 +94,20 @@ def test_image_prompts_encode_once_and_share_their_images(tmp_path):
     engine.expand = None
     with pytest.raises(ValueError, match="--max_length 10: prompt 0 .* image prompts are not"):
         run(engine, max_prompt_length=10)
+
+
+def test_fill_logps_on_policy_without_reference_builds_nothing(monkeypatch):
+    """On-policy with beta 0 (the quickstart) there are no old or reference log-probs:
+    no micro-batch is collated and no forward runs."""
+    import megatron_grpo.train.rollout_step as rs
+
+    def fail(*a, **k):
+        raise AssertionError("built or ran a micro-batch")
+
+    monkeypatch.setattr(rs, "micro_batches", fail)
+    monkeypatch.setattr(rs, "forward_logprobs", fail)
+    mine = [[Sample(prompt_ids=[1], completion_ids=[2, 3], meta={})] * 4]
+    rs.fill_logps(None, None, mine, 2, 8, need_old=False, temperature=1.0, vocab_size=10)
+    assert all(s.old_logps is None and s.ref_logps is None for s in mine[0])
+    with pytest.raises(AssertionError, match="micro-batch"):    # off-policy: it does build
+        rs.fill_logps(None, None, mine, 2, 8, need_old=True, temperature=1.0, vocab_size=10)
