@@ -72,6 +72,11 @@ def test_trl_config_small_shape(model_dir):
     assert (c["per_device_train_batch_size"], c["gradient_accumulation_steps"],
             c["steps_per_generation"]) == (16, 8, 8)
     assert c["max_completion_length"] == 128 and c["max_steps"] == 6
+    # Ours packs the micro-batches at this shape (what a user would pick); TRL cannot.
+    assert flat["padding_free"] is True
+    diff = dict(line.split(": ", 1) for line in bp.settings_differ(
+        bp.ours_settings(flat, 2, 1), bp.trl_settings(c, threads=2)))
+    assert diff["padding"].startswith("ours packed micro-batches (padding_free")
 
 
 # --------------------------------------------------------------------------- settings
