@@ -118,6 +118,8 @@ def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
     # generate decodes the text itself (vLLM samples with detokenize=False): the same
     # samples (per-request seed) once through vLLM's own detokenizer, once ours.
     seen["text_pairs"] = _vllm_and_our_texts(engine)
+    from megatron_grpo.rollout.colocate import decodes_like_vllm
+    seen["own_text"] = decodes_like_vllm(engine.tokenizer)   # generate decodes, not vLLM
 
     # 1. A changed model, in 3 buckets, then the fingerprint check.
     sleep(engine, 1)
@@ -211,6 +213,7 @@ def test_colocated_engine_samples_syncs_and_verifies(models, eager):
         assert len(c["token_ids"]) == 6 if c["truncated"] else c["finish_reason"] == "stop"
     assert [len(c["token_ids"]) <= 2 for c in seen["short"]] == [True, True]
     # Our decoding is vLLM's text exactly (vLLM itself decoded nothing: text "").
+    assert seen["own_text"]
     pairs = seen["text_pairs"]
     assert len(pairs) == 12 and all(same_ids and theirs == "" for *_, same_ids, theirs in pairs)
     assert [ours for _, ours, *_ in pairs] == [vllm for vllm, *_ in pairs]
