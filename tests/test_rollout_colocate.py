@@ -254,6 +254,7 @@ def test_colocated_engine_samples_syncs_and_verifies(models, eager):
     assert max_diff(seen["score_5"], ref_2) < ATOL
 
 
+@needs_vllm
 def test_detokenize_is_vllm_incremental_text(tmp_path):
     """`detokenize` (generate's text, vLLM sampling with detokenize=False) against the
     tokenizer's plain decode of what vLLM's incremental detokenizer emits: the stop token

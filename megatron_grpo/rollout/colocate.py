@@ -548,19 +548,11 @@ class ColocateEngine:
 def _completion(prompt_index: int, c, text: Optional[str] = None) -> Completion:
     """A Completion of vLLM's CompletionOutput `c`; `text`: decoded by the caller (else
     vLLM's)."""
-    from vllm.logprobs import FlatLogprobs
-
     token_ids = list(c.token_ids)
-    lp = c.logprobs
-    if isinstance(lp, FlatLogprobs):
-        # Flat lists over (position, rank); the sampled token comes first at each position.
-        firsts = lp.start_indices
-        if [lp.token_ids[i] for i in firsts] != token_ids[:len(firsts)]:
-            raise RuntimeError("vLLM's log-probs are not those of the sampled tokens")
-        logprobs = [float(lp.logprobs[i]) for i in firsts]
-    else:
+    logprobs = compat.flat_sampled_logprobs(c.logprobs, token_ids)
+    if logprobs is None:
         # logprobs=0: each entry holds the sampled token (plus nothing else).
-        logprobs = [float(entry[tok].logprob) for tok, entry in zip(token_ids, lp or [])]
+        logprobs = [float(entry[tok].logprob) for tok, entry in zip(token_ids, c.logprobs or [])]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens")
     return Completion(prompt_index=prompt_index, token_ids=token_ids,
@@ -570,45 +562,21 @@ def _completion(prompt_index: int, c, text: Optional[str] = None) -> Completion:
 
 
 def decodes_like_vllm(tokenizer) -> bool:
-    """Whether `detokenize` gives vLLM's text for this tokenizer: a fast (Rust
-    `tokenizers`) one, which vLLM decodes with `tokenizers`' DecodeStream; other
-    tokenizers go through vLLM's slow Python detokenizer, and keep it."""
-    from tokenizers import Tokenizer
-
-    return isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer)
+    """Whether `detokenize` gives vLLM's text for this tokenizer: one that vLLM decodes
+    with `tokenizers`' DecodeStream (a fast tokenizer); others go through vLLM's slow
+    Python detokenizer, and keep it."""
+    return compat.detokenizes_with_stream(tokenizer)
 
 
 def detokenize(tokenizer, prompt_token_ids: Sequence[int], c) -> str:
-    """The text vLLM's fast incremental detokenizer gives completion `c` (vllm 0.32
-    `FastIncrementalDetokenizer`, for the SamplingParams `generate` uses: special tokens
-    skipped, no stop strings), computed once from the token ids instead of by vLLM per
-    token (which also decodes every sampled token's log-prob entry: ~15 % of a
-    quickstart generate, docs/benchmarks.md).
-
-    As vLLM does it: a `tokenizers` DecodeStream primed with the prompt, fed the sampled
-    tokens one by one, less the stop token when generation stopped at one (finish reason
-    "stop"); a trailing incomplete UTF-8 character stays held back, so the text is not
-    always `tokenizer.decode(ids)`. A stream whose state breaks ("Invalid prefix
-    encountered") starts again without the prompt, as vLLM's does."""
-    from tokenizers.decoders import DecodeStream
-
-    raw = tokenizer._tokenizer
-    stream = DecodeStream(ids=[int(t) for t in prompt_token_ids], skip_special_tokens=True)
-    ids = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
-    pieces = []
-    for t in ids:
-        try:
-            piece = stream.step(raw, int(t))
-        except (OverflowError, TypeError):
-            piece = None
-        except Exception as err:  # noqa: BLE001 - the one error vLLM recovers from
-            if not str(err).startswith("Invalid prefix encountered"):
-                raise
-            stream = DecodeStream(skip_special_tokens=True)
-            piece = stream.step(raw, int(t))
-        if piece:
-            pieces.append(piece)
-    return "".join(pieces)
+    """The text vLLM's fast incremental detokenizer gives completion `c` (for the
+    SamplingParams `generate` uses: special tokens skipped, no stop strings), computed once
+    from the token ids instead of by vLLM per token, which also decodes every sampled
+    token's log-prob entry (~13 % of a quickstart generate, docs/benchmarks.md). Not always
+    `tokenizer.decode(ids)`: the stop token is not decoded and a trailing incomplete UTF-8
+    character is held back (compat/vllm.py `detokenize_like_vllm`)."""
+    return compat.detokenize_like_vllm(tokenizer, prompt_token_ids, c.token_ids,
+                                       stopped=c.finish_reason == "stop")
 
 
 def prompt_logprobs_of(out, prompt: List[int], completion: List[int]) -> List[float]:
