@@ -72,6 +72,11 @@ def test_trl_config_small_shape(model_dir):
     assert (c["per_device_train_batch_size"], c["gradient_accumulation_steps"],
             c["steps_per_generation"]) == (16, 8, 8)
     assert c["max_completion_length"] == 128 and c["max_steps"] == 6
+    # Ours packs the micro-batches at this shape (what a user would pick); TRL cannot.
+    assert flat["padding_free"] is True
+    diff = dict(line.split(": ", 1) for line in bp.settings_differ(
+        bp.ours_settings(flat, 2, 1), bp.trl_settings(c, threads=2)))
+    assert diff["padding"].startswith("ours packed micro-batches (padding_free")
 
 
 # --------------------------------------------------------------------------- settings
@@ -199,3 +204,21 @@ def test_trl_venv_never_clears_a_folder_that_is_not_a_venv(tmp_path):
     with pytest.raises(SystemExit, match="--trl-venv .* not a virtual environment"):
         bp.ensure_trl_venv(str(tmp_path))
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_profile_step_wraps_the_names_the_loop_calls(monkeypatch):
+    """tools/profile_step.py rebinds the loop's phase functions where the loop looks them
+    up at call time; a rename in train/ must show here, not as a profile with no phases."""
+    import megatron_grpo.train.rollout_step as R
+    import megatron_grpo.train.run as Run
+    import megatron_grpo.train.step as S
+    from megatron_grpo.rollout.sync import WeightSync
+    from tools import profile_step as ps
+
+    targets = [(R, "collect_rollouts"), (R, "fill_logps"), (S, "train_micro_batches"),
+               (S, "step_metrics"), (Run, "build_policy"), (WeightSync, "__call__")]
+    for owner, name in targets:
+        monkeypatch.setattr(owner, name, getattr(owner, name))   # restored after the test
+    before = {name: getattr(owner, name) for owner, name in targets}
+    ps.install(ps.StepProfiler("/nonexistent", 1, "cprofile", 5, 0))
+    assert [name for owner, name in targets if getattr(owner, name) is before[name]] == []

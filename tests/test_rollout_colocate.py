@@ -85,6 +85,22 @@ def engine_kwargs(**overrides):
     return kwargs
 
 
+def _vllm_and_our_texts(engine):
+    """(vLLM's text, `detokenize`'s text, finish reason) of the same seeded samples."""
+    from vllm import SamplingParams
+
+    from megatron_grpo.rollout.colocate import detokenize
+
+    kw = dict(n=4, temperature=1.5, max_tokens=12, logprobs=0, seed=11)
+    requests = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = engine.llm.generate(requests, SamplingParams(**kw), use_tqdm=False)
+    mine = engine.llm.generate(requests, SamplingParams(**kw, detokenize=False, flat_logprobs=True),
+                               use_tqdm=False)
+    return [(a.text, detokenize(engine.tokenizer, out.prompt_token_ids, b), a.finish_reason,
+             list(a.token_ids) == list(b.token_ids), b.text)
+            for ref_out, out in zip(ref, mine) for a, b in zip(ref_out.outputs, out.outputs)]
+
+
 # --------------------------------------------------------------------------- the rank's body
 def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
     from megatron_grpo.rollout.verify import StreamFingerprints, WeightSyncError, check_weight_sync
@@ -99,6 +115,11 @@ def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
     seen["texts"] = [engine.tokenizer.decode(c["token_ids"]) for c in seen["generate"]]
     # A budget no completion can finish in: every completion truncated.
     seen["short"] = [c.__dict__ for c in engine.generate(PROMPTS[:1], max_completion_length=2)]
+    # generate decodes the text itself (vLLM samples with detokenize=False): the same
+    # samples (per-request seed) once through vLLM's own detokenizer, once ours.
+    seen["text_pairs"] = _vllm_and_our_texts(engine)
+    from megatron_grpo.rollout.colocate import decodes_like_vllm
+    seen["own_text"] = decodes_like_vllm(engine.tokenizer)   # generate decodes, not vLLM
 
     # 1. A changed model, in 3 buckets, then the fingerprint check.
     sleep(engine, 1)
@@ -191,6 +212,12 @@ def test_colocated_engine_samples_syncs_and_verifies(models, eager):
         assert c["truncated"] == (c["finish_reason"] == "length")
         assert len(c["token_ids"]) == 6 if c["truncated"] else c["finish_reason"] == "stop"
     assert [len(c["token_ids"]) <= 2 for c in seen["short"]] == [True, True]
+    # Our decoding is vLLM's text exactly (vLLM itself decoded nothing: text "").
+    assert seen["own_text"]
+    pairs = seen["text_pairs"]
+    assert len(pairs) == 12 and all(same_ids and theirs == "" for *_, same_ids, theirs in pairs)
+    assert [ours for _, ours, *_ in pairs] == [vllm for vllm, *_ in pairs]
+    assert any(vllm for vllm, *_ in pairs)
     assert any(c["truncated"] for c in seen["short"])
     # Rollout log-probs are log_softmax(logits / T) of the sampled tokens (processed mode).
     ref = hf_logprobs(base, [PROMPTS[c["prompt_index"]] for c in gen],
@@ -225,6 +252,34 @@ def test_colocated_engine_samples_syncs_and_verifies(models, eager):
     assert reload == n_tensors or ("1 problem(s)" in reload and "packed copy" in reload), reload
     assert seen["checked_5"] == n_tensors
     assert max_diff(seen["score_5"], ref_2) < ATOL
+
+
+@needs_vllm
+def test_detokenize_is_vllm_incremental_text(tmp_path):
+    """`detokenize` (generate's text, vLLM sampling with detokenize=False) against the
+    tokenizer's plain decode of what vLLM's incremental detokenizer emits: the stop token
+    is not decoded, and a trailing incomplete UTF-8 character is held back."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from megatron_grpo.rollout.colocate import decodes_like_vllm, detokenize
+
+    tok = AutoTokenizer.from_pretrained(tiny_vllm_model(tmp_path / "m"))
+    assert decodes_like_vllm(tok)
+    prompt = tok("Say:", add_special_tokens=False)["input_ids"]
+    ids = tok("a\u20acb \u65e5\u672c", add_special_tokens=False)["input_ids"]   # "a€b 日本"
+    euro = tok("a\u20ac", add_special_tokens=False)["input_ids"]
+    assert len(euro) > 2 and tok.decode(euro[:-1]).endswith("\ufffd")   # € spans tokens
+
+    def text(token_ids, finish):
+        return detokenize(tok, prompt, SimpleNamespace(token_ids=token_ids, finish_reason=finish))
+
+    assert text(ids + [tok.eos_token_id], "stop") == tok.decode(ids) == "a\u20acb \u65e5\u672c"
+    assert text(ids, "length") == tok.decode(ids)
+    assert text(euro[:-1], "length") == "a"          # tok.decode would give "a\ufffd"
+    assert text(euro[:-1] + [tok.eos_token_id], "stop") == "a"
+    assert text([], "length") == ""
 
 
 def test_vllm_tp_must_divide_world_size():

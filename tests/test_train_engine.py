@@ -167,3 +167,26 @@ def test_tp2_gradients_equal_tp1():
     tp2 = run_distributed(_grads, 2, args=([("dapo", 2, ALL, 0.04)], 2), timeout=300)
     _compare(tp2[0][0][0], ref, rtol=1e-4)
     assert tp2[0][0][1].item() == pytest.approx(ref_loss.item(), rel=1e-5)
+
+
+def _reduce(rank, world):
+    import torch.distributed as dist
+
+    from megatron_grpo.train import reduce_partials
+
+    r = float(rank)
+    parts = {"sum": {"loss": torch.tensor(1.5 + r, dtype=torch.float64),
+                     "n": torch.tensor(2.0 * r, dtype=torch.float64)},
+             "min": {"a": torch.tensor(r - 1.25, dtype=torch.float64),
+                     "b": torch.tensor(float("inf") if rank else 3.0, dtype=torch.float64)},
+             "max": {"c": torch.tensor(-r, dtype=torch.float64)}}
+    out = reduce_partials(parts, group=dist.group.WORLD)
+    return {op: {k: float(v) for k, v in d.items()} for op, d in out.items()}
+
+
+def test_reduce_partials_sum_min_max_over_ranks():
+    """min and max travel in one MAX all-reduce (min = -max(-x)): the same numbers as
+    three reductions, on every rank."""
+    out = run_distributed(_reduce, 2)
+    want = {"sum": {"loss": 4.0, "n": 2.0}, "min": {"a": -1.25, "b": 3.0}, "max": {"c": 0.0}}
+    assert out == [want, want]

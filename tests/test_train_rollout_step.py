@@ -145,3 +145,20 @@ def test_rollout_logprobs_nan_fails_and_minus_inf_leaves_the_loss():
     # Multi-turn: one log-prob per model token (loss_mask 1); the 2nd model token is index 2.
     assert checked_rollout_logps([-1.0, float("-inf"), -2.0], [1, 0, 1, 1], 4, "t") == \
         ([-1.0, -2.0], [1, 0, 0, 1], 1)
+
+
+def test_fill_logps_on_policy_without_reference_builds_nothing(monkeypatch):
+    """On-policy with beta 0 (the quickstart) there are no old or reference log-probs:
+    no micro-batch is collated and no forward runs."""
+    import megatron_grpo.train.rollout_step as rs
+
+    def fail(*a, **k):
+        raise AssertionError("built or ran a micro-batch")
+
+    monkeypatch.setattr(rs, "micro_batches", fail)
+    monkeypatch.setattr(rs, "forward_logprobs", fail)
+    mine = [[Sample(prompt_ids=[1], completion_ids=[2, 3], meta={})] * 4]
+    rs.fill_logps(None, None, mine, 2, 8, need_old=False, temperature=1.0, vocab_size=10)
+    assert all(s.old_logps is None and s.ref_logps is None for s in mine[0])
+    with pytest.raises(AssertionError, match="micro-batch"):    # off-policy: it does build
+        rs.fill_logps(None, None, mine, 2, 8, need_old=True, temperature=1.0, vocab_size=10)

@@ -88,8 +88,9 @@ SHAPES = {
              intermediate_size=1024),
         ("--generation_batch_size", "128", "--global_batch_size", "128",
          "--micro_batch_size", "16", "--max_completion_length", "128", "--train_iters", "6",
-         "--tensor_model_parallel_size", "1", "--save_steps", "6"),
-        2, "quickstart config, 16 prompts x 8, 128 tokens, 6 steps, TP=1 / DP=2"),
+         "--tensor_model_parallel_size", "1", "--save_steps", "6", "--padding_free", "true"),
+        2, "quickstart config, 16 prompts x 8, 128 tokens, 6 steps, TP=1 / DP=2, "
+           "padding_free (trains on the real tokens only, as a user of this shape would)"),
 }
 PHASES = ("generate", "score", "train", "sync", "other")
 
@@ -230,6 +231,8 @@ def ours_settings(flat: dict, nproc: int, steps_per_generation: int) -> dict:
         "optimizer": "Megatron-Core optimizer (Adam)",
         "dtype": "bfloat16" if flat["bf16"] else "float32",
         "activation recompute": "off",
+        "padding": ("packed micro-batches (padding_free: the real tokens only)"
+                    if flat.get("padding_free") else "padded to the batch's longest"),
     }
     common = dict(
         micro_batch=mbs,
@@ -277,6 +280,9 @@ def trl_settings(args: dict, threads: int) -> dict:
         "optimizer": f"torch {args['optim']}",
         "dtype": "bfloat16 autocast" if args["bf16"] else "float32",
         "activation recompute": "on" if args.get("gradient_checkpointing") else "off",
+        # GRPOTrainer pads prompts and completions to the batch's longest (GRPOConfig has
+        # no padding-free option).
+        "padding": "padded to the batch's longest",
     }
     common = dict(
         micro_batch=mbs, accumulation=ga, completions_per_step=mbs * ga,

@@ -11,11 +11,11 @@ default the quickstart as shipped: 2 processes, colocated vLLM) under torchrun f
     logprobs       the trainer's own fill_logps call (nothing to do when on-policy)
     train_fwd_bwd  train_micro_batches: forward, fused log-prob kernel, loss, backward
     optimizer      the Megatron optimizer step (grad clipping, Adam, param copy)
-    metrics        _step_metrics: reducing the step's partials over ranks
-    sync           sync_weights: bridge export -> vLLM in-place load
+    metrics        step_metrics: reducing the step's partials over ranks
+    sync           WeightSync.__call__: bridge export -> vLLM in-place load
 
 The trainer itself is unchanged: the worker replaces those names in the
-megatron_grpo.trainer module with wrappers that profile the call of the chosen batch
+modules of megatron_grpo.train (and WeightSync.__call__) with wrappers that profile the call of the chosen batch
 and pass every other call through. Profilers:
 
     --mode cprofile  (default) Python functions, self ("tottime") and cumulative time;
@@ -123,12 +123,17 @@ class StepProfiler:
 
 
 def install(prof: StepProfiler) -> None:
-    """Wrap the trainer's phase functions (module globals, looked up at call time)."""
-    import megatron_grpo.trainer as T
+    """Wrap the trainer's phase functions where the loop looks them up at call time
+    (module globals of train/rollout_step.py, train/step.py, train/run.py; the weight
+    sync's __call__)."""
+    import megatron_grpo.train.rollout_step as R
+    import megatron_grpo.train.run as Run
+    import megatron_grpo.train.step as S
+    from megatron_grpo.rollout.sync import WeightSync
 
     collect, fill, train_mb, sync, metrics, build = (
-        T.collect_rollouts, T.fill_logps, T.train_micro_batches, T.sync_weights,
-        T._step_metrics, T.build_policy)
+        R.collect_rollouts, R.fill_logps, S.train_micro_batches, WeightSync.__call__,
+        S.step_metrics, Run.build_policy)
 
     def collect_rollouts(*a, **k):
         prof.batch += 1
@@ -147,12 +152,12 @@ def install(prof: StepProfiler) -> None:
         policy.optimizer.step = lambda *sa, **sk: prof.call("optimizer", step, *sa, **sk)
         return policy
 
-    T.collect_rollouts = collect_rollouts
-    T.fill_logps = fill_logps
-    T.train_micro_batches = lambda *a, **k: prof.call("train_fwd_bwd", train_mb, *a, **k)
-    T.sync_weights = lambda *a, **k: prof.call("sync", sync, *a, **k)
-    T._step_metrics = lambda *a, **k: prof.call("metrics", metrics, *a, **k)
-    T.build_policy = build_policy
+    R.collect_rollouts = collect_rollouts
+    R.fill_logps = fill_logps
+    S.train_micro_batches = lambda *a, **k: prof.call("train_fwd_bwd", train_mb, *a, **k)
+    WeightSync.__call__ = lambda self, *a, **k: prof.call("sync", sync, self, *a, **k)
+    S.step_metrics = lambda *a, **k: prof.call("metrics", metrics, *a, **k)
+    Run.build_policy = build_policy
 
 
 def worker(a: argparse.Namespace, rlhf: list[str]) -> None:

@@ -297,14 +297,20 @@ class ColocateEngine:
         return results[start:start + len(items)]
 
     # ------------------------------------------------------------------ sampling
-    def _sampling_params(self, **overrides):
+    def _sampling_params(self, detokenize: bool = True, **overrides):
+        """vLLM's SamplingParams of a call. `flat_logprobs`: vLLM keeps the sampled
+        tokens' log-probs in flat lists (`_completion` reads them) instead of a dict of
+        `Logprob` objects per token. `detokenize=False`: vLLM neither decodes the text
+        nor, for every sampled token, its log-prob's token string (`decoded_token`,
+        which nothing here reads); the caller decodes the text (`detokenize`)."""
         from vllm import SamplingParams
 
         opts = SamplingOptions(**{**self.sampling.__dict__, **overrides})
         return SamplingParams(
             n=opts.num_generations, temperature=opts.temperature, top_p=opts.top_p,
             top_k=opts.top_k, repetition_penalty=opts.repetition_penalty,
-            max_tokens=opts.max_completion_length, logprobs=0)
+            max_tokens=opts.max_completion_length, logprobs=0, flat_logprobs=True,
+            detokenize=detokenize)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
                  images: Optional[Sequence[Sequence[Any]]] = None, **overrides) -> List[Completion]:
@@ -317,7 +323,10 @@ class ColocateEngine:
         `prompt_index` refers to this rank's list. `overrides`: any SamplingOptions field
         for this call.
         """
-        params = self._sampling_params(**overrides)
+        # The text is decoded here, as vLLM's detokenizer would (`detokenize`), where the
+        # tokenizer lets us: vLLM then skips its per-token decoding.
+        own_text = decodes_like_vllm(self.tokenizer)
+        params = self._sampling_params(detokenize=not own_text, **overrides)
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         if images is not None:
             if not self.vision:
@@ -335,7 +344,8 @@ class ColocateEngine:
                                          lora_request=self.lora_request)
             result = []
             for i, (out, (_, imgs)) in enumerate(zip(outs, all_items)):
-                group = [_completion(i, c) for c in out.outputs]
+                group = [_completion(i, c, detokenize(self.tokenizer, out.prompt_token_ids, c)
+                                     if own_text else None) for c in out.outputs]
                 if imgs:
                     for c in group:
                         c.prompt_token_ids = list(out.prompt_token_ids)
@@ -538,17 +548,38 @@ class ColocateEngine:
         return [[p for part in gathered for p in part]]
 
 
-def _completion(prompt_index: int, c) -> Completion:
+def _completion(prompt_index: int, c, text: Optional[str] = None) -> Completion:
+    """A Completion of vLLM's CompletionOutput `c`; `text`: decoded by the caller (else
+    vLLM's)."""
     token_ids = list(c.token_ids)
-    logprobs = []
-    for tok, entry in zip(token_ids, c.logprobs or []):
+    logprobs = compat.flat_sampled_logprobs(c.logprobs, token_ids)
+    if logprobs is None:
         # logprobs=0: each entry holds the sampled token (plus nothing else).
-        logprobs.append(float(entry[tok].logprob))
+        logprobs = [float(entry[tok].logprob) for tok, entry in zip(token_ids, c.logprobs or [])]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens")
-    return Completion(prompt_index=prompt_index, token_ids=token_ids, text=c.text,
+    return Completion(prompt_index=prompt_index, token_ids=token_ids,
+                      text=c.text if text is None else text,
                       truncated=c.finish_reason == "length", logprobs=logprobs,
                       finish_reason=c.finish_reason)
+
+
+def decodes_like_vllm(tokenizer) -> bool:
+    """Whether `detokenize` gives vLLM's text for this tokenizer: one that vLLM decodes
+    with `tokenizers`' DecodeStream (a fast tokenizer); others go through vLLM's slow
+    Python detokenizer, and keep it."""
+    return compat.detokenizes_with_stream(tokenizer)
+
+
+def detokenize(tokenizer, prompt_token_ids: Sequence[int], c) -> str:
+    """The text vLLM's fast incremental detokenizer gives completion `c` (for the
+    SamplingParams `generate` uses: special tokens skipped, no stop strings), computed once
+    from the token ids instead of by vLLM per token, which also decodes every sampled
+    token's log-prob entry (~13 % of a quickstart generate, docs/benchmarks.md). Not always
+    `tokenizer.decode(ids)`: the stop token is not decoded and a trailing incomplete UTF-8
+    character is held back (compat/vllm.py `detokenize_like_vllm`)."""
+    return compat.detokenize_like_vllm(tokenizer, prompt_token_ids, c.token_ids,
+                                       stopped=c.finish_reason == "stop")
 
 
 def prompt_logprobs_of(out, prompt: List[int], completion: List[int]) -> List[float]:

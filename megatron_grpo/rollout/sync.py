@@ -39,6 +39,7 @@ class WeightSync:
         self.policy, self.engine, self.opts = policy, engine, rollout
         self.is_server = rollout.vllm_mode == "server"
         self.staging = None     # bridge.BucketBuffer, reused by every sync
+        self._bucket_bytes = None
 
     def bucket_bytes(self) -> int:
         """move_model_batches buckets per sync (of an upper bound of the HF model's bytes:
@@ -48,12 +49,14 @@ class WeightSync:
 
         if not self.opts.move_model_batches:
             return 512 << 20
-        params = [p for c in self.policy.chunks for n, p in c.named_parameters()
-                  if not self.opts.vllm_enable_lora or is_adapter_param(n)]
-        total = sum(p.numel() * p.element_size() for p in params)
-        total = torch.tensor(float(total), device=device())   # NCCL reduces device tensors only
-        dist.all_reduce(total)
-        return int(total.item() // self.opts.move_model_batches) + 1
+        if self._bucket_bytes is None:   # the parameters' sizes never change: once per run
+            params = [p for c in self.policy.chunks for n, p in c.named_parameters()
+                      if not self.opts.vllm_enable_lora or is_adapter_param(n)]
+            total = sum(p.numel() * p.element_size() for p in params)
+            total = torch.tensor(float(total), device=device())  # NCCL reduces device tensors only
+            dist.all_reduce(total)
+            self._bucket_bytes = int(total.item() // self.opts.move_model_batches) + 1
+        return self._bucket_bytes
 
     def __call__(self) -> dict:
         """Stream the policy's HF weights into vLLM (collective over every trainer rank);
@@ -96,7 +99,10 @@ class WeightSync:
             info = load(stream)
             if expected is not None:
                 check(info)
-        dist.barrier()
+        if self.is_server:   # the other ranks sample from the server next: after the upload
+            dist.barrier()
+        # Colocated, each rank loaded its own engine (a vLLM TP group's ranks load theirs
+        # together inside vLLM): nothing to wait for.
         return info
 
     def _sync_adapter(self, bucket: int) -> dict:

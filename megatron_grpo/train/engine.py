@@ -412,8 +412,12 @@ def reduce_partials(partials: dict, group=None) -> dict:
 
     group = group or ps.get_data_parallel_group()
     stacked = {op: t.to(device()) for op, t in stack_partials(partials).items()}
-    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-    for op, t in stacked.items():
-        if t.numel():
-            dist.all_reduce(t, op=ops[op], group=group)
+    if stacked["sum"].numel():
+        dist.all_reduce(stacked["sum"], group=group)
+    # min and max in one MAX all-reduce: min(x) = -max(-x), exactly.
+    n_min = stacked["min"].numel()
+    if n_min + stacked["max"].numel():
+        both = torch.cat([-stacked["min"], stacked["max"]])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        stacked["min"], stacked["max"] = -both[:n_min], both[n_min:]
     return unstack_partials(stacked, partials)

@@ -327,7 +327,10 @@ def _per_token(chunks, batches, samples, field, temperature, vocab_size):
 def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
                temperature: float, vocab_size: int) -> None:
     """Old (sampling-policy) and reference log-probs of this rank's samples (`mine`: one
-    list per optimizer step), before any update of the generation batch."""
+    list per optimizer step), before any update of the generation batch. On-policy with
+    beta 0 there is nothing to compute, and no micro-batch is built."""
+    if not need_old and ref is None:
+        return
     for part in mine:
         batches = micro_batches(part, mbs, pad_to_length=pad)
         if need_old:

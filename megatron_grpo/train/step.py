@@ -57,16 +57,27 @@ def optimizer_step(run, batch: RolloutBatch, k: int) -> dict:
 
 
 def step_metrics(parts, gen, grad_norm, policy, k) -> dict:
-    """Reduce the step's partials over DP on the last stage; every rank gets the result."""
+    """Reduce the step's partials over DP on the last stage; every rank gets the result.
+
+    Without pipeline parallelism every rank is a last stage and holds the reduction of its
+    DP group, the same numbers in every group (TP and CP ranks hold the partials of the
+    same completions): nothing more to exchange. With PP the last stage's result reaches
+    the other stages in a pickled all-gather."""
+    from megatron.core import parallel_state as ps
+
     reduced = None
     if is_last_stage():
         summed = reduce_partials(parts)
         reduced = {key: float(v) for key, v in finalize_metrics(summed).items()}
         if "loss" in summed["sum"]:   # the step loss: sum of every micro-batch's share
             reduced["loss"] = float(summed["sum"]["loss"])
-    mine = reduced if (is_last_stage() and dist.get_rank() == dist.get_world_size() - 1) else None
-    found = [m for m in all_gather_objects(mine) if m is not None]
-    metrics = dict(found[0]) if found else {}
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        metrics = dict(reduced)
+    else:
+        mine = reduced if (is_last_stage() and dist.get_rank() == dist.get_world_size() - 1) \
+            else None
+        found = [m for m in all_gather_objects(mine) if m is not None]
+        metrics = dict(found[0]) if found else {}
     metrics.update(gen.metrics)
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["learning_rate"] = policy.optimizer.param_groups[0]["lr"]

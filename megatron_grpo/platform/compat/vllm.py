@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from . import check_version as _check_range
 
@@ -72,6 +72,10 @@ PRIVATE_NAMES = (
     # colocate.py: the engine core's shutdown; a stepped engine's final outputs only
     "vllm.v1.engine.core_client:EngineCoreClient.shutdown",
     "vllm.sampling_params:RequestOutputKind.FINAL_ONLY",
+    # colocate.py: flat sampled log-probs; the text vLLM's fast detokenizer would give
+    "vllm.logprobs:FlatLogprobs",
+    "vllm.v1.engine.detokenizer:uses_fast_detokenizer",
+    "vllm.v1.engine.detokenizer:FastIncrementalDetokenizer",
     # verify.py: how vLLM shards a parameter
     "vllm.model_executor.layers.linear:ColumnParallelLinear",
     "vllm.model_executor.layers.linear:MergedColumnParallelLinear",
@@ -506,6 +510,58 @@ def final_output_only(params) -> None:
     from vllm.sampling_params import RequestOutputKind
 
     params.output_kind = RequestOutputKind.FINAL_ONLY
+
+
+def flat_sampled_logprobs(logprobs, token_ids) -> Optional[List[float]]:
+    """The sampled tokens' log-probs from a completion's `FlatLogprobs`
+    (SamplingParams(flat_logprobs=True): flat lists over (position, rank), the sampled
+    token first at each position); None when `logprobs` is not flat."""
+    check_version()
+    from vllm.logprobs import FlatLogprobs
+
+    if not isinstance(logprobs, FlatLogprobs):
+        return None
+    firsts = logprobs.start_indices
+    if [logprobs.token_ids[i] for i in firsts] != list(token_ids[:len(firsts)]):
+        raise RuntimeError("vLLM's log-probs are not those of the sampled tokens")
+    return [float(logprobs.logprobs[i]) for i in firsts]
+
+
+def detokenizes_with_stream(tokenizer) -> bool:
+    """Whether vLLM decodes this tokenizer's completions with `tokenizers`' DecodeStream
+    (its FastIncrementalDetokenizer, which `detokenize_like_vllm` reproduces); other
+    tokenizers take vLLM's slow Python detokenizer."""
+    check_version()
+    from vllm.v1.engine.detokenizer import uses_fast_detokenizer
+
+    return bool(uses_fast_detokenizer(tokenizer))
+
+
+def detokenize_like_vllm(tokenizer, prompt_token_ids, token_ids, stopped: bool) -> str:
+    """The text vllm 0.32's FastIncrementalDetokenizer gives a completion sampled with
+    skip_special_tokens (the default) and no stop strings: a DecodeStream primed with the
+    prompt, fed the sampled tokens one by one, less the stop token when generation
+    `stopped` at one (finish reason "stop"); a trailing incomplete UTF-8 character stays
+    held back. A stream whose state breaks ("Invalid prefix encountered") starts again
+    without the prompt, an overflowing id decodes to nothing, as in vLLM."""
+    from tokenizers.decoders import DecodeStream
+
+    raw = tokenizer._tokenizer            # the Rust tokenizer, as vLLM takes it
+    stream = DecodeStream(ids=[int(t) for t in prompt_token_ids], skip_special_tokens=True)
+    pieces = []
+    for t in (token_ids[:-1] if stopped else token_ids):
+        try:
+            piece = stream.step(raw, int(t))
+        except (OverflowError, TypeError):
+            piece = None
+        except Exception as err:  # noqa: BLE001 - the one error vLLM recovers from
+            if not str(err).startswith("Invalid prefix encountered"):
+                raise
+            stream = DecodeStream(skip_special_tokens=True)
+            piece = stream.step(raw, int(t))
+        if piece:
+            pieces.append(piece)
+    return "".join(pieces)
 
 
 async def collective_rpc_all_engines(engine, method: str, *args) -> List[Any]:
