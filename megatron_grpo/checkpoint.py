@@ -56,8 +56,8 @@ from bridge.hf_checkpoint import copy_hf_side_files
 
 from .model.builder import unwrap
 from .model.lora import is_lora_state, lora_settings
-from .platform.compat.megatron import (adam_step_fixed_on_load, is_distributed_optimizer,
-                                      regroup_loaded_optimizer_state,
+from .platform.compat.megatron import (adam_step_fixed_on_load, in_process_save_results,
+                                      is_distributed_optimizer, regroup_loaded_optimizer_state,
                                       torch_adam_distributed_optimizers, torch_optimizers)
 
 logger = logging.getLogger("megatron_grpo.checkpoint")
@@ -368,6 +368,7 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
         optim_status = "saved" if _any_rank(_optimizer_has_state(optimizer)) else "fresh"
     sd = _sharded_state_dict(chunks, optimizer if optim_status == "saved" else None,
                              scheduler, False, optim_sharding_type)
+    in_process_save_results()          # a synchronous save: no Manager process to start
     dist_checkpointing.save(sd, os.path.join(tmp, "dist"))
     _write_rank_state(tmp, rank, {"rng": collect_rng_state() if save_rng else None,
                                   "extra_state": extra_state})

@@ -64,7 +64,28 @@ def _rlhf(argv: list[str]) -> int:
     except ImportError as e:  # the trainer lands with issue 6
         raise SystemExit(f"megatron rlhf: the GRPO trainer is not available yet ({e})")
     train(cfg)
+    if launch.in_torchrun():
+        _exit_worker()
     return 0
+
+
+def _exit_worker() -> None:
+    """End a torchrun worker whose run has finished, without the interpreter's teardown.
+
+    By then everything is on disk (checkpoints and final_hf/ written and renamed,
+    metrics flushed, the logger and the vLLM engine closed). What is left is the
+    interpreter's teardown of torch, Megatron, vLLM and their threads: 4-6 s here for
+    nothing (measured: rc 6 s after the last atexit handler started, 0.6 s with this),
+    at the end of every run. Children (a multiprocessing Manager, writer processes) are
+    stopped first so that none outlives the run."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _dry_run(cfg, spec, dataset, val_dataset, problems) -> int:

@@ -42,6 +42,7 @@ from megatron_grpo.model.lora_peft import (gather_adapters, merged_stream, prepa
                                            save_peft_adapter)
 from megatron_grpo.config.parallel import ParallelDims
 from megatron_grpo.platform import init_parallel, init_process_group
+from megatron_grpo.platform.compat.megatron import in_process_save_results
 
 META_FILE = "megatron_grpo_convert.json"
 
@@ -299,6 +300,7 @@ def main(argv: list[str]) -> int:
     tmp = _begin(a.output_dir, rank)
     if a.to_mcore:
         load_hf_weights(chunks, config, args, a.model)
+        in_process_save_results()      # a synchronous save: no Manager process to start
         dist_checkpointing.save(_sharded_state_dict(chunks), tmp)
         if rank == 0:
             copy_hf_side_files(a.model, os.path.join(tmp, HF_CONFIG_DIR))

@@ -178,6 +178,11 @@ def _single_rank(rank, world, out):
         listings.append(sorted(os.listdir(lim_out)))
     res["listings"] = listings
     res["latest"] = os.path.basename(find_latest_checkpoint(lim_out))
+    import multiprocessing
+
+    # Megatron's writer would start a `spawn` Manager process for its results (2-3 s at
+    # the first save of a process); a synchronous save needs none, and leaves no child.
+    res["managers"] = [p.name for p in multiprocessing.active_children() if "Manager" in p.name]
     with open(os.path.join(lim_out, "checkpoint-4", "checkpoint.json")) as f:
         res["meta"] = json.load(f)
     return res
@@ -214,6 +219,7 @@ def test_save_total_limit_removes_oldest_only(single_rank):
     # The one just written survives even though it has the lowest step.
     assert listings[4] == ["checkpoint-2", "checkpoint-4", "latest"]
     assert single_rank["latest"] == "checkpoint-2"
+    assert single_rank["managers"] == []
     meta = single_rank["meta"]
     assert meta["step"] == 4 and meta["layout"]["world_size"] == 1
     assert meta["contents"]["optimizer"] is None and meta["contents"]["extra_state"] == ["step"]

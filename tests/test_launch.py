@@ -27,3 +27,36 @@ def test_master_port_and_multi_node_default_are_kept():
 def test_bad_master_port_names_it():
     with pytest.raises(ValueError, match="MASTER_PORT 70000"):
         launch_spec(env={"MASTER_PORT": "70000"})
+
+
+def test_finished_worker_exits_at_once_without_leaving_children(tmp_path):
+    """cli._exit_worker (a torchrun worker after train() returned): output flushed, exit
+    code 0, and a child process (as Megatron's save could leave one) does not outlive it."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    pid_file = tmp_path / "child.pid"
+    code = textwrap.dedent(f"""
+        import multiprocessing, sys, time
+        from megatron_grpo import cli
+        child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,))
+        child.start()
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print("written", end="")
+        sys.stderr.write("to stderr")
+        cli._exit_worker()
+        print("never")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout == "written" and "to stderr" in r.stderr, r
+    child = int(pid_file.read_text())
+    try:
+        os.kill(child, 0)
+        with open(f"/proc/{child}/stat") as f:      # gone, or a zombie nobody reaped
+            assert f.read().split(")")[-1].split()[0] == "Z", "the child outlived the worker"
+    except (ProcessLookupError, FileNotFoundError):
+        pass

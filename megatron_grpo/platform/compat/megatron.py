@@ -28,7 +28,7 @@ every reference in every loaded `megatron.core` module (`_rebind`).
 - checkpoint.py: which DistributedOptimizers run torch's own Adam
   (`distrib_optimizer.HAVE_APEX_OR_TE`), and a per-instance wrapper of
   `DistributedOptimizer._set_main_param_and_optimizer_states` that repairs the Adam `step`
-  on load.
+  on load; and the results queue of `FileSystemWriterAsync` (`in_process_save_results`).
 
 Verified on megatron-core 0.16.1 (Python 3.11, CPU); the range is setup.py's.
 """
@@ -79,10 +79,33 @@ PRIVATE_NAMES = (
     "megatron.core.transformer.moe.router_replay:RouterReplay.clear_indices",
     "megatron.core.transformer.moe.router_replay:RouterReplay.clear_router_replay_action",
     "megatron.core.transformer.moe.router_replay:RouterReplayAction.REPLAY_FORWARD",
+    # checkpoint.py: the save's results queue (module global, made on first use)
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
 )
 RNG_LOGGER = "megatron.core.tensor_parallel.random"   # the RNG tracker's logger
 
 _checked = False
+
+
+def in_process_save_results() -> None:
+    """Have `dist_checkpointing.save` collect its writers' results in a plain queue.
+
+    Megatron's file writer forks one process per write bucket; their results reach the
+    saving process through a local queue, and from there go into a module-level
+    "global" queue that it creates on first use as a `spawn` Manager queue, meant for
+    asynchronous saves, whose writer runs in another process. Starting that Manager
+    means a fresh interpreter with the caller's imports: 2-3 s at the first save of
+    every process (most of a small model's save). Our saves are synchronous
+    (checkpoint.py: `dist_checkpointing.save`, no async request), so the put and the get
+    happen in this process and a `queue.Queue` does the same job. Call before a save;
+    a queue already made (by an earlier save) is kept."""
+    import queue
+
+    check_version()
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def installed_version() -> str:
