@@ -125,6 +125,8 @@ def _world(rank, world_size, model_dir, batch, root):
         if (tp, pp, sp) == (2, 1, True):   # the trainer's path: Samples -> micro-batches
             out["trainer_logps"] = _trainer_logps(chunks, batch, args.vocab_size)
 
+    out["cp2"] = _cp_phase(world_size, model_dir, batch)
+
     # megatron export: HF -> Megatron at TP=2 -> HF at TP=1 and at PP=2.
     mcore = os.path.join(root, "mcore")
     with contextlib.redirect_stdout(io.StringIO()):
@@ -135,6 +137,63 @@ def _world(rank, world_size, model_dir, batch, root):
         convert(["--to_hf", "true", "--mcore_model", mcore, "--output_dir",
                  os.path.join(root, "hf_pp2"), "--pipeline_model_parallel_size", "2"])
     return out
+
+
+def _cp_phase(world_size, model_dir, batch):
+    """CP=2, the tower trained: each rank feeds its chunks of the ids, image mask and mrope
+    positions (train/batch.py cp_shard) with the whole images; the full logits (gathered
+    over CP) and the tower's gradients of the same loss as the other layouts; the trainer's
+    completion log-probs (engine.forward_logprobs shards the micro-batch itself)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from bridge import load_hf_weights
+    from megatron_grpo.data.cp_split import gather_from_cp
+    from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
+    from megatron_grpo.model.vision import apply_freeze
+    from megatron_grpo.platform import ParallelDims, init_parallel
+    from megatron_grpo.train.batch import cp_shard
+
+    init_parallel(ParallelDims(world_size=world_size, cp=2), seed=1)
+    config, args = build_transformer_config(model_dir, cp=2)
+    chunks = build_model(config, args)
+    load_hf_weights(chunks, config, args, model_dir)
+    apply_freeze(chunks, freeze_vit=False, freeze_aligner=False)
+    chunks = wrap_ddp(config, chunks)
+    ids = batch["ids"]
+    targets, weight = torch.zeros_like(ids), torch.zeros(ids.shape)
+    for i, n in enumerate(batch["lengths"]):
+        targets[i, :n - 1], weight[i, :n - 1] = ids[i, 1:n], 1.0
+    shard = cp_shard({"input_ids": ids, "position_ids": batch["pos"], "targets": targets,
+                      "weight": weight, "image_mask": ids == batch["image_token_id"],
+                      "pixel_values": batch["pixel_values"],
+                      "image_grid_thw": batch["image_grid_thw"]},
+                     2, ps.get_context_parallel_rank())
+    count = weight.sum()
+
+    def step(data_iterator, model):
+        next(data_iterator)
+        output = model(shard["input_ids"], shard["position_ids"], None,
+                       pixel_values=shard["pixel_values"], image_grid_thw=shard["image_grid_thw"],
+                       image_mask=shard["image_mask"], image_index=shard["image_index"])
+
+        def loss_fn(o):          # this rank's tokens' share (the schedule and DDP: engine.py)
+            logits = o[..., :args.vocab_size].float()
+            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), shard["targets"],
+                                                   reduction="none")
+            loss = (ce * shard["weight"]).sum() / count
+            return loss, {"logits": gather_from_cp(logits, seq_len=ids.shape[1])}
+        return output, loss_fn
+
+    chunks[0].train()
+    result = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter([None]), model=chunks, num_microbatches=1,
+        seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=False)
+    return dict(logits=result[0]["logits"],
+                trainer_logps=_trainer_logps(chunks, batch, args.vocab_size),
+                visual_grads={n[len("module.visual.model."):]: p.main_grad.clone()
+                              for n, p in chunks[0].named_parameters()
+                              if n.startswith("module.visual.model.")})
 
 
 COMPLETIONS = [[5, 17, 42, 9], [7, 8]]
@@ -252,6 +311,26 @@ def test_vision_tower_gradients_equal_hf(world, layout):
             scale = ref[name].abs().max().item()
             assert (g - ref[name]).abs().max().item() <= 1e-5 + 1e-4 * scale, (layout, name)
         assert any(g.abs().max() > 0 for g in grads.values())
+
+
+def test_context_parallel_logits_and_tower_gradients(world):
+    """CP=2 (train/batch.py cp_shard: chunks of the ids, image mask and 3 x S positions,
+    the whole images on both ranks): logits and the trainer's completion log-probs equal
+    HF's, and the tower's gradients (DDP sums the ranks' partial ones) equal HF's and
+    CP=1's on every rank."""
+    batch = world["batch"]
+    for r in world["results"]:
+        cp = r["cp2"]
+        for i, ref in enumerate(world["ref_logits"]):
+            n = batch["lengths"][i]
+            assert (cp["logits"][i, :n].double() - ref.double()).abs().max() <= 1e-4, i
+        for ours, ref in zip(cp["trainer_logps"], world["ref_logps"]):
+            assert (ours.double() - ref).abs().max() <= 1e-5
+        cp1 = r[1, 1, False]["visual_grads"]
+        assert sorted(cp["visual_grads"]) == sorted(world["ref_grads"])
+        for name, g in cp["visual_grads"].items():
+            for ref in (world["ref_grads"][name], cp1[name]):
+                assert (g - ref).abs().max().item() <= 1e-5 + 1e-4 * ref.abs().max().item(), name
 
 
 def test_freeze_options_choose_what_trains(world):
