@@ -124,6 +124,8 @@ def _world(rank, world_size, model_dir, batch, root):
                 include=sync_filter(freeze_vit=True, freeze_aligner=False)) for n, t in bucket}
         if (tp, pp, sp) == (2, 1, True):   # the trainer's path: Samples -> micro-batches
             out["trainer_logps"] = _trainer_logps(chunks, batch, args.vocab_size)
+            out["packed_logps"] = _trainer_logps(_packed_chunks(config, args, model_dir),
+                                                 batch, args.vocab_size)
 
     out["cp2"] = _cp_phase(world_size, model_dir, batch)
 
@@ -185,12 +187,17 @@ def _cp_phase(world_size, model_dir, batch):
             return loss, {"logits": gather_from_cp(logits, seq_len=ids.shape[1])}
         return output, loss_fn
 
+    packed_chunks = _packed_chunks(config, args, model_dir)
+    packed = _trainer_logps(packed_chunks, batch, args.vocab_size)
+    packed_text = _trainer_logps(packed_chunks, batch, args.vocab_size, text=True)
+    padded_text = _trainer_logps(chunks, batch, args.vocab_size, text=True)
     chunks[0].train()
     result = get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter([None]), model=chunks, num_microbatches=1,
         seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=False)
     return dict(logits=result[0]["logits"],
                 trainer_logps=_trainer_logps(chunks, batch, args.vocab_size),
+                packed_logps=packed, packed_text=packed_text, padded_text=padded_text,
                 visual_grads={n[len("module.visual.model."):]: p.main_grad.clone()
                               for n, p in chunks[0].named_parameters()
                               if n.startswith("module.visual.model.")})
@@ -213,12 +220,31 @@ def _samples(batch, image_token_id):
     return out
 
 
-def _trainer_logps(chunks, batch, vocab):
-    """Completion log-probs through the trainer's forward (micro_batches + forward_logprobs)."""
-    from megatron_grpo.train.batch import micro_batches, split_completion_values
+def _packed_chunks(config, args, model_dir):
+    """The model built for packed micro-batches (--padding_free true: the engine packs them,
+    train/packing.py, under the current TP / CP)."""
+    from bridge import load_hf_weights
+    from megatron_grpo.model import build_model
+
+    chunks = build_model(config, args, padding_free=True)
+    load_hf_weights(chunks, config, args, model_dir)
+    for c in chunks:
+        c.eval()
+    return chunks
+
+
+TEXT_SAMPLES = [([1, 5, 9, 33, 60, 7], [12, 40, 3]), ([4, 8, 15, 16], [23, 42])]
+
+
+def _trainer_logps(chunks, batch, vocab, text=False):
+    """Completion log-probs through the trainer's forward (micro_batches + forward_logprobs);
+    text: two text-only samples instead (no images: the [B, S] position path)."""
+    from megatron_grpo.train.batch import Sample, micro_batches, split_completion_values
     from megatron_grpo.train.engine import forward_logprobs
 
-    mbs = micro_batches(_samples(batch, batch["image_token_id"]), 2, pad_to_multiple_of=2)
+    samples = [Sample(prompt_ids=p, completion_ids=c) for p, c in TEXT_SAMPLES] if text else \
+        _samples(batch, batch["image_token_id"])
+    mbs = micro_batches(samples, 2, pad_to_multiple_of=2)
     out = forward_logprobs(chunks, mbs, temperature=1.0, vocab_size=vocab)
     return None if out is None else split_completion_values(out[0]["logps"], mbs[0])
 
@@ -409,6 +435,21 @@ def test_trainer_forward_takes_images_per_sample(world):
     for logps in seen:
         for ours, ref in zip(logps, world["ref_logps"]):
             assert (ours.double() - ref).abs().max() <= 1e-5
+
+
+def test_padding_free_takes_images_and_mrope_positions(world):
+    """--padding_free true (train/packing.py): packed micro-batches of the two image prompts
+    at TP=2+SP and at CP=2 give HF's completion log-probs; two text-only samples in a VL
+    model (the [B, S] position path) give the same log-probs packed as padded at CP=2."""
+    seen = [r["packed_logps"] for r in world["results"] if r["packed_logps"] is not None]
+    seen += [r["cp2"]["packed_logps"] for r in world["results"]]
+    assert len(seen) == 2 * len(world["results"])
+    for logps in seen:
+        for ours, ref in zip(logps, world["ref_logps"]):
+            assert (ours.double() - ref).abs().max() <= 1e-5
+    for r in world["results"]:
+        for ours, ref in zip(r["cp2"]["packed_text"], r["cp2"]["padded_text"]):
+            assert ours.shape == ref.shape and (ours - ref).abs().max() <= 1e-5
 
 
 def test_collate_carries_images_and_positions(world):

@@ -28,8 +28,8 @@ of a micro-batch are not split), each rank scatters the rows of its own image to
 DDP's sum over DP x CP adds the ranks' partial tower gradients like every other
 parameter's. The mrope module's own CP slicing is switched off (`rotary_pos_emb.cp_group
 = None`): the positions a rank passes are already its own (padded micro-batches), or the
-whole packed row, from which Megatron's THD rotary code takes each sequence's chunks
-(`_apply_rotary_pos_emb_thd`, packed micro-batches).
+whole packed row [3, 1, T], from which Megatron's THD rotary code takes each sequence's
+chunks (`_apply_rotary_pos_emb_thd`, packed micro-batches, train/packing.py).
 
 Freezing (ms-swift's meaning): --freeze_vit (the tower without the merger), --freeze_aligner
 (the merger), --freeze_llm (everything else): `apply_freeze`.
@@ -93,6 +93,11 @@ class VisionLanguageModel(GPTModel):
         be whole. position_ids [3, b, s]; a [b, s] ramp (text only) is used for all three
         sections."""
         if position_ids is not None and position_ids.dim() == 2:
+            packed = kwargs.get("packed_seq_params")
+            if packed is not None:   # a text-only packed micro-batch: the whole row's ramps
+                cu = packed.cu_seqlens_q_padded.tolist()       # (train/packing.py: THD rope)
+                position_ids = torch.cat([torch.arange(e - s) for s, e in zip(cu[:-1], cu[1:])]
+                                         ).to(position_ids.device).unsqueeze(0)
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         if self.pre_process and decoder_input is None and pixel_values is not None:
             decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw,
