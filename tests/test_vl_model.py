@@ -128,6 +128,7 @@ def _world(rank, world_size, model_dir, batch, root):
                                                  batch, args.vocab_size)
 
     out["cp2"] = _cp_phase(world_size, model_dir, batch)
+    out["lora"] = _lora_phase(world_size, model_dir, batch, root)
 
     # megatron export: HF -> Megatron at TP=2 -> HF at TP=1 and at PP=2.
     mcore = os.path.join(root, "mcore")
@@ -201,6 +202,46 @@ def _cp_phase(world_size, model_dir, batch):
                 visual_grads={n[len("module.visual.model."):]: p.main_grad.clone()
                               for n, p in chunks[0].named_parameters()
                               if n.startswith("module.visual.model.")})
+
+
+def _lora_phase(world_size, model_dir, batch, root):
+    """LoRA on the language model at TP=2 (every target, the tower frozen): logits with B = 0
+    and with random B, the merged stream a sync sends, and the PEFT adapter rank 0 writes."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from bridge import export_hf_weights, load_hf_weights
+    from megatron_grpo.model import build_model, build_transformer_config
+    from megatron_grpo.model.lora import LoraSettings, adapters, apply_lora, lora_settings
+    from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter
+    from megatron_grpo.platform import ParallelDims, init_parallel
+
+    init_parallel(ParallelDims(world_size=world_size, tp=2), seed=1)
+    config, args = build_transformer_config(model_dir, tp=2)
+    chunks = build_model(config, args)
+    load_hf_weights(chunks, config, args, model_dir)
+    apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0))
+    chunks[0].eval()
+
+    def logits():
+        with torch.no_grad():
+            out = chunks[0](batch["ids"], batch["pos"], None, pixel_values=batch["pixel_values"],
+                            image_grid_thw=batch["image_grid_thw"])
+        return gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size].clone()
+
+    base = logits()
+    g = torch.Generator().manual_seed(7)     # replicated B (row-parallel) equal on both ranks
+    with torch.no_grad():
+        for _, _, adapter in adapters(chunks):
+            for b in adapter.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    trainable = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
+    factors = gather_adapters(chunks)
+    merged = {n: t.clone() for bucket in merged_stream(chunks, export_hf_weights(
+        chunks, config, args, bucket_size_bytes=64 << 10)) for n, t in bucket}
+    if torch.distributed.get_rank() == 0:
+        save_peft_adapter(os.path.join(root, "vl_adapter"), factors, lora_settings(chunks),
+                          base_model=model_dir)
+    return dict(base=base, adapted=logits(), merged=merged, trainable=trainable)
 
 
 COMPLETIONS = [[5, 17, 42, 9], [7, 8]]
@@ -357,6 +398,40 @@ def test_context_parallel_logits_and_tower_gradients(world):
         for name, g in cp["visual_grads"].items():
             for ref in (world["ref_grads"][name], cp1[name]):
                 assert (g - ref).abs().max().item() <= 1e-5 + 1e-4 * ref.abs().max().item(), name
+
+
+def test_lora_on_the_language_model_equals_peft(world):
+    """LoRA (every target, TP=2) on Qwen2.5-VL: only adapters train (the tower frozen);
+    with B = 0 the logits are HF's; with random B the logits equal PEFT's on HF's model
+    loading the adapter we write (its names and regex keep PEFT off the tower's own
+    gate/up/down_proj), and the merged sync stream equals PEFT's merge_and_unload."""
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    batch = world["batch"]
+    results = [r["lora"] for r in world["results"]]
+    assert all(r["trainable"] and all("_lora.lora_" in n for n in r["trainable"])
+               for r in results)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(world["model_dir"],
+                                                            dtype=torch.float32)
+    peft = PeftModel.from_pretrained(hf, world["root"] / "vl_adapter").eval()
+    wrapped = [n for n, _ in peft.named_parameters() if "lora_A" in n]
+    assert wrapped and not any("visual" in n for n in wrapped)
+    assert len(wrapped) == 2 * 7          # 2 layers x every target
+    with torch.no_grad():
+        ref = [peft(**e, use_cache=False).logits[0] for e in batch["encs"]]
+    for r in results:
+        for i, (base, adapted) in enumerate(zip(world["ref_logits"], ref)):
+            n = batch["lengths"][i]
+            assert (r["base"][i, :n] - base).abs().max() <= 1e-4
+            assert (r["adapted"][i, :n] - adapted).abs().max() <= 1e-4
+            assert (adapted - base).abs().max() > 1e-2       # the adapters matter
+    merged = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+              for k, v in peft.merge_and_unload().state_dict().items()}
+    for r in results:
+        assert set(r["merged"]) <= set(merged)
+        for name, t in r["merged"].items():
+            assert (t - merged[name]).abs().max() <= 1e-5, name
 
 
 def test_freeze_options_choose_what_trains(world):
