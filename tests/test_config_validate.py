@@ -115,6 +115,8 @@ CASES = [
     # vision-language freezing: only on a VL model, never everything
     (["--freeze_vit", "false"], ["--freeze_vit false", "text-only"]),
     (["--freeze_llm", "true"], ["--freeze_llm true", "nothing to train"]),
+    (["--freeze_aligner", "false", "--tuner_type", "lora"],
+     ["--freeze_aligner false", "--tuner_type lora", "language model only", "--tuner_type full"]),
 ]
 
 

@@ -124,6 +124,11 @@ def _world(rank, world_size, model_dir, batch, root):
                 include=sync_filter(freeze_vit=True, freeze_aligner=False)) for n, t in bucket}
         if (tp, pp, sp) == (2, 1, True):   # the trainer's path: Samples -> micro-batches
             out["trainer_logps"] = _trainer_logps(chunks, batch, args.vocab_size)
+            out["packed_logps"] = _trainer_logps(_packed_chunks(config, args, model_dir),
+                                                 batch, args.vocab_size)
+
+    out["cp2"] = _cp_phase(world_size, model_dir, batch)
+    out["lora"] = _lora_phase(world_size, model_dir, batch, root)
 
     # megatron export: HF -> Megatron at TP=2 -> HF at TP=1 and at PP=2.
     mcore = os.path.join(root, "mcore")
@@ -135,6 +140,108 @@ def _world(rank, world_size, model_dir, batch, root):
         convert(["--to_hf", "true", "--mcore_model", mcore, "--output_dir",
                  os.path.join(root, "hf_pp2"), "--pipeline_model_parallel_size", "2"])
     return out
+
+
+def _cp_phase(world_size, model_dir, batch):
+    """CP=2, the tower trained: each rank feeds its chunks of the ids, image mask and mrope
+    positions (train/batch.py cp_shard) with the whole images; the full logits (gathered
+    over CP) and the tower's gradients of the same loss as the other layouts; the trainer's
+    completion log-probs (engine.forward_logprobs shards the micro-batch itself)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from bridge import load_hf_weights
+    from megatron_grpo.data.cp_split import gather_from_cp
+    from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
+    from megatron_grpo.model.vision import apply_freeze
+    from megatron_grpo.platform import ParallelDims, init_parallel
+    from megatron_grpo.train.batch import cp_shard
+
+    init_parallel(ParallelDims(world_size=world_size, cp=2), seed=1)
+    config, args = build_transformer_config(model_dir, cp=2)
+    chunks = build_model(config, args)
+    load_hf_weights(chunks, config, args, model_dir)
+    apply_freeze(chunks, freeze_vit=False, freeze_aligner=False)
+    chunks = wrap_ddp(config, chunks)
+    ids = batch["ids"]
+    targets, weight = torch.zeros_like(ids), torch.zeros(ids.shape)
+    for i, n in enumerate(batch["lengths"]):
+        targets[i, :n - 1], weight[i, :n - 1] = ids[i, 1:n], 1.0
+    shard = cp_shard({"input_ids": ids, "position_ids": batch["pos"], "targets": targets,
+                      "weight": weight, "image_mask": ids == batch["image_token_id"],
+                      "pixel_values": batch["pixel_values"],
+                      "image_grid_thw": batch["image_grid_thw"]},
+                     2, ps.get_context_parallel_rank())
+    count = weight.sum()
+
+    def step(data_iterator, model):
+        next(data_iterator)
+        output = model(shard["input_ids"], shard["position_ids"], None,
+                       pixel_values=shard["pixel_values"], image_grid_thw=shard["image_grid_thw"],
+                       image_mask=shard["image_mask"], image_index=shard["image_index"])
+
+        def loss_fn(o):          # this rank's tokens' share (the schedule and DDP: engine.py)
+            logits = o[..., :args.vocab_size].float()
+            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), shard["targets"],
+                                                   reduction="none")
+            loss = (ce * shard["weight"]).sum() / count
+            return loss, {"logits": gather_from_cp(logits, seq_len=ids.shape[1])}
+        return output, loss_fn
+
+    packed_chunks = _packed_chunks(config, args, model_dir)
+    packed = _trainer_logps(packed_chunks, batch, args.vocab_size)
+    packed_text = _trainer_logps(packed_chunks, batch, args.vocab_size, text=True)
+    padded_text = _trainer_logps(chunks, batch, args.vocab_size, text=True)
+    chunks[0].train()
+    result = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter([None]), model=chunks, num_microbatches=1,
+        seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=False)
+    return dict(logits=result[0]["logits"],
+                trainer_logps=_trainer_logps(chunks, batch, args.vocab_size),
+                packed_logps=packed, packed_text=packed_text, padded_text=padded_text,
+                visual_grads={n[len("module.visual.model."):]: p.main_grad.clone()
+                              for n, p in chunks[0].named_parameters()
+                              if n.startswith("module.visual.model.")})
+
+
+def _lora_phase(world_size, model_dir, batch, root):
+    """LoRA on the language model at TP=2 (every target, the tower frozen): logits with B = 0
+    and with random B, the merged stream a sync sends, and the PEFT adapter rank 0 writes."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from bridge import export_hf_weights, load_hf_weights
+    from megatron_grpo.model import build_model, build_transformer_config
+    from megatron_grpo.model.lora import LoraSettings, adapters, apply_lora, lora_settings
+    from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter
+    from megatron_grpo.platform import ParallelDims, init_parallel
+
+    init_parallel(ParallelDims(world_size=world_size, tp=2), seed=1)
+    config, args = build_transformer_config(model_dir, tp=2)
+    chunks = build_model(config, args)
+    load_hf_weights(chunks, config, args, model_dir)
+    apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0))
+    chunks[0].eval()
+
+    def logits():
+        with torch.no_grad():
+            out = chunks[0](batch["ids"], batch["pos"], None, pixel_values=batch["pixel_values"],
+                            image_grid_thw=batch["image_grid_thw"])
+        return gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size].clone()
+
+    base = logits()
+    g = torch.Generator().manual_seed(7)     # replicated B (row-parallel) equal on both ranks
+    with torch.no_grad():
+        for _, _, adapter in adapters(chunks):
+            for b in adapter.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    trainable = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
+    factors = gather_adapters(chunks)
+    merged = {n: t.clone() for bucket in merged_stream(chunks, export_hf_weights(
+        chunks, config, args, bucket_size_bytes=64 << 10)) for n, t in bucket}
+    if torch.distributed.get_rank() == 0:
+        save_peft_adapter(os.path.join(root, "vl_adapter"), factors, lora_settings(chunks),
+                          base_model=model_dir)
+    return dict(base=base, adapted=logits(), merged=merged, trainable=trainable)
 
 
 COMPLETIONS = [[5, 17, 42, 9], [7, 8]]
@@ -154,12 +261,31 @@ def _samples(batch, image_token_id):
     return out
 
 
-def _trainer_logps(chunks, batch, vocab):
-    """Completion log-probs through the trainer's forward (micro_batches + forward_logprobs)."""
-    from megatron_grpo.train.batch import micro_batches, split_completion_values
+def _packed_chunks(config, args, model_dir):
+    """The model built for packed micro-batches (--padding_free true: the engine packs them,
+    train/packing.py, under the current TP / CP)."""
+    from bridge import load_hf_weights
+    from megatron_grpo.model import build_model
+
+    chunks = build_model(config, args, padding_free=True)
+    load_hf_weights(chunks, config, args, model_dir)
+    for c in chunks:
+        c.eval()
+    return chunks
+
+
+TEXT_SAMPLES = [([1, 5, 9, 33, 60, 7], [12, 40, 3]), ([4, 8, 15, 16], [23, 42])]
+
+
+def _trainer_logps(chunks, batch, vocab, text=False):
+    """Completion log-probs through the trainer's forward (micro_batches + forward_logprobs);
+    text: two text-only samples instead (no images: the [B, S] position path)."""
+    from megatron_grpo.train.batch import Sample, micro_batches, split_completion_values
     from megatron_grpo.train.engine import forward_logprobs
 
-    mbs = micro_batches(_samples(batch, batch["image_token_id"]), 2, pad_to_multiple_of=2)
+    samples = [Sample(prompt_ids=p, completion_ids=c) for p, c in TEXT_SAMPLES] if text else \
+        _samples(batch, batch["image_token_id"])
+    mbs = micro_batches(samples, 2, pad_to_multiple_of=2)
     out = forward_logprobs(chunks, mbs, temperature=1.0, vocab_size=vocab)
     return None if out is None else split_completion_values(out[0]["logps"], mbs[0])
 
@@ -254,6 +380,60 @@ def test_vision_tower_gradients_equal_hf(world, layout):
         assert any(g.abs().max() > 0 for g in grads.values())
 
 
+def test_context_parallel_logits_and_tower_gradients(world):
+    """CP=2 (train/batch.py cp_shard: chunks of the ids, image mask and 3 x S positions,
+    the whole images on both ranks): logits and the trainer's completion log-probs equal
+    HF's, and the tower's gradients (DDP sums the ranks' partial ones) equal HF's and
+    CP=1's on every rank."""
+    batch = world["batch"]
+    for r in world["results"]:
+        cp = r["cp2"]
+        for i, ref in enumerate(world["ref_logits"]):
+            n = batch["lengths"][i]
+            assert (cp["logits"][i, :n].double() - ref.double()).abs().max() <= 1e-4, i
+        for ours, ref in zip(cp["trainer_logps"], world["ref_logps"]):
+            assert (ours.double() - ref).abs().max() <= 1e-5
+        cp1 = r[1, 1, False]["visual_grads"]
+        assert sorted(cp["visual_grads"]) == sorted(world["ref_grads"])
+        for name, g in cp["visual_grads"].items():
+            for ref in (world["ref_grads"][name], cp1[name]):
+                assert (g - ref).abs().max().item() <= 1e-5 + 1e-4 * ref.abs().max().item(), name
+
+
+def test_lora_on_the_language_model_equals_peft(world):
+    """LoRA (every target, TP=2) on Qwen2.5-VL: only adapters train (the tower frozen);
+    with B = 0 the logits are HF's; with random B the logits equal PEFT's on HF's model
+    loading the adapter we write (its names and regex keep PEFT off the tower's own
+    gate/up/down_proj), and the merged sync stream equals PEFT's merge_and_unload."""
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    batch = world["batch"]
+    results = [r["lora"] for r in world["results"]]
+    assert all(r["trainable"] and all("_lora.lora_" in n for n in r["trainable"])
+               for r in results)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(world["model_dir"],
+                                                            dtype=torch.float32)
+    peft = PeftModel.from_pretrained(hf, world["root"] / "vl_adapter").eval()
+    wrapped = [n for n, _ in peft.named_parameters() if "lora_A" in n]
+    assert wrapped and not any("visual" in n for n in wrapped)
+    assert len(wrapped) == 2 * 7          # 2 layers x every target
+    with torch.no_grad():
+        ref = [peft(**e, use_cache=False).logits[0] for e in batch["encs"]]
+    for r in results:
+        for i, (base, adapted) in enumerate(zip(world["ref_logits"], ref)):
+            n = batch["lengths"][i]
+            assert (r["base"][i, :n] - base).abs().max() <= 1e-4
+            assert (r["adapted"][i, :n] - adapted).abs().max() <= 1e-4
+            assert (adapted - base).abs().max() > 1e-2       # the adapters matter
+    merged = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+              for k, v in peft.merge_and_unload().state_dict().items()}
+    for r in results:
+        assert set(r["merged"]) <= set(merged)
+        for name, t in r["merged"].items():
+            assert (t - merged[name]).abs().max() <= 1e-5, name
+
+
 def test_freeze_options_choose_what_trains(world):
     trainable = world["results"][0][1, 1, False]["trainable"]
     vit = [n for n in trainable[False, False, True] if n.startswith("visual.model.")]
@@ -330,6 +510,21 @@ def test_trainer_forward_takes_images_per_sample(world):
     for logps in seen:
         for ours, ref in zip(logps, world["ref_logps"]):
             assert (ours.double() - ref).abs().max() <= 1e-5
+
+
+def test_padding_free_takes_images_and_mrope_positions(world):
+    """--padding_free true (train/packing.py): packed micro-batches of the two image prompts
+    at TP=2+SP and at CP=2 give HF's completion log-probs; two text-only samples in a VL
+    model (the [B, S] position path) give the same log-probs packed as padded at CP=2."""
+    seen = [r["packed_logps"] for r in world["results"] if r["packed_logps"] is not None]
+    seen += [r["cp2"]["packed_logps"] for r in world["results"]]
+    assert len(seen) == 2 * len(world["results"])
+    for logps in seen:
+        for ours, ref in zip(logps, world["ref_logps"]):
+            assert (ours.double() - ref).abs().max() <= 1e-5
+    for r in world["results"]:
+        for ours, ref in zip(r["cp2"]["packed_text"], r["cp2"]["padded_text"]):
+            assert ours.shape == ref.shape and (ours - ref).abs().max() <= 1e-5
 
 
 def test_collate_carries_images_and_positions(world):

@@ -186,7 +186,10 @@ def _check_freeze(cfg: "GRPOConfig", p: Problems) -> None:
               f"{flags} leaves nothing to train. Fix: set one of them false")
     p.require(t.tuner_type != "lora",
               f"{flags} with --tuner_type lora: LoRA trains adapters on the language model "
-              "only for now. Fix: keep the defaults (true, true, false) or --tuner_type full")
+              "only, the vision tower and merger frozen (adapters on the tower's linears, or "
+              "a tower trained in full beside them, are not kept by the LoRA checkpoint, the "
+              "reference policy and the PEFT export yet). Fix: keep the defaults (true, true, "
+              "false) or --tuner_type full")
     hf = _hf_config(cfg.model.model)
     if hf is not None:   # a vision-language config.json has a vision_config
         archs = ", ".join(hf.get("architectures") or []) or hf.get("model_type")

@@ -80,10 +80,6 @@ def build_model(config, args: ModelArgs, use_te: bool | None = None,
                                                              TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
-    if args.family.vision and padding_free:
-        raise ValueError(f"--padding_free true: {args.family.name} (vision-language) runs on "
-                         "padded micro-batches for now (packing does not carry the images and "
-                         "3-row positions yet). Fix: --padding_free false")
     layer, final_norm = layer_spec(config, use_te, padding_free)
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []

@@ -186,10 +186,6 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
         raise ValueError(f"--expert_model_parallel_size {ep} / --expert_tensor_parallel_size "
                          f"{etp} need a mixture-of-experts model; {family.name} is dense")
     if family.vision:
-        if cp > 1:
-            raise ValueError(f"--context_parallel_size {cp}: vision-language models ({family.name}"
-                             ") run with context parallel size 1 for now (the image rows of a "
-                             "CP shard are not mapped yet)")
         kwargs["mrope_section"] = _mrope_section(hf)
         if sum(kwargs["mrope_section"]) * 2 != head_dim:
             raise ValueError(f"config.json mrope_section {kwargs['mrope_section']} must sum to "

@@ -54,6 +54,7 @@ dropout, but not bit-equal to TP=1).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -114,6 +115,9 @@ class LoraSettings:
     rslora: bool = False
     seed: int = 42
     modules_to_save: tuple[str, ...] = ()
+    # The base is a vision-language model (set by apply_lora): its PEFT files name the
+    # language model's layers as transformers holds them (model/lora_peft.py).
+    vision: bool = False
 
     @property
     def scale(self) -> float:
@@ -248,6 +252,7 @@ def apply_lora(chunks, config, args, settings: LoraSettings) -> list[str]:
         raise ValueError("--tuner_type lora: the Transformer Engine layer spec is not supported "
                          "yet (LoRA wraps the local spec's linears); run without Transformer "
                          "Engine")
+    settings = dataclasses.replace(settings, vision=bool(getattr(args.family, "vision", False)))
     tp, _ = _tp()
     hf = args.hf_config
     heads = config.num_attention_heads

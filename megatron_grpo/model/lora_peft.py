@@ -14,6 +14,14 @@ split over TP along the dimension its linear splits, so a rank's slice of a PEFT
 is an even split along one axis: rows of B (column-parallel: q/k/v, gate/up) or
 columns of A (row-parallel: o_proj, down_proj).
 
+Vision-language models (Qwen2.5-VL, settings.vision): transformers holds the language
+model's layers as `model.language_model.layers.N` and the vision tower's MLP has its own
+gate_proj / up_proj / down_proj, so PEFT on the HF model names the adapter
+`base_model.model.model.language_model.layers.N...` and a plain target list would also
+wrap the tower. The files therefore use those names (`_file_key`; our keys stay the
+checkpoint's `model.layers.N`, as the bridge streams them) and write target_modules as a
+regex over the language model's projections only; `peft_settings` reads it back.
+
 --modules_to_save: PEFT saves the trained copy of a module under the base model's name,
 `base_model.model.lm_head.weight` [vocab, hidden] (`...model.embed_tokens.weight`), and
 loads it from there (peft 0.21). Megatron's parameter is vocab-parallel with padded rows:
@@ -59,6 +67,20 @@ SAVED_KEYS = {"embedding.word_embeddings.weight": "base_model.model.model.embed_
               "output_layer.weight": "base_model.model.lm_head.weight"}
 
 
+_TEXT_LAYERS = "base_model.model.model.layers."
+_VL_LAYERS = "base_model.model.model.language_model.layers."
+
+
+def _file_key(key: str, vision: bool) -> str:
+    """Our PEFT key -> the adapter file's (vision-language: transformers' names)."""
+    return _VL_LAYERS + key[len(_TEXT_LAYERS):] if vision and key.startswith(_TEXT_LAYERS) else key
+
+
+def _vl_targets_regex(targets) -> str:
+    """PEFT target_modules of a vision-language model: the language model's projections."""
+    return r".*language_model\.layers\.\d+\.(self_attn|mlp)\.(" + "|".join(targets) + ")"
+
+
 def hf_weight_name(layer: int, target: str) -> str:
     return f"model.layers.{layer}.{HF_MODULE[target]}.weight"
 
@@ -76,7 +98,9 @@ def peft_settings(adapter_dir: str, seed: int = 42) -> LoraSettings:
                          "allowed: LORA")
     targets = cfg.get("target_modules") or ["all-linear"]
     if isinstance(targets, str) and targets != "all-linear":   # PEFT: a regex, full match
-        targets = [t for t in HF_MODULE if re.fullmatch(targets, f"model.layers.0.{HF_MODULE[t]}")]
+        targets = [t for t in HF_MODULE if any(re.fullmatch(targets, f"{prefix}.0.{HF_MODULE[t]}")
+                                               for prefix in ("model.layers",
+                                                              "model.language_model.layers"))]
     elif isinstance(targets, str):
         targets = [targets]
     else:   # PEFT matches names by suffix; it saves all-linear expanded to module paths
@@ -111,6 +135,7 @@ def load_peft_adapter(chunks, adapter_dir: str) -> None:
     if not os.path.isfile(path):
         raise ValueError(f"--adapters {adapter_dir!r}: no {ADAPTER_WEIGHTS} there")
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    vision = bool(getattr(lora_settings(chunks), "vision", False))
     work, expected = [], {}
     for layer, _, adapter in adapters(chunks):
         for factor in ("lora_A", "lora_B"):
@@ -119,7 +144,7 @@ def load_peft_adapter(chunks, adapter_dir: str) -> None:
                 shape = list(param.shape)
                 if axis is not None:
                     shape[axis] *= tp
-                key = peft_key(layer, target, factor)
+                key = _file_key(peft_key(layer, target, factor), vision)
                 expected[key] = tuple(shape)
                 work.append((key, param, axis))
     saved = []
@@ -288,9 +313,12 @@ def save_peft_adapter(out_dir: str, factors: dict[str, torch.Tensor], settings: 
 
     os.makedirs(out_dir, exist_ok=True)
     config = peft_config(settings, base_model)
+    if settings.vision:     # the language model only (module docstring)
+        config["target_modules"] = _vl_targets_regex(settings.targets)
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
-    tensors = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in factors.items()}
+    tensors = {_file_key(k, settings.vision): (v.to(dtype) if dtype else v).contiguous()
+               for k, v in factors.items()}
     save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 

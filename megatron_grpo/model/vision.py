@@ -20,6 +20,17 @@ order), passed to GPTModel as `decoder_input`. Every stage needs `position_ids` 
 (mrope angles are computed per stage); `model.mrope.mrope_positions` gives them as HF's
 `get_rope_index` does.
 
+Context parallelism: each CP rank holds its load-balanced chunks of the micro-batch
+(train/batch.py cp_shard): the token ids, the image mask, `image_index` (each image token's
+row of the tower's output, counted over the WHOLE micro-batch) and the 3 x S mrope
+positions. The tower runs on every CP rank on the whole images (it is small; the images
+of a micro-batch are not split), each rank scatters the rows of its own image tokens;
+DDP's sum over DP x CP adds the ranks' partial tower gradients like every other
+parameter's. The mrope module's own CP slicing is switched off (`rotary_pos_emb.cp_group
+= None`): the positions a rank passes are already its own (padded micro-batches), or the
+whole packed row [3, 1, T], from which Megatron's THD rotary code takes each sequence's
+chunks (`_apply_rotary_pos_emb_thd`, packed micro-batches, train/packing.py).
+
 Freezing (ms-swift's meaning): --freeze_vit (the tower without the merger), --freeze_aligner
 (the merger), --freeze_llm (everything else): `apply_freeze`.
 """
@@ -64,41 +75,60 @@ class VisionLanguageModel(GPTModel):
         self.image_token_id = int(hf_config["image_token_id"])
         if self.pre_process:
             self.visual = VisionTower(self.config, family, hf_config["vision_config"])
+        # The positions we pass are already this CP rank's (module docstring): no second slice.
+        self.rotary_pos_emb.cp_group = None
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                 pixel_values: Optional[torch.Tensor] = None,
                 image_grid_thw: Optional[torch.Tensor] = None,
-                image_mask: Optional[torch.Tensor] = None, **kwargs):
+                image_mask: Optional[torch.Tensor] = None,
+                image_index: Optional[torch.Tensor] = None, **kwargs):
         """GPTModel.forward plus the images of the micro-batch, in token order:
         pixel_values [patches, C*T*P*P] and image_grid_thw [n_images, 3] (the processor's,
         images concatenated in the order their tokens appear in input_ids [b, s] row-major).
         image_mask [b, s] bool: which tokens the images fill (default: the image token ids;
-        pass it when completions may contain that id as text). position_ids [3, b, s]; a
-        [b, s] ramp (text only) is used for all three sections."""
+        pass it when completions may contain that id as text). image_index [b, s] (CP
+        shards, train/batch.py cp_shard): each image token's row of the tower's output,
+        counted over the whole micro-batch; default: counted over input_ids, which must then
+        be whole. position_ids [3, b, s]; a [b, s] ramp (text only) is used for all three
+        sections."""
         if position_ids is not None and position_ids.dim() == 2:
+            packed = kwargs.get("packed_seq_params")
+            if packed is not None:   # a text-only packed micro-batch: the whole row's ramps
+                cu = packed.cu_seqlens_q_padded.tolist()       # (train/packing.py: THD rope)
+                position_ids = torch.cat([torch.arange(e - s) for s, e in zip(cu[:-1], cu[1:])]
+                                         ).to(position_ids.device).unsqueeze(0)
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         if self.pre_process and decoder_input is None and pixel_values is not None:
             decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw,
-                                                   image_mask)
+                                                   image_mask, image_index)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input,
                                *args, **kwargs)
 
-    def embed_with_images(self, input_ids, pixel_values, image_grid_thw, image_mask=None):
-        """[s(/tp under SP), b, h] decoder input: word embeddings, image rows replaced."""
+    def embed_with_images(self, input_ids, pixel_values, image_grid_thw, image_mask=None,
+                          image_index=None):
+        """[s(/tp under SP), b, h] decoder input: word embeddings, image rows replaced
+        (`forward` for image_mask / image_index)."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
         emb = self.embedding(input_ids=input_ids, position_ids=None)     # [s_local, b, h]
         image = self.visual(pixel_values, image_grid_thw)                 # [n_image_tokens, h]
         mask = input_ids == self.image_token_id if image_mask is None else image_mask.bool()
-        if int(mask.sum()) != image.shape[0]:
-            raise ValueError(f"the micro-batch has {int(mask.sum())} image tokens but its images "
+        b, s = mask.shape
+        if image_index is None:
+            tokens = int(mask.sum())
+            # Row of `image` for each token in [b, s] row-major order (HF's masked_scatter order).
+            index = (mask.reshape(-1).cumsum(0) - 1).clamp(min=0).view(b, s)
+        else:   # a CP shard: the rows were counted over the whole micro-batch
+            index = image_index.to(mask.device)
+            tokens = int(index[mask].max()) + 1 if mask.any() else 0
+        mismatch = tokens > image.shape[0] if image_index is not None else tokens != image.shape[0]
+        if mismatch:
+            raise ValueError(f"the micro-batch has {tokens} image tokens but its images "
                              f"(image_grid_thw {image_grid_thw.tolist()}) give {image.shape[0]}: "
                              "pixel_values / image_grid_thw must be the processor's for exactly "
                              "these prompts, in token order")
-        b, s = mask.shape
-        # Row of `image` for each token in [b, s] row-major order (HF's masked_scatter order).
-        index = (mask.reshape(-1).cumsum(0) - 1).clamp(min=0).view(b, s)
         mask, index = mask.t(), index.t()                                 # [s, b]
         if emb.shape[0] != s:   # sequence parallel: this TP rank's slice of the sequence
             rank, n = ps.get_tensor_model_parallel_rank(), emb.shape[0]

@@ -183,13 +183,36 @@ def cp_shard(batch: dict, cp_size: int, cp_rank: int, sp_size: int = 1) -> dict:
     position_ids with their own global positions, completion_mask with False (no loss
     on the padding) and the log-probs with 0. The per-sequence advantages [B] and
     truncated [B] are replicated. "seq_len" (an int) keeps S for `gather_from_cp`.
+
+    Vision-language micro-batches: the 3 x [B, S] mrope position_ids are split like a
+    [B, S] one (each section alike), image_mask too; pixel_values and image_grid_thw (the
+    whole images: every CP rank runs the tower on all of them) are passed as they are, and
+    `image_index` [B, S_pad / cp] tells the model which row of the tower's output each of
+    its image tokens takes (counted over the whole micro-batch, `image_rows`).
     """
     from ..data.cp_split import shard_batch
 
+    batch = dict(batch)
+    whole = {k: batch.pop(k) for k in ("pixel_values", "image_grid_thw") if k in batch}
+    mrope = batch["position_ids"].dim() == 3
+    positions = batch.pop("position_ids") if mrope else None
+    if "image_mask" in batch:
+        batch["image_index"] = image_rows(batch["image_mask"])
     shard = shard_batch(batch, cp_size, cp_rank, sp_size=sp_size)
     out = dict(shard.tensors)
+    if mrope:
+        out["position_ids"] = torch.stack([
+            shard_batch({"position_ids": p}, cp_size, cp_rank, sp_size=sp_size)["position_ids"]
+            for p in positions])
+    out.update(whole)
     out["seq_len"] = shard.seq_len
     return out
+
+
+def image_rows(image_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] image-token mask -> [B, S] row of the tower's output each image token takes
+    (the images fill their tokens in [B, S] row-major order; 0 on text tokens)."""
+    return (image_mask.reshape(-1).long().cumsum(0) - 1).clamp(min=0).view(image_mask.shape)
 
 
 def split_completion_values(values: torch.Tensor, batch: dict) -> list[torch.Tensor]:

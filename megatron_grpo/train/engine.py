@@ -184,7 +184,8 @@ def _model_forward(model, batch: dict) -> torch.Tensor:
     kwargs = {"packed_seq_params": packed_seq_params(batch)} if "cu_seqlens" in batch else {}
     # Vision-language micro-batches (train/batch.py ImageInputs): the images, for the
     # first stage's vision tower (model/vision.py); other stages ignore them.
-    kwargs.update({k: batch[k] for k in ("pixel_values", "image_grid_thw", "image_mask")
+    kwargs.update({k: batch[k] for k in ("pixel_values", "image_grid_thw", "image_mask",
+                                          "image_index")
                    if k in batch})
     with _hidden_only(model):
         return model(batch["input_ids"], batch["position_ids"], None, **kwargs)

@@ -31,6 +31,14 @@ What `pack_micro_batch` returns for CP rank r (all of it from the padded batch):
     advantages, truncated, lengths    [B]          as they were
     row_positions_all (cp > 1)        [cp, B, L]   every rank's row positions, to gather
 
+Vision-language micro-batches (position_ids [3, B, S], images): image_mask and
+`image_index` (batch.image_rows: each image token's row of the tower's output, counted
+over the unpacked micro-batch) are packed like input_ids; pixel_values and image_grid_thw
+pass as they are; position_ids become the WHOLE packed row's mrope positions [3, 1, T]
+(every CP rank's tokens): Megatron's THD rotary code takes each sequence's chunks from
+that row by the padded offsets (`_apply_rotary_pos_emb_thd`, freqs of length T), and
+model/vision.py switches the mrope module's own CP slice off.
+
 L = S for cp = 1 (the row view is then the padded layout itself); max_i m_i / cp under CP
 (the layout of a CP shard). The loss runs on the row view exactly as on a padded batch or
 CP shard, so packing changes neither the loss nor its normalisation (DESIGN.md).
@@ -45,7 +53,9 @@ from ..data.cp_split import local_positions, packed_local_positions, pad_sequenc
 
 # Per-token tensors that feed the model (packed); every other [B, S] tensor goes to the
 # row view for the loss.
-MODEL_INPUTS = ("input_ids", "position_ids", "targets", "routed_experts")
+MODEL_INPUTS = ("input_ids", "position_ids", "targets", "routed_experts", "image_mask",
+                "image_index")
+WHOLE = ("pixel_values", "image_grid_thw")     # the images: not per token
 
 
 def _round_up(n: int, k: int) -> int:
@@ -84,6 +94,10 @@ def pack_micro_batch(batch: dict, *, cp_size: int = 1, cp_rank: int = 0, sp_size
     """The packed micro-batch of CP rank `cp_rank` (module docstring) from a collated one."""
     if "lengths" not in batch:
         raise ValueError("pack_micro_batch needs the 'lengths' of a batch from train.batch.collate")
+    if "image_mask" in batch:
+        from .batch import image_rows
+
+        batch = dict(batch, image_index=image_rows(batch["image_mask"]))
     lengths = [int(n) for n in batch["lengths"].tolist()]
     b, s = batch["input_ids"].shape
     step = _sequence_multiple(cp_size)
@@ -116,8 +130,10 @@ def pack_micro_batch(batch: dict, *, cp_size: int = 1, cp_rank: int = 0, sp_size
     index, position, valid = _row_positions(padded, lengths, cu, cp_size, cp_rank, view, pad_col)
     out = {}
     for name, t in batch.items():
-        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or name in WHOLE:
             out[name] = t                                   # per-sequence values, as they are
+        elif name == "position_ids" and t.dim() == 3:       # mrope: the whole row [3, 1, T]
+            out[name] = pad_sequence(t, width, 2, 0)[:, rows, cols].unsqueeze(1)
         elif name in MODEL_INPUTS:
             out[name] = positions[mine].unsqueeze(0) if name == "position_ids" else packed(t)
         else:                                               # loss inputs -> the row view
