@@ -364,6 +364,10 @@ if __name__ == "__main__":  # pragma: no cover - manual smoke check
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class PortTaken(AssertionError):
+    """The free port picked for a server was taken by another process before it bound."""
+
+
 class RolloutServerProcess:
     """A `megatron rollout` started by `rollout_server`: its port, process and log."""
 
@@ -375,13 +379,26 @@ class RolloutServerProcess:
             return f.read()[-chars:]
 
     def wait_until_ready(self, timeout: float = 400) -> None:
-        """Until /health answers; fails with the server's log if it never does."""
-        from megatron_grpo.rollout.client import RolloutClient, RolloutServerError
+        """Until /health answers; fails with the server's log if it never does, or at once
+        if the server exited (PortTaken when its port was taken in the meantime)."""
+        import urllib.request
 
-        try:
-            RolloutClient(vllm_server_port=self.port, vllm_server_timeout=timeout).wait_until_ready()
-        except RolloutServerError as e:
-            raise AssertionError(f"{e}\nserver log (tail):\n{self.log_tail()}") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                tail = self.log_tail()
+                kind = PortTaken if "Address already in use" in tail else AssertionError
+                raise kind(f"the rollout server exited with {self.proc.returncode} before "
+                           f"answering on port {self.port}; log (tail):\n{tail}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no rollout server answered on port {self.port} within "
+                                     f"{timeout:.0f} s; log (tail):\n{self.log_tail()}")
+            time.sleep(0.5)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (the API server and its engine processes)."""
@@ -413,16 +430,32 @@ def rollout_server(model, log_path, *flags: str, wait: bool = True, timeout: flo
     drop = {"VLLM_ENABLE_V1_MULTIPROCESSING", *unset_env}
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    port = free_port()
-    cmd = [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(model),
-           "--port", str(port), *flags]
-    with open(log_path, "w") as log:
+    # A free port can be taken between free_port() and the server's bind (other tests'
+    # ranks and servers pick ports too): with wait=True such a start is retried.
+    for attempt in range(3):
+        port = free_port()
+        cmd = [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(model),
+               "--port", str(port), *flags]
+        log = open(log_path, "w")
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         server = RolloutServerProcess(port, proc, str(log_path))
         try:
             if wait:
                 server.wait_until_ready(timeout)
-            yield server
-        finally:
+        except PortTaken:
             server.stop()
+            log.close()
+            if attempt == 2:
+                raise
+            continue
+        except BaseException:
+            server.stop()
+            log.close()
+            raise
+        break
+    try:
+        yield server
+    finally:
+        server.stop()
+        log.close()
