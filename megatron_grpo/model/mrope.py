@@ -49,3 +49,9 @@ def sample_positions(prompt_positions: torch.Tensor, rope_delta: int, length: in
     n = prompt_positions.shape[1]
     tail = (torch.arange(n, length) + rope_delta).view(1, -1).expand(3, -1)
     return torch.cat([prompt_positions[:, :length], tail], dim=1)
+
+
+def image_rows(image_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] image-token mask -> [B, S] row of the tower's output each image token takes
+    (the images fill their tokens in [B, S] row-major order; 0 on text tokens)."""
+    return (image_mask.reshape(-1).long().cumsum(0) - 1).clamp(min=0).view(image_mask.shape)

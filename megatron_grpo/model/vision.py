@@ -46,7 +46,7 @@ from megatron.core.models.huggingface.module import HuggingFaceModule
 from bridge.mappings.vision import build_hf_vision_tower
 from bridge.params import unwrap
 
-from .mrope import mrope_positions, sample_positions  # noqa: F401  (re-exported)
+from .mrope import image_rows, mrope_positions, sample_positions  # noqa: F401  (re-exported)
 
 ALIGNER = "merger."          # the vision tower's patch merger (ms-swift's `aligner`)
 
@@ -118,8 +118,7 @@ class VisionLanguageModel(GPTModel):
         b, s = mask.shape
         if image_index is None:
             tokens = int(mask.sum())
-            # Row of `image` for each token in [b, s] row-major order (HF's masked_scatter order).
-            index = (mask.reshape(-1).cumsum(0) - 1).clamp(min=0).view(b, s)
+            index = image_rows(mask)     # in [b, s] row-major order (HF's masked_scatter's)
         else:   # a CP shard: the rows were counted over the whole micro-batch
             index = image_index.to(mask.device)
             tokens = int(index[mask].max()) + 1 if mask.any() else 0

@@ -191,6 +191,7 @@ def cp_shard(batch: dict, cp_size: int, cp_rank: int, sp_size: int = 1) -> dict:
     its image tokens takes (counted over the whole micro-batch, `image_rows`).
     """
     from ..data.cp_split import shard_batch
+    from ..model.mrope import image_rows
 
     batch = dict(batch)
     whole = {k: batch.pop(k) for k in ("pixel_values", "image_grid_thw") if k in batch}
@@ -207,12 +208,6 @@ def cp_shard(batch: dict, cp_size: int, cp_rank: int, sp_size: int = 1) -> dict:
     out.update(whole)
     out["seq_len"] = shard.seq_len
     return out
-
-
-def image_rows(image_mask: torch.Tensor) -> torch.Tensor:
-    """[B, S] image-token mask -> [B, S] row of the tower's output each image token takes
-    (the images fill their tokens in [B, S] row-major order; 0 on text tokens)."""
-    return (image_mask.reshape(-1).long().cumsum(0) - 1).clamp(min=0).view(image_mask.shape)
 
 
 def split_completion_values(values: torch.Tensor, batch: dict) -> list[torch.Tensor]:

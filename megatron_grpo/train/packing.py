@@ -32,8 +32,8 @@ What `pack_micro_batch` returns for CP rank r (all of it from the padded batch):
     row_positions_all (cp > 1)        [cp, B, L]   every rank's row positions, to gather
 
 Vision-language micro-batches (position_ids [3, B, S], images): image_mask and
-`image_index` (batch.image_rows: each image token's row of the tower's output, counted
-over the unpacked micro-batch) are packed like input_ids; pixel_values and image_grid_thw
+`image_index` (model/mrope.py image_rows: each image token's row of the tower's output,
+counted over the unpacked micro-batch) are packed like input_ids; pixel_values and image_grid_thw
 pass as they are; position_ids become the WHOLE packed row's mrope positions [3, 1, T]
 (every CP rank's tokens): Megatron's THD rotary code takes each sequence's chunks from
 that row by the padded offsets (`_apply_rotary_pos_emb_thd`, freqs of length T), and
@@ -95,7 +95,7 @@ def pack_micro_batch(batch: dict, *, cp_size: int = 1, cp_rank: int = 0, sp_size
     if "lengths" not in batch:
         raise ValueError("pack_micro_batch needs the 'lengths' of a batch from train.batch.collate")
     if "image_mask" in batch:
-        from .batch import image_rows
+        from ..model.mrope import image_rows
 
         batch = dict(batch, image_index=image_rows(batch["image_mask"]))
     lengths = [int(n) for n in batch["lengths"].tolist()]

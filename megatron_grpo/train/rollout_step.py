@@ -21,6 +21,7 @@ and training forwards see the pixels and positions vLLM sampled from.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -71,8 +72,6 @@ def checked_rollout_logps(logps, loss_mask, num_tokens: int, where: str):
     leaves the loss (loss mask 0, as an environment token: context, not trained), and
     -inf never reaches rollout_is_weights or the rollout_correction metrics.
     """
-    import math
-
     logps = [float(x) for x in logps]
     bad = [k for k, x in enumerate(logps) if math.isnan(x) or x == math.inf]
     if bad:
