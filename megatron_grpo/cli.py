@@ -59,10 +59,8 @@ def _rlhf(argv: list[str]) -> int:
     problems.raise_if_any()
     if spec.world_size > 1 and not launch.in_torchrun():
         return launch.relaunch("rlhf", argv, spec)
-    try:
-        from .trainer import train
-    except ImportError as e:  # the trainer lands with issue 6
-        raise SystemExit(f"megatron rlhf: the GRPO trainer is not available yet ({e})")
+    from .trainer import train
+
     train(cfg)
     if launch.in_torchrun():
         _exit_worker()
@@ -112,12 +110,12 @@ def _dry_run(cfg, spec, dataset, val_dataset, problems) -> int:
 def _export(argv: list[str]) -> int:
     argv, nproc = launch.pop_nproc_flag(argv)
     spec = launch.launch_spec(nproc)
-    try:
-        from megatron_grpo import convert
-    except ImportError as e:
-        raise SystemExit(f"megatron export: checkpoint conversion is not available yet ({e})")
-    if hasattr(convert, "check_args"):
-        convert.check_args(argv, launch.current_world_size(spec))   # fail before launching
+    from .config.export import parse_export_args
+
+    parse_export_args(argv)   # --help and option errors before torch and Megatron are imported
+    from . import convert
+
+    convert.check_args(argv, launch.current_world_size(spec))   # fail before launching
     if spec.world_size > 1 and not launch.in_torchrun():
         return launch.relaunch("export", argv, spec)
     return convert.main(argv) or 0
@@ -127,10 +125,8 @@ def _rollout(argv: list[str]) -> int:
     from .config import parse_rollout_args
 
     parse_rollout_args(argv)      # --help and option errors before torch and vLLM are imported
-    try:
-        from .rollout import server
-    except ImportError as e:
-        raise SystemExit(f"megatron rollout: the rollout server is not available yet ({e})")
+    from .rollout import server
+
     return server.main(argv) or 0
 
 

@@ -19,7 +19,6 @@ output is written to `<output_dir>.tmp` first and renamed when complete.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -40,6 +39,7 @@ from megatron_grpo.model.kv_replication import (checkpoint_load_metadata, legacy
 from megatron_grpo.model.lora import is_lora_state, lora_settings
 from megatron_grpo.model.lora_peft import (gather_adapters, merged_stream, prepare_lora_export,
                                            save_peft_adapter)
+from megatron_grpo.config.export import ExportConfig, parse_export_args
 from megatron_grpo.config.parallel import ParallelDims
 from megatron_grpo.platform import init_parallel, init_process_group
 from megatron_grpo.platform.compat.megatron import in_process_save_results
@@ -47,77 +47,9 @@ from megatron_grpo.platform.compat.megatron import in_process_save_results
 META_FILE = "megatron_grpo_convert.json"
 
 
-def _bool(value: str) -> bool:
-    v = str(value).strip().lower()
-    if v in ("true", "1", "yes"):
-        return True
-    if v in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-
-
-def _size(value: str) -> int:
-    v = str(value).strip().upper()
-    for unit, mult in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10), ("B", 1)):
-        if v.endswith(unit):
-            return int(float(v[:-len(unit)]) * mult)
-    return int(v)
-
-
-@dataclass
-class ConvertArgs:
-    to_mcore: bool
-    to_hf: bool
-    model: str | None
-    mcore_model: str | None
-    output_dir: str
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    virtual_pipeline_model_parallel_size: int | None
-    context_parallel_size: int
-    expert_model_parallel_size: int
-    expert_tensor_parallel_size: int | None
-    torch_dtype: str | None
-    test_convert_precision: bool
-    overwrite: bool
-    max_shard_size: int
-    merge_lora: bool = False
-    dims: ParallelDims | None = None     # the layout, checked against the world size
-
-
-def parse_args(argv: list[str]) -> ConvertArgs:
-    p = argparse.ArgumentParser(prog="megatron export", description=__doc__.split("\n\n")[0])
-    p.add_argument("--to_mcore", type=_bool, default=False, help="HF -> Megatron dist checkpoint")
-    p.add_argument("--to_hf", type=_bool, default=False, help="Megatron dist checkpoint -> HF")
-    p.add_argument("--model", help="HF checkpoint folder (--to_mcore)")
-    p.add_argument("--mcore_model", help="folder written by --to_mcore (--to_hf)")
-    p.add_argument("--output_dir", required=True)
-    p.add_argument("--tensor_model_parallel_size", type=int, default=1)
-    p.add_argument("--pipeline_model_parallel_size", type=int, default=1)
-    p.add_argument("--virtual_pipeline_model_parallel_size", type=int, default=None)
-    p.add_argument("--context_parallel_size", type=int, default=1,
-                   help="CP shards activations, not weights: the checkpoint is the same")
-    p.add_argument("--expert_model_parallel_size", type=int, default=1,
-                   help="MoE: experts split over this many ranks (the checkpoint is the same)")
-    p.add_argument("--expert_tensor_parallel_size", type=int, default=None,
-                   help="MoE: each expert split over this many ranks (default: TP)")
-    p.add_argument("--torch_dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="parameter dtype (default: the checkpoint's)")
-    p.add_argument("--test_convert_precision", type=_bool, default=False)
-    p.add_argument("--overwrite", type=_bool, default=False)
-    p.add_argument("--max_shard_size", type=_size, default=_size("5GB"),
-                   help="HF shard size for --to_hf, e.g. 5GB, 200MB")
-    p.add_argument("--merge_lora", type=_bool, default=False,
-                   help="--to_hf of a LoRA training checkpoint: write the merged HF model "
-                        "(W + alpha/r B A) instead of the PEFT adapter")
-    return ConvertArgs(**vars(p.parse_args(argv)))
-
-
-def check_args(argv: list[str], world_size: int) -> ConvertArgs:
+def check_args(argv: list[str], world_size: int) -> ExportConfig:
     """Everything checkable before any process starts; ValueError naming the option."""
-    a = parse_args(argv)
-    if a.to_mcore == a.to_hf:
-        raise ValueError("megatron export: give exactly one of --to_mcore true / --to_hf true")
+    a = parse_export_args(argv)
     src_flag, src = ("--model", a.model) if a.to_mcore else ("--mcore_model", a.mcore_model)
     if not src or not os.path.isdir(src):
         raise ValueError(f"{src_flag} {src!r}: not a folder; it must name the checkpoint to convert")
@@ -174,7 +106,7 @@ def mcore_source(path: str) -> McoreSource:
     return McoreSource(path, hf_dir, saved_tp, None, path)
 
 
-def _check_qkv_layout(a: ConvertArgs) -> None:
+def _check_qkv_layout(a: ExportConfig) -> None:
     """A checkpoint loads at any TP, except one an older version wrote with fewer kv heads
     than TP (a replicated, TP-dependent layout): that one only at the TP that wrote it."""
     src = mcore_source(a.mcore_model)
@@ -334,7 +266,7 @@ def main(argv: list[str]) -> int:
         else:
             stream = merged_stream(chunks, export_hf_weights(
                 chunks, config, args, bucket_size_bytes=512 << 20, dtype=getattr(torch, dtype)))
-            write_hf_checkpoint(stream, tmp, a.max_shard_size, write=rank == 0)
+            write_hf_checkpoint(stream, tmp, a.max_shard_bytes, write=rank == 0)
             if rank == 0:
                 copy_hf_side_files(hf_src, tmp)
         reference = tmp

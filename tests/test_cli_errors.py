@@ -107,6 +107,32 @@ def test_rollout_option_errors_before_vllm(setup_files):
     assert not _imported(r.stderr) & set(HEAVY)
 
 
+def test_export_option_errors_before_torch(tmp_path):
+    """`megatron export` parses like the other commands: every problem at once, a close
+    match for a misspelt flag, sizes in the units of --vllm_kv_cache_memory."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_grpo.cli", "export",
+                        "--to_mcore", "true", "--to_hf", "true", "--tensor_model_paralel_size", "2",
+                        "--max_shard_size", "5XB", "--torch_dtype", "fp8"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    message = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
+    assert message[0] == "megatron export: error: 5 problems in the configuration:", message
+    body = "\n".join(message[1:])
+    for part in ["--tensor_model_paralel_size. Did you mean: --tensor_model_parallel_size",
+                 "--torch_dtype 'fp8'", "exactly one of --to_mcore true / --to_hf true",
+                 "--output_dir is required", "--max_shard_size '5XB' is not a valid size"]:
+        assert part in body, (part, body)
+    assert not _imported(r.stderr) & set(HEAVY)
+    # A YAML file holds the same options (flags override it), as for `megatron rlhf`.
+    from megatron_grpo.config.export import parse_export_args
+
+    (tmp_path / "export.yaml").write_text("to_hf: true\nmcore_model: run\nmax_shard_size: 200MB\n")
+    cfg = parse_export_args(["--config", str(tmp_path / "export.yaml"), "--output_dir", "out",
+                             "--max_shard_size", "2GiB"])
+    assert (cfg.to_hf, cfg.to_mcore, cfg.mcore_model, cfg.max_shard_bytes) == (True, False, "run",
+                                                                             2 * 2**30)
+
+
 @pytest.mark.parametrize("command", [[], ["rlhf"], ["rollout"], ["export"]])
 def test_help_into_a_closed_pipe_exits_quietly(command):
     # `megatron rlhf --help | head`: the reader leaves early. Here it has left before the

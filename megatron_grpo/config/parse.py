@@ -40,6 +40,8 @@ def field_table(groups: Dict[str, type]) -> Dict[str, FieldInfo]:
     for group_name, cls in groups.items():
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
+            if not f.init:         # derived state (e.g. ExportConfig.dims), not an option
+                continue
             if f.name in table:
                 raise RuntimeError(f"option {f.name} is defined in two groups")
             default = f.default if f.default is not MISSING else f.default_factory()
