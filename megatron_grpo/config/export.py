@@ -16,7 +16,7 @@ from typing import Literal, Optional, Sequence
 from .errors import Problems
 from .groups import check_choices, opt
 from .parallel import ParallelDims
-from .parse import collect_values, field_table, format_help
+from .parse import parse_command
 from .sizes import parse_size
 
 
@@ -74,17 +74,5 @@ class ExportConfig:
 def parse_export_args(argv: Optional[Sequence[str]] = None) -> ExportConfig:
     """An ExportConfig from flags (`--config file.yaml` read first); one ConfigError listing
     every problem otherwise. `--help` prints the options and exits."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    groups = {"export": ExportConfig}
-    if "-h" in argv or "--help" in argv:
-        print(format_help(groups, prog="megatron export"))
-        raise SystemExit(0)
-    p = Problems()
-    values = collect_values(argv, field_table(groups), groups, p)
-    cfg = None
-    try:
-        cfg = ExportConfig(**values)
-    except ValueError as e:
-        p.add(e)
-    p.raise_if_any()
-    return cfg
+    return parse_command(ExportConfig, list(sys.argv[1:] if argv is None else argv),
+                         prog="megatron export", group="export")

@@ -328,6 +328,26 @@ def collect_values(argv: Sequence[str], table: Dict[str, FieldInfo],
     return values
 
 
+def parse_command(cls: type, argv: Sequence[str], prog: str, group: str,
+                  problems: Optional[Problems] = None) -> Any:
+    """`cls(**options)` for a command whose options are one dataclass (`megatron rollout`,
+    `megatron export`): `--help` prints them and exits; every unknown flag, bad value and
+    failed check of `cls.__post_init__` (with those already in `problems`) in one ConfigError."""
+    groups = {group: cls}
+    if "-h" in argv or "--help" in argv:
+        print(format_help(groups, prog=prog))
+        raise SystemExit(0)
+    p = Problems() if problems is None else problems
+    values = collect_values(argv, field_table(groups), groups, p)
+    cfg = None
+    try:
+        cfg = cls(**values)
+    except ValueError as e:
+        p.add(e)
+    p.raise_if_any()
+    return cfg
+
+
 def format_help(groups: Dict[str, type], prog: str = "megatron rlhf --rlhf_type grpo") -> str:
     """Every option by group, with its type, default and help."""
     table = field_table(groups)

@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Sequence
 from .errors import Problems
 from .validate import check_vision_options, check_vllm_model, check_vllm_memory
 from .groups import check_choices, opt
-from .parse import collect_values, field_table, format_help
+from .parse import parse_command
 
 # ms-swift `swift rollout` flags that belong to the trainer here (module docstring).
 TRAINER_SIDE = ("multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env", "external_plugins")
@@ -87,19 +87,10 @@ def parse_rollout_args(argv: Optional[Sequence[str]] = None) -> RolloutServerCon
     """A validated RolloutServerConfig from flags (`--config file.yaml` read first); one
     ConfigError listing every problem otherwise."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    groups = {"server": RolloutServerConfig}
-    if "-h" in argv or "--help" in argv:
-        print(format_help(groups, prog="megatron rollout"))
-        raise SystemExit(0)
     p = Problems()
-    argv = _drop_trainer_side(argv, p)
-    values = collect_values(argv, field_table(groups), groups, p)
-    try:
-        cfg = RolloutServerConfig(**values)
-    except ValueError as e:
-        p.add(e)
-    p.raise_if_any()
-    return cfg
+    argv = _drop_trainer_side(argv, p)     # each one a problem (--help shows no problems)
+    return parse_command(RolloutServerConfig, argv, prog="megatron rollout", group="server",
+                         problems=p)
 
 
 def _drop_trainer_side(argv: Sequence[str], p: Problems) -> list:
