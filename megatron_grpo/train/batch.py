@@ -19,6 +19,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..data.cp_split import shard_batch
+from ..model.mrope import image_rows, mrope_positions, sample_positions
+
 
 @dataclass(frozen=True)
 class ImageInputs:
@@ -42,8 +45,6 @@ class ImageInputs:
     def from_prompt(cls, prompt_ids, pixel_values, image_grid_thw, image_token_id: int,
                     spatial_merge_size: int = 2) -> "ImageInputs":
         """From the processor's expanded prompt ids and image tensors."""
-        from ..model.mrope import mrope_positions
-
         ids = torch.as_tensor(prompt_ids)
         positions, delta = mrope_positions(ids, image_grid_thw, image_token_id, spatial_merge_size)
         return cls(pixel_values, torch.as_tensor(image_grid_thw).view(-1, 3), positions, delta,
@@ -150,8 +151,6 @@ def _position_ids(samples: Sequence[Sample], seq: int) -> torch.Tensor:
     ramp = torch.arange(seq).unsqueeze(0).expand(len(samples), -1).contiguous()
     if all(s.images is None for s in samples):
         return ramp
-    from ..model.mrope import sample_positions
-
     out = ramp.unsqueeze(0).repeat(3, 1, 1)
     for i, s in enumerate(samples):
         if s.images is not None:
@@ -190,9 +189,6 @@ def cp_shard(batch: dict, cp_size: int, cp_rank: int, sp_size: int = 1) -> dict:
     `image_index` [B, S_pad / cp] tells the model which row of the tower's output each of
     its image tokens takes (counted over the whole micro-batch, `image_rows`).
     """
-    from ..data.cp_split import shard_batch
-    from ..model.mrope import image_rows
-
     batch = dict(batch)
     whole = {k: batch.pop(k) for k in ("pixel_values", "image_grid_thw") if k in batch}
     mrope = batch["position_ids"].dim() == 3

@@ -49,12 +49,15 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms import (compute_policy_loss, entropy_threshold, local_loss, merge_partials,
-                          policy_metric_partials, rollout_metric_partials)
+                          policy_metric_partials, rollout_metric_partials, stack_partials,
+                          unstack_partials)
 from ..algorithms.aggregation import real_kl_loss
 from ..algorithms.policy_loss import LossConfig, loss_mask_after_overlong_filter
+from ..data.cp_split import gather_from_cp, gather_rows_from_cp
 from ..kernels import vocab_parallel_logprobs
 from ..model.builder import unwrap
 from ..model.moe import set_routing_replay, stop_routing_replay
+from ..platform import device
 from .batch import cp_shard
 from .packing import pack_micro_batch, packed_length, packed_seq_params, to_rows
 
@@ -194,8 +197,6 @@ def _model_forward(model, batch: dict) -> torch.Tensor:
 def _gather_cp(local: Optional[torch.Tensor], batch: dict) -> Optional[torch.Tensor]:
     """[b, S_pad/cp] of each CP rank (or a packed micro-batch's row view) -> [b, S] in
     sequence order (no autograd); as is without CP."""
-    from ..data.cp_split import gather_from_cp, gather_rows_from_cp
-
     if local is None:
         return local
     if "row_positions_all" in batch:
@@ -407,9 +408,6 @@ def reduce_partials(partials: dict, group=None) -> dict:
     completions (train_micro_batches), so the CP group must not be summed again.
     """
     from megatron.core import parallel_state as ps
-
-    from ..algorithms import stack_partials, unstack_partials
-    from ..platform import device
 
     group = group or ps.get_data_parallel_group()
     stacked = {op: t.to(device()) for op, t in stack_partials(partials).items()}

@@ -22,6 +22,7 @@ and training forwards see the pixels and positions vLLM sampled from.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -31,8 +32,8 @@ import torch.distributed as dist
 from ..algorithms import compute_advantages, count_partials, sequence_kl_for_reward
 from ..model.lora import adapters_disabled
 from ..rewards import score
-from .batch import (Sample, collate, dp_indices, dp_shard, dp_unshard, micro_batches,
-                    split_completion_values)
+from .batch import (ImageInputs, Sample, collate, dp_indices, dp_shard, dp_unshard,
+                    micro_batches, split_completion_values)
 from .engine import forward_logprobs, is_last_stage
 
 
@@ -196,10 +197,6 @@ def _single_turn(engine, tokenizer, dataset, prompt_indices, render, max_prompt_
 def _single_turn_images(engine, vision, dataset, prompt_indices, lo, hi):
     """`_single_turn` for a dataset with images: this rank's payload, and the ImageInputs
     of its image prompts by prompt position (one object per prompt)."""
-    import os
-
-    from .batch import ImageInputs
-
     if vision is None:
         raise ValueError("the dataset has an `images` column, but --model is not a "
                          "vision-language model (no image processor)")

@@ -35,6 +35,8 @@ Verified on megatron-core 0.16.1 (Python 3.11, CPU); the range is setup.py's.
 from __future__ import annotations
 
 import contextlib
+import functools
+import queue
 import sys
 from typing import Callable, List
 
@@ -99,8 +101,6 @@ def in_process_save_results() -> None:
     (checkpoint.py: `dist_checkpointing.save`, no async request), so the put and the get
     happen in this process and a `queue.Queue` does the same job. Call before a save;
     a queue already made (by an earlier save) is kept."""
-    import queue
-
     check_version()
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -182,8 +182,6 @@ def wrap_uneven_first_dim_collectives(gather: Callable, reduce_scatter: Callable
     input_, group, input_split_sizes=None, use_global_buffer=False)`: `gather(original, ...)`
     and `reduce_scatter(original, ...)` receive the original first (private, 0.16)."""
     check_version()
-    import functools
-
     from megatron.core.tensor_parallel import mappings
 
     for name, wrapper in (("_gather_along_first_dim", gather),
