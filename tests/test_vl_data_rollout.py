@@ -243,9 +243,19 @@ def _encode_all(model_dir, count_data, max_pixels):
     return vp, [vp.encode(ds.messages[i], ds.images[i], base_dir=base) for i in range(2)]
 
 
-def _colocate_rank(rank, world_size, model_dir, count_data):
+def _colocate_rank(rank, world_size, model_dir, count_data, export_root):
+    """The engine starts from a `megatron export` of the model (HF -> Megatron -> HF), so
+    vLLM loading the export costs no engine start of its own."""
+    import contextlib
+
+    from megatron_grpo.convert import main as convert
     from megatron_grpo.rollout.colocate import ColocateEngine
 
+    mcore, exported = os.path.join(export_root, "mcore"), os.path.join(export_root, "hf")
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(["--to_mcore", "true", "--model", model_dir, "--output_dir", mcore])
+        convert(["--to_hf", "true", "--mcore_model", mcore, "--output_dir", exported])
+    model_dir = exported
     # The budget by the environment, as an ms-swift script sets it (train.setup passes
     # VisionProcessor.mm_processor_kwargs to the engine the same way).
     os.environ["MAX_PIXELS"] = str(BUDGET)
@@ -270,9 +280,29 @@ def _colocate_rank(rank, world_size, model_dir, count_data):
 @pytest.mark.vllm
 @pytest.mark.slow
 @needs_vllm
-def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, count_data, hf_model):
+def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, count_data, hf_model,
+                                                                tmp_path):
+    """vLLM runs a `megatron export`ed copy of the model: the export holds every file vLLM
+    and the processor read (preprocessor_config.json, chat template, tokenizer, generation
+    config) and the original weights bit for bit, and vLLM's log-probs on it are HF's on
+    the original."""
+    from safetensors.torch import load_file
+
     out, text = run_distributed(_colocate_rank, world_size=1, timeout=400,
-                                args=(str(model_dir), count_data))[0]
+                                args=(str(model_dir), count_data, str(tmp_path)))[0]
+    exported = tmp_path / "hf"
+    side = {f.name for f in model_dir.iterdir() if not f.name.endswith(".safetensors")}
+    assert {"preprocessor_config.json", "chat_template.jinja", "tokenizer.json",
+            "generation_config.json"} <= side
+    for name in side:
+        assert (exported / name).read_bytes() == (model_dir / name).read_bytes(), name
+    weights = {}
+    for f in exported.glob("*.safetensors"):
+        weights.update(load_file(f))
+    original = load_file(model_dir / "model.safetensors")
+    assert sorted(weights) == sorted(original)
+    assert all(torch.equal(weights[n], t) and weights[n].dtype == t.dtype
+               for n, t in original.items())
     _, prompts = _encode_all(model_dir, count_data, BUDGET)
     assert [c["prompt_index"] for c in out] == [0, 0, 1, 1]
     for i, prompt in enumerate(prompts):
