@@ -176,6 +176,9 @@ def test_vision_options_are_checked_before_start_up(model_dir, count_data, monke
     assert "--max_pixels=100 is below the model's min_pixels=3136" in text
     assert "--vllm_limit_mm_per_prompt {'video': 1} is not valid" in text and \
         "allowed modalities: image" in text
+    # --tuner_type lora_llm (the tower trained beside the adapters) fits a VL model.
+    _, problems = build_config(base + ["--tuner_type", "lora_llm"])
+    assert not problems.messages, problems.messages
     _, problems = build_config(base + ["--check_weight_sync", "true"])
     assert "--check_weight_sync true is not supported for vision-language models" in \
         "\n".join(problems.messages)
