@@ -180,8 +180,7 @@ def test_vision_options_are_checked_before_start_up(model_dir, count_data, monke
     _, problems = build_config(base + ["--tuner_type", "lora_llm"])
     assert not problems.messages, problems.messages
     _, problems = build_config(base + ["--check_weight_sync", "true"])
-    assert "--check_weight_sync true is not supported for vision-language models" in \
-        "\n".join(problems.messages)
+    assert not problems.messages, problems.messages
     monkeypatch.setenv("MAX_PIXELS", "many")
     _, problems = build_config(base)
     assert "MAX_PIXELS (environment)='many' is not an integer" in "\n".join(problems.messages)
@@ -258,7 +257,7 @@ def _colocate_rank(rank, world_size, model_dir, count_data, export_root):
     with contextlib.redirect_stdout(io.StringIO()):
         convert(["--to_mcore", "true", "--model", model_dir, "--output_dir", mcore])
         convert(["--to_hf", "true", "--mcore_model", mcore, "--output_dir", exported])
-    model_dir = exported
+    source, model_dir = model_dir, exported
     # The budget by the environment, as an ms-swift script sets it (train.setup passes
     # VisionProcessor.mm_processor_kwargs to the engine the same way).
     os.environ["MAX_PIXELS"] = str(BUDGET)
@@ -275,9 +274,18 @@ def _colocate_rank(rank, world_size, model_dir, count_data, export_root):
         out = engine.generate([p.vllm_prompt_ids for p in prompts],
                               images=[p.images for p in prompts])
         text = engine.generate([prompts[0].vllm_prompt_ids[:3]])      # a text prompt too
+        # --check_weight_sync's reading of a VL model: vLLM's tensors (its own names, the
+        # tower's fused qkv and gate_up) are the checkpoint's, bit for bit.
+        from safetensors.torch import load_file
+
+        from bridge.mappings import get_mapping
+        from megatron_grpo.rollout.verify import check_weight_sync, fingerprint_state
+
+        checked = check_weight_sync(engine, fingerprint_state(load_file(os.path.join(
+            source, "model.safetensors")).items()), get_mapping("qwen2_5_vl").vllm_aliases)
     finally:
         engine.close()
-    return [c.__dict__ for c in out], [c.__dict__ for c in text]
+    return [c.__dict__ for c in out], [c.__dict__ for c in text], checked
 
 
 @pytest.mark.vllm
@@ -291,8 +299,8 @@ def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, coun
     the original."""
     from safetensors.torch import load_file
 
-    out, text = run_distributed(_colocate_rank, world_size=1, timeout=400,
-                                args=(str(model_dir), count_data, str(tmp_path)))[0]
+    out, text, checked = run_distributed(_colocate_rank, world_size=1, timeout=400,
+                                         args=(str(model_dir), count_data, str(tmp_path)))[0]
     exported = tmp_path / "hf"
     side = {f.name for f in model_dir.iterdir() if not f.name.endswith(".safetensors")}
     assert {"preprocessor_config.json", "chat_template.jinja", "tokenizer.json",
@@ -306,6 +314,7 @@ def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, coun
     assert sorted(weights) == sorted(original)
     assert all(torch.equal(weights[n], t) and weights[n].dtype == t.dtype
                for n, t in original.items())
+    assert checked == len(original)      # every tensor, the tower's included, found in vLLM
     _, prompts = _encode_all(model_dir, count_data, BUDGET)
     assert [c["prompt_index"] for c in out] == [0, 0, 1, 1]
     for i, prompt in enumerate(prompts):
@@ -324,10 +333,13 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
     flags; RolloutClient sends the images as PNG.
 
     Then, on the same server, 2 GRPO steps of `megatron rlhf --vllm_mode server` (TP=2,
-    fp32, beta 0.04): the trainer's log-probs of what the server sampled equal the
-    server's (rollout_correction/* < 1e-4) at step 1 and at step 2, which samples from
-    the weights step 1 streamed to the server (its KL to the reference is not 0; the
-    server resets vLLM's encoder cache with them)."""
+    fp32, beta 0.04, --tuner_type lora_llm: LoRA on the language model, the tower and
+    merger trained in full, --check_weight_sync true): the trainer's log-probs of what the
+    server sampled equal the server's (rollout_correction/* < 1e-4) at step 1 and at step
+    2, which samples from the weights step 1 streamed to the server (the merged language
+    model and the trained tower, fingerprinted in vLLM by name; its KL to the reference,
+    the adapters off, is not 0; the server resets vLLM's encoder cache with them); the
+    final PEFT adapter carries the trained tower (modules_to_save `visual`)."""
     from megatron_grpo.rollout.client import RolloutClient
     from tests.test_trainer_e2e import _argv, _metrics, _run
 
@@ -349,7 +361,10 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
                        vllm_mode="server", vllm_server_host="127.0.0.1",
                        vllm_server_port=server.port, vllm_server_timeout=300,
                        log_rollout_offpolicy_metrics="true", vllm_max_model_len=256,
-                       train_iters=2))
+                       train_iters=2, tuner_type="lora_llm", check_weight_sync="true",
+                       # dropout 0: without old log-prob passes the trainer's side of
+                       # rollout_correction is the training forward (adapter dropout on)
+                       lora_dropout=0.0))
     assert [c.prompt_index for c in out] == [0, 0, 1, 1]
     for i, prompt in enumerate(prompts):
         _reference_check(hf_model, prompt, [c.__dict__ for c in out if c.prompt_index == i], i)
@@ -360,6 +375,17 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
         for key in ("kl", "log_ppl_diff_max", "log_ppl_diff_min"):
             assert abs(row["rollout_correction/" + key]) < 1e-4, row
     assert rows[0]["grad_norm"] > 0 and rows[1]["kl"] != 0.0, rows
+    from safetensors.torch import load_file
+
+    final = os.path.join(run, "final_hf")
+    assert json.load(open(os.path.join(final, "adapter_config.json")))["modules_to_save"] == \
+        ["visual"]
+    adapter = load_file(os.path.join(final, "adapter_model.safetensors"))
+    original = load_file(model_dir / "model.safetensors")
+    tower = {k[len("base_model.model.model."):]: v for k, v in adapter.items()
+             if k.startswith("base_model.model.model.visual.")}
+    assert sorted(tower) == sorted(k for k in original if k.startswith("visual."))
+    assert any(not torch.equal(t, original[k]) for k, t in tower.items())     # it trained
     # PNG is lossless: the server decodes the pixels the trainer processed.
     from PIL import Image
 

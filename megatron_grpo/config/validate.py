@@ -171,7 +171,6 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
     _check_lora(t, p, cfg.model.model)
     _check_recompute(t, p)
     _check_freeze(cfg, p)
-    _check_vision_sync(cfg, p)
 
 
 def _check_freeze(cfg: "GRPOConfig", p: Problems) -> None:
@@ -200,18 +199,6 @@ def _check_freeze(cfg: "GRPOConfig", p: Problems) -> None:
                   f"{flags}: these options choose what trains in a vision-language model; "
                   f"--model {cfg.model.model!r} is text-only ({archs}). Fix: keep the defaults "
                   "(true, true, false)")
-
-
-def _check_vision_sync(cfg: "GRPOConfig", p: Problems) -> None:
-    """--check_weight_sync compares vLLM's tensors by HF name; a vision-language model's
-    vLLM names (`language_model.model.*`, the tower's fused qkv) are not mapped yet."""
-    if not cfg.rollout.check_weight_sync:
-        return
-    hf = _hf_config(cfg.model.model)
-    p.require(hf is None or "vision_config" not in hf,
-              f"--check_weight_sync true is not supported for vision-language models yet "
-              f"(--model {cfg.model.model!r}): vLLM names their weights differently. Fix: "
-              "--check_weight_sync false")
 
 
 def _check_lora(t, p: Problems, model: Optional[str] = None) -> None:
