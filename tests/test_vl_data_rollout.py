@@ -269,7 +269,8 @@ def _colocate_rank(rank, world_size, model_dir, count_data, export_root):
                             vllm_max_model_len=256, vllm_kv_cache_memory="32MiB",
                             temperature=TEMPERATURE, num_generations=2, max_completion_length=4,
                             vllm_limit_mm_per_prompt={"image": 1},
-                            mm_processor_kwargs=vp.mm_processor_kwargs)
+                            mm_processor_kwargs=vp.mm_processor_kwargs,
+                            vllm_enable_lora=True, vllm_max_lora_rank=8)
     try:
         out = engine.generate([p.vllm_prompt_ids for p in prompts],
                               images=[p.images for p in prompts])
@@ -283,9 +284,44 @@ def _colocate_rank(rank, world_size, model_dir, count_data, export_root):
 
         checked = check_weight_sync(engine, fingerprint_state(load_file(os.path.join(
             source, "model.safetensors")).items()), get_mapping("qwen2_5_vl").vllm_aliases)
+        lora = _adapter_only_sync(engine, source, export_root)
+        lora["out"] = [c.__dict__ for c in engine.generate([p.vllm_prompt_ids for p in prompts],
+                                                           images=[p.images for p in prompts])]
     finally:
         engine.close()
-    return [c.__dict__ for c in out], [c.__dict__ for c in text], checked
+    return [c.__dict__ for c in out], [c.__dict__ for c in text], checked, lora
+
+
+def _adapter_only_sync(engine, model_dir, root):
+    """--vllm_enable_lora on the VL model: LoRA (random B) on a Megatron copy, the adapter
+    synced alone by the trainer's WeightSync with --check_weight_sync (vLLM's names for the
+    language model's adapters read back by the family's aliases); the PEFT adapter written
+    for the HF reference."""
+    import types
+
+    from bridge import load_hf_weights
+    from megatron_grpo.model import build_model, build_transformer_config
+    from megatron_grpo.model.lora import LoraSettings, adapters, apply_lora, lora_settings
+    from megatron_grpo.model.lora_peft import gather_adapters, save_peft_adapter
+    from megatron_grpo.rollout.sync import WeightSync
+
+    config, args = build_transformer_config(model_dir)      # the export's world: TP=1
+    chunks = build_model(config, args)
+    load_hf_weights(chunks, config, args, model_dir)
+    apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, _, adapter in adapters(chunks):
+            for b in adapter.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    save_peft_adapter(os.path.join(root, "adapter"), gather_adapters(chunks),
+                      lora_settings(chunks), base_model=model_dir)
+    opts = types.SimpleNamespace(vllm_mode="colocate", sleep_level=0, move_model_batches=None,
+                                 offload_bridge=False, check_weight_sync=True,
+                                 vllm_enable_lora=True, offload_model=False,
+                                 offload_optimizer=False)
+    policy = types.SimpleNamespace(chunks=chunks, config=config, args=args, optimizer=None)
+    return {"info": WeightSync(policy, engine, opts)()}
 
 
 @pytest.mark.vllm
@@ -299,8 +335,9 @@ def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, coun
     the original."""
     from safetensors.torch import load_file
 
-    out, text, checked = run_distributed(_colocate_rank, world_size=1, timeout=400,
-                                         args=(str(model_dir), count_data, str(tmp_path)))[0]
+    out, text, checked, lora = run_distributed(
+        _colocate_rank, world_size=1, timeout=400,
+        args=(str(model_dir), count_data, str(tmp_path)))[0]
     exported = tmp_path / "hf"
     side = {f.name for f in model_dir.iterdir() if not f.name.endswith(".safetensors")}
     assert {"preprocessor_config.json", "chat_template.jinja", "tokenizer.json",
@@ -315,6 +352,21 @@ def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, coun
     assert all(torch.equal(weights[n], t) and weights[n].dtype == t.dtype
                for n, t in original.items())
     assert checked == len(original)      # every tensor, the tower's included, found in vLLM
+
+    # --vllm_enable_lora: the same engine samples with the adapter synced alone (2 layers
+    # x 7 targets x A, B; fingerprint-checked); its log-probs are HF + PEFT's (merged).
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    assert lora["info"]["tensors"] == 28 and lora["info"]["lora_name"] == "mgrpo-lora-1"
+    merged = PeftModel.from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32), tmp_path / "adapter").merge_and_unload().eval()
+    _, prompts = _encode_all(model_dir, count_data, BUDGET)
+    for i, prompt in enumerate(prompts):
+        mine = [c for c in lora["out"] if c["prompt_index"] == i]
+        _reference_check(merged, prompt, mine, ("lora", i))
+        with pytest.raises(AssertionError):        # the adapter matters: not the base's
+            _reference_check(hf_model, prompt, mine, ("base", i))
     _, prompts = _encode_all(model_dir, count_data, BUDGET)
     assert [c["prompt_index"] for c in out] == [0, 0, 1, 1]
     for i, prompt in enumerate(prompts):

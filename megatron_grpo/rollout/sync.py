@@ -112,6 +112,7 @@ class WeightSync:
     def _sync_adapter(self, bucket: int) -> dict:
         """Adapter-only sync: the factors in buckets of at most `bucket` bytes (collective
         over every trainer rank); in server mode rank 0 alone uploads."""
+        from bridge.mappings import get_mapping
         from ..model.lora import lora_settings
         from ..model.lora_peft import adapter_stream, peft_config
 
@@ -123,7 +124,8 @@ class WeightSync:
         expected = AdapterFingerprints(settings.scale) if self.opts.check_weight_sync else None
         info = self._deliver(
             stream, expected, lambda s: load_adapter_stream(self.engine, s, peft_config(settings)),
-            lambda info: check_adapter_sync(self.engine, expected, info["lora_id"]))
+            lambda info: check_adapter_sync(self.engine, expected, info["lora_id"],
+                                            get_mapping(self.policy.args.family).vllm_aliases))
         if self.is_server:            # every rank's client samples with the new adapter
             name = [info.get("lora_name")]
             dist.broadcast_object_list(name, src=0)

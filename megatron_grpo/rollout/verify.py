@@ -489,11 +489,15 @@ class AdapterFingerprints:
             yield bucket
 
 
-def check_adapter_sync(engine, expected: AdapterFingerprints, lora_id: int) -> int:
+def check_adapter_sync(engine, expected: AdapterFingerprints, lora_id: int,
+                       vllm_aliases: Sequence[Tuple[str, str]] = ()) -> int:
     """Raise WeightSyncError unless every vLLM worker holds exactly one adapter, `lora_id`,
     active in its LoRA slots, whose tensors are bit for bit the trainer's (A, and scale * B
     as vLLM stores it), and whose slots (what the kernels read) hold them too. Returns the
-    number of tensors checked."""
+    number of tensors checked. vllm_aliases: as check_weight_sync's, under PEFT's
+    `base_model.model.` (a VL model's `...language_model.model.layers` -> `...model.layers`)."""
+    peft = "base_model.model."
+    aliases = [(peft + v, peft + h) for v, h in vllm_aliases]
     if not expected.result:
         raise WeightSyncError("no expected fingerprints: the adapter stream was empty")
     problems = []
@@ -507,8 +511,8 @@ def check_adapter_sync(engine, expected: AdapterFingerprints, lora_id: int) -> i
             if held["dtypes"] and set(held["dtypes"]) != expected.dtypes:
                 problems.append(f"{where}holds the adapter in {held['dtypes']}, the trainer "
                                 f"sent {sorted(expected.dtypes)}")
-            problems += [where + p for p in compare_fingerprints(expected.result,
-                                                                 held["tensors"])]
+            tensors = {_renamed(n, aliases): fp for n, fp in held["tensors"].items()}
+            problems += [where + p for p in compare_fingerprints(expected.result, tensors)]
     if problems:
         raise WeightSyncError(f"vLLM does not hold the trainer's LoRA adapter ({len(problems)} "
                               "problem(s)):\n  " + "\n  ".join(problems))
