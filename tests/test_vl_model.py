@@ -293,7 +293,8 @@ def _lora_llm_phase(config, args, model_dir, batch, root):
         factors.update(vision_state(chunks))
         save_peft_adapter(os.path.join(root, "vl_llm_adapter"), factors, lora_settings(chunks),
                           base_model=model_dir)
-    ckpt = save_checkpoint(os.path.join(root, "lora_llm_ckpt"), 1, chunks, save_rng=False)
+    ckpt = save_checkpoint(os.path.join(root, "lora_llm_ckpt"), 1, chunks, save_rng=False,
+                           hf_config_dir=model_dir)
 
     chunks = wrap_ddp(config, chunks)
     ids, count = batch["ids"], sum(n - 1 for n in batch["lengths"])
@@ -318,6 +319,11 @@ def _lora_llm_phase(config, args, model_dir, batch, root):
 
     fresh = build()
     load_checkpoint(ckpt, fresh, load_rng=False)
+    from megatron_grpo.convert import main as convert   # the PEFT export of the checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(["--to_hf", "true", "--mcore_model", ckpt, "--output_dir",
+                 os.path.join(root, "lora_llm_export")])
     restored = {n[len("visual.model."):]: p.detach().clone()
                 for n, p in fresh[0].named_parameters() if n.startswith("visual.model.")}
     return dict(trainable=trainable, tower=tower, off=off, stream=stream, grads=grads,
@@ -522,7 +528,8 @@ def test_lora_llm_trains_the_tower_beside_the_adapters(world):
     gradients equal those of HF + PEFT loading the adapter we wrote (the trained tower as
     modules_to_save `visual`, random B), whose logits it also reproduces; the reference
     (adapters off) keeps the trained tower, as ms-swift's; a merged sync streams it; a LoRA
-    checkpoint round trip restores it and the adapters."""
+    checkpoint round trip restores it and the adapters, and `megatron export` of that
+    checkpoint writes the same PEFT adapter."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -545,6 +552,10 @@ def test_lora_llm_trains_the_tower_beside_the_adapters(world):
                if n.startswith(prefix)}
     original = {k[len("visual."):]: v for k, v in load_file(
         world["model_dir"] / "model.safetensors").items() if k.startswith("visual.")}
+    written = load_file(world["root"] / "vl_llm_adapter" / "adapter_model.safetensors")
+    exported = load_file(world["root"] / "lora_llm_export" / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(written)         # megatron export of the checkpoint
+    assert all(torch.equal(exported[k], t) for k, t in written.items())
     for r in (r["lora"]["lora_llm"] for r in world["results"]):
         tower = [n for n in r["trainable"] if n.startswith("visual.model.")]
         assert len(tower) == len(original) and \
