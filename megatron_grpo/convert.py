@@ -38,7 +38,7 @@ from megatron_grpo.model.kv_replication import (checkpoint_load_metadata, legacy
                                                 saved_query_groups)
 from megatron_grpo.model.lora import is_lora_state, lora_settings
 from megatron_grpo.model.lora_peft import (gather_adapters, merged_stream, prepare_lora_export,
-                                           save_peft_adapter)
+                                           save_peft_adapter, vision_state)
 from megatron_grpo.config.export import ExportConfig, parse_export_args
 from megatron_grpo.config.parallel import ParallelDims
 from megatron_grpo.platform import init_parallel, init_process_group
@@ -259,7 +259,8 @@ def main(argv: list[str]) -> int:
                                           strict=not src.lora)
         if src.lora and not a.merge_lora:    # the PEFT adapter
             factors = gather_adapters(chunks)
-            if rank == 0:
+            if rank == 0:   # lora_llm: rank 0 (first pipeline stage) holds the trained tower
+                factors.update(vision_state(chunks))
                 save_peft_adapter(tmp, factors, lora_settings(chunks),
                                   base_model=src.lora.get("base_model"),
                                   dtype=getattr(torch, dtype))

@@ -117,6 +117,11 @@ CASES = [
     (["--freeze_llm", "true"], ["--freeze_llm true", "nothing to train"]),
     (["--freeze_aligner", "false", "--tuner_type", "lora"],
      ["--freeze_aligner false", "--tuner_type lora", "language model only", "--tuner_type full"]),
+    (["--tuner_type", "lora_llm"], ["--tuner_type lora_llm", "text-only", "Fix: --tuner_type lora"]),
+    (["--tuner_type", "lora_llm", "--freeze_llm", "true"],
+     ["--freeze_llm true with --tuner_type lora_llm", "Fix: --freeze_llm false"]),
+    (["--tuner_type", "lora_llm", "--vllm_enable_lora", "true"],
+     ["--vllm_enable_lora true with --tuner_type lora_llm", "--vllm_enable_lora false"]),
 ]
 
 

@@ -148,6 +148,34 @@ def test_check_weight_sync_with_tied_embeddings_and_replicas():
         list(StreamFingerprints().watch([[("x", emb)], [("x", emb)]]))
 
 
+def test_check_weight_sync_vision_language_names_and_frozen_tower():
+    """A VL model: vLLM's own names (vllm_aliases) read back as the checkpoint's, and a
+    frozen tower vLLM holds but the sync filter left out is not "absent from the stream";
+    a streamed tensor the filter keeps is still required."""
+    from bridge.mappings import get_mapping
+    from bridge.mappings.vision import sync_filter
+
+    gen = torch.Generator().manual_seed(4)
+    layer, head, tower, merger = (torch.randn(4, 2, generator=gen) for _ in range(4))
+    engine = _FakeEngine({"language_model.model.layers.0.mlp.down_proj.weight": layer,
+                          "language_model.lm_head.weight": head,
+                          "visual.blocks.0.mlp.up_proj.weight": tower,
+                          "visual.merger.mlp.0.weight": merger})
+    aliases = get_mapping("qwen2_5_vl").vllm_aliases
+    include = sync_filter(freeze_vit=True, freeze_aligner=False)
+    expected = {"model.layers.0.mlp.down_proj.weight": fingerprint(layer),
+                "lm_head.weight": fingerprint(head), "visual.merger.mlp.0.weight": fingerprint(merger)}
+    assert check_weight_sync(engine, expected, aliases, include) == 3
+    with pytest.raises(WeightSyncError, match="visual.blocks.0.mlp.up_proj.weight: held by vLLM "
+                                              "but absent"):
+        check_weight_sync(engine, expected, aliases)                    # no filter given
+    with pytest.raises(WeightSyncError, match="model.layers.0.mlp.down_proj.weight: sent by"):
+        check_weight_sync(engine, expected, (), include)                # vLLM's names unread
+    del expected["visual.merger.mlp.0.weight"]
+    with pytest.raises(WeightSyncError, match="visual.merger.mlp.0.weight: held by vLLM"):
+        check_weight_sync(engine, expected, aliases, include)           # trains: must stream
+
+
 def test_safetensors_buckets_cover_the_checkpoint(tmp_path):
     # Sharded on disk (with an index), to read the way the bridge would find it.
     model = make_tiny_model(tmp_path / "m", num_layers=3, max_shard_size="20KB")

@@ -176,9 +176,11 @@ def test_vision_options_are_checked_before_start_up(model_dir, count_data, monke
     assert "--max_pixels=100 is below the model's min_pixels=3136" in text
     assert "--vllm_limit_mm_per_prompt {'video': 1} is not valid" in text and \
         "allowed modalities: image" in text
+    # --tuner_type lora_llm (the tower trained beside the adapters) fits a VL model.
+    _, problems = build_config(base + ["--tuner_type", "lora_llm"])
+    assert not problems.messages, problems.messages
     _, problems = build_config(base + ["--check_weight_sync", "true"])
-    assert "--check_weight_sync true is not supported for vision-language models" in \
-        "\n".join(problems.messages)
+    assert not problems.messages, problems.messages
     monkeypatch.setenv("MAX_PIXELS", "many")
     _, problems = build_config(base)
     assert "MAX_PIXELS (environment)='many' is not an integer" in "\n".join(problems.messages)
@@ -243,9 +245,19 @@ def _encode_all(model_dir, count_data, max_pixels):
     return vp, [vp.encode(ds.messages[i], ds.images[i], base_dir=base) for i in range(2)]
 
 
-def _colocate_rank(rank, world_size, model_dir, count_data):
+def _colocate_rank(rank, world_size, model_dir, count_data, export_root):
+    """The engine starts from a `megatron export` of the model (HF -> Megatron -> HF), so
+    vLLM loading the export costs no engine start of its own."""
+    import contextlib
+
+    from megatron_grpo.convert import main as convert
     from megatron_grpo.rollout.colocate import ColocateEngine
 
+    mcore, exported = os.path.join(export_root, "mcore"), os.path.join(export_root, "hf")
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(["--to_mcore", "true", "--model", model_dir, "--output_dir", mcore])
+        convert(["--to_hf", "true", "--mcore_model", mcore, "--output_dir", exported])
+    source, model_dir = model_dir, exported
     # The budget by the environment, as an ms-swift script sets it (train.setup passes
     # VisionProcessor.mm_processor_kwargs to the engine the same way).
     os.environ["MAX_PIXELS"] = str(BUDGET)
@@ -257,22 +269,104 @@ def _colocate_rank(rank, world_size, model_dir, count_data):
                             vllm_max_model_len=256, vllm_kv_cache_memory="32MiB",
                             temperature=TEMPERATURE, num_generations=2, max_completion_length=4,
                             vllm_limit_mm_per_prompt={"image": 1},
-                            mm_processor_kwargs=vp.mm_processor_kwargs)
+                            mm_processor_kwargs=vp.mm_processor_kwargs,
+                            vllm_enable_lora=True, vllm_max_lora_rank=8)
     try:
         out = engine.generate([p.vllm_prompt_ids for p in prompts],
                               images=[p.images for p in prompts])
         text = engine.generate([prompts[0].vllm_prompt_ids[:3]])      # a text prompt too
+        # --check_weight_sync's reading of a VL model: vLLM's tensors (its own names, the
+        # tower's fused qkv and gate_up) are the checkpoint's, bit for bit.
+        from safetensors.torch import load_file
+
+        from bridge.mappings import get_mapping
+        from megatron_grpo.rollout.verify import check_weight_sync, fingerprint_state
+
+        checked = check_weight_sync(engine, fingerprint_state(load_file(os.path.join(
+            source, "model.safetensors")).items()), get_mapping("qwen2_5_vl").vllm_aliases)
+        lora = _adapter_only_sync(engine, source, export_root)
+        lora["out"] = [c.__dict__ for c in engine.generate([p.vllm_prompt_ids for p in prompts],
+                                                           images=[p.images for p in prompts])]
     finally:
         engine.close()
-    return [c.__dict__ for c in out], [c.__dict__ for c in text]
+    return [c.__dict__ for c in out], [c.__dict__ for c in text], checked, lora
+
+
+def _adapter_only_sync(engine, model_dir, root):
+    """--vllm_enable_lora on the VL model: LoRA (random B) on a Megatron copy, the adapter
+    synced alone by the trainer's WeightSync with --check_weight_sync (vLLM's names for the
+    language model's adapters read back by the family's aliases); the PEFT adapter written
+    for the HF reference."""
+    import types
+
+    from bridge import load_hf_weights
+    from megatron_grpo.model import build_model, build_transformer_config
+    from megatron_grpo.model.lora import LoraSettings, adapters, apply_lora, lora_settings
+    from megatron_grpo.model.lora_peft import gather_adapters, save_peft_adapter
+    from megatron_grpo.rollout.sync import WeightSync
+
+    config, args = build_transformer_config(model_dir)      # the export's world: TP=1
+    chunks = build_model(config, args)
+    load_hf_weights(chunks, config, args, model_dir)
+    apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, _, adapter in adapters(chunks):
+            for b in adapter.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    save_peft_adapter(os.path.join(root, "adapter"), gather_adapters(chunks),
+                      lora_settings(chunks), base_model=model_dir)
+    opts = types.SimpleNamespace(vllm_mode="colocate", sleep_level=0, move_model_batches=None,
+                                 offload_bridge=False, check_weight_sync=True,
+                                 vllm_enable_lora=True, offload_model=False,
+                                 offload_optimizer=False)
+    policy = types.SimpleNamespace(chunks=chunks, config=config, args=args, optimizer=None)
+    return {"info": WeightSync(policy, engine, opts)()}
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 @needs_vllm
-def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, count_data, hf_model):
-    out, text = run_distributed(_colocate_rank, world_size=1, timeout=400,
-                                args=(str(model_dir), count_data))[0]
+def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, count_data, hf_model,
+                                                                tmp_path):
+    """vLLM runs a `megatron export`ed copy of the model: the export holds every file vLLM
+    and the processor read (preprocessor_config.json, chat template, tokenizer, generation
+    config) and the original weights bit for bit, and vLLM's log-probs on it are HF's on
+    the original."""
+    from safetensors.torch import load_file
+
+    out, text, checked, lora = run_distributed(
+        _colocate_rank, world_size=1, timeout=400,
+        args=(str(model_dir), count_data, str(tmp_path)))[0]
+    exported = tmp_path / "hf"
+    side = {f.name for f in model_dir.iterdir() if not f.name.endswith(".safetensors")}
+    assert {"preprocessor_config.json", "chat_template.jinja", "tokenizer.json",
+            "generation_config.json"} <= side
+    for name in side:
+        assert (exported / name).read_bytes() == (model_dir / name).read_bytes(), name
+    weights = {}
+    for f in exported.glob("*.safetensors"):
+        weights.update(load_file(f))
+    original = load_file(model_dir / "model.safetensors")
+    assert sorted(weights) == sorted(original)
+    assert all(torch.equal(weights[n], t) and weights[n].dtype == t.dtype
+               for n, t in original.items())
+    assert checked == len(original)      # every tensor, the tower's included, found in vLLM
+
+    # --vllm_enable_lora: the same engine samples with the adapter synced alone (2 layers
+    # x 7 targets x A, B; fingerprint-checked); its log-probs are HF + PEFT's (merged).
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    assert lora["info"]["tensors"] == 28 and lora["info"]["lora_name"] == "mgrpo-lora-1"
+    merged = PeftModel.from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32), tmp_path / "adapter").merge_and_unload().eval()
+    _, prompts = _encode_all(model_dir, count_data, BUDGET)
+    for i, prompt in enumerate(prompts):
+        mine = [c for c in lora["out"] if c["prompt_index"] == i]
+        _reference_check(merged, prompt, mine, ("lora", i))
+        with pytest.raises(AssertionError):        # the adapter matters: not the base's
+            _reference_check(hf_model, prompt, mine, ("base", i))
     _, prompts = _encode_all(model_dir, count_data, BUDGET)
     assert [c["prompt_index"] for c in out] == [0, 0, 1, 1]
     for i, prompt in enumerate(prompts):
@@ -291,10 +385,13 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
     flags; RolloutClient sends the images as PNG.
 
     Then, on the same server, 2 GRPO steps of `megatron rlhf --vllm_mode server` (TP=2,
-    fp32, beta 0.04): the trainer's log-probs of what the server sampled equal the
-    server's (rollout_correction/* < 1e-4) at step 1 and at step 2, which samples from
-    the weights step 1 streamed to the server (its KL to the reference is not 0; the
-    server resets vLLM's encoder cache with them)."""
+    fp32, beta 0.04, --tuner_type lora_llm: LoRA on the language model, the tower and
+    merger trained in full, --check_weight_sync true): the trainer's log-probs of what the
+    server sampled equal the server's (rollout_correction/* < 1e-4) at step 1 and at step
+    2, which samples from the weights step 1 streamed to the server (the merged language
+    model and the trained tower, fingerprinted in vLLM by name; its KL to the reference,
+    the adapters off, is not 0; the server resets vLLM's encoder cache with them); the
+    final PEFT adapter carries the trained tower (modules_to_save `visual`)."""
     from megatron_grpo.rollout.client import RolloutClient
     from tests.test_trainer_e2e import _argv, _metrics, _run
 
@@ -316,7 +413,10 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
                        vllm_mode="server", vllm_server_host="127.0.0.1",
                        vllm_server_port=server.port, vllm_server_timeout=300,
                        log_rollout_offpolicy_metrics="true", vllm_max_model_len=256,
-                       train_iters=2))
+                       train_iters=2, tuner_type="lora_llm", check_weight_sync="true",
+                       # dropout 0: without old log-prob passes the trainer's side of
+                       # rollout_correction is the training forward (adapter dropout on)
+                       lora_dropout=0.0))
     assert [c.prompt_index for c in out] == [0, 0, 1, 1]
     for i, prompt in enumerate(prompts):
         _reference_check(hf_model, prompt, [c.__dict__ for c in out if c.prompt_index == i], i)
@@ -327,6 +427,17 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
         for key in ("kl", "log_ppl_diff_max", "log_ppl_diff_min"):
             assert abs(row["rollout_correction/" + key]) < 1e-4, row
     assert rows[0]["grad_norm"] > 0 and rows[1]["kl"] != 0.0, rows
+    from safetensors.torch import load_file
+
+    final = os.path.join(run, "final_hf")
+    assert json.load(open(os.path.join(final, "adapter_config.json")))["modules_to_save"] == \
+        ["visual"]
+    adapter = load_file(os.path.join(final, "adapter_model.safetensors"))
+    original = load_file(model_dir / "model.safetensors")
+    tower = {k[len("base_model.model.model."):]: v for k, v in adapter.items()
+             if k.startswith("base_model.model.model.visual.")}
+    assert sorted(tower) == sorted(k for k in original if k.startswith("visual."))
+    assert any(not torch.equal(t, original[k]) for k, t in tower.items())     # it trained
     # PNG is lossless: the server decodes the pixels the trainer processed.
     from PIL import Image
 

@@ -241,7 +241,96 @@ def _lora_phase(world_size, model_dir, batch, root):
     if torch.distributed.get_rank() == 0:
         save_peft_adapter(os.path.join(root, "vl_adapter"), factors, lora_settings(chunks),
                           base_model=model_dir)
-    return dict(base=base, adapted=logits(), merged=merged, trainable=trainable)
+    return dict(base=base, adapted=logits(), merged=merged, trainable=trainable,
+                lora_llm=_lora_llm_phase(config, args, model_dir, batch, root))
+
+
+def _lora_llm_phase(config, args, model_dir, batch, root):
+    """--tuner_type lora_llm at TP=2: adapters (random B) on the language model and the whole
+    tower trained in full, the tower moved off the checkpoint first (so that what is saved,
+    streamed and exported is the trained one). Returns the tower's gradients of the same
+    loss as _world, the tower seen with the adapters off (the reference), the tower in a
+    merged sync stream, and the tower after a LoRA checkpoint round trip into a fresh
+    model; rank 0 writes the PEFT adapter (adapters + modules_to_save visual)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from bridge import export_hf_weights, load_hf_weights
+    from megatron_grpo.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_grpo.model import build_model, wrap_ddp
+    from megatron_grpo.model.lora import (LoraSettings, adapters, adapters_disabled, apply_lora,
+                                          lora_settings)
+    from megatron_grpo.model.lora_peft import (gather_adapters, merged_stream, save_peft_adapter,
+                                               vision_state)
+
+    def build():
+        chunks = build_model(config, args)
+        load_hf_weights(chunks, config, args, model_dir)
+        apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0,
+                                                      train_vision=True))
+        return chunks
+
+    chunks = build()
+    g = torch.Generator().manual_seed(11)          # equal on both ranks (replicated tower)
+    with torch.no_grad():
+        for _, _, adapter in adapters(chunks):
+            for b in adapter.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+        for n, p in chunks[0].named_parameters():
+            if n.startswith("visual."):
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    trainable = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
+    tower = {n[len("visual.model."):]: p.detach().clone()
+             for n, p in chunks[0].named_parameters() if n.startswith("visual.model.")}
+    with adapters_disabled(chunks):
+        off = {n[len("visual.model."):]: p.detach().clone()
+               for n, p in chunks[0].named_parameters() if n.startswith("visual.model.")}
+    stream = {n: t.clone() for bucket in merged_stream(chunks, export_hf_weights(
+        chunks, config, args, bucket_size_bytes=64 << 10)) for n, t in bucket
+        if n.startswith("visual.")}
+    factors = gather_adapters(chunks)
+    if torch.distributed.get_rank() == 0:
+        factors.update(vision_state(chunks))
+        save_peft_adapter(os.path.join(root, "vl_llm_adapter"), factors, lora_settings(chunks),
+                          base_model=model_dir)
+    ckpt = save_checkpoint(os.path.join(root, "lora_llm_ckpt"), 1, chunks, save_rng=False,
+                           hf_config_dir=model_dir)
+
+    chunks = wrap_ddp(config, chunks)
+    ids, count = batch["ids"], sum(n - 1 for n in batch["lengths"])
+
+    def step(data_iterator, model):
+        next(data_iterator)
+        output = model(ids, batch["pos"], None, pixel_values=batch["pixel_values"],
+                       image_grid_thw=batch["image_grid_thw"])
+
+        def loss_fn(o):
+            full = gather_from_tensor_model_parallel_region(o)[..., :args.vocab_size]
+            loss, _ = _loss_terms(full, ids, batch["lengths"], args.vocab_size)
+            return loss / count, {}
+        return output, loss_fn
+
+    chunks[0].train()
+    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=chunks,
+                                num_microbatches=1, seq_length=ids.shape[1],
+                                micro_batch_size=ids.shape[0], forward_only=False)
+    grads = {n[len("module.visual.model."):]: p.main_grad.clone()
+             for n, p in chunks[0].named_parameters() if n.startswith("module.visual.model.")}
+
+    fresh = build()
+    load_checkpoint(ckpt, fresh, load_rng=False)
+    from megatron_grpo.convert import main as convert   # the PEFT export of the checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(["--to_hf", "true", "--mcore_model", ckpt, "--output_dir",
+                 os.path.join(root, "lora_llm_export")])
+    restored = {n[len("visual.model."):]: p.detach().clone()
+                for n, p in fresh[0].named_parameters() if n.startswith("visual.model.")}
+    return dict(trainable=trainable, tower=tower, off=off, stream=stream, grads=grads,
+                restored=restored, adapters_restored=all(
+                    torch.equal(a, b) for (_, _, x), (_, _, y) in zip(adapters(chunks),
+                                                                      adapters(fresh))
+                    for a, b in zip(x.parameters(), y.parameters())))
 
 
 COMPLETIONS = [[5, 17, 42, 9], [7, 8]]
@@ -432,6 +521,54 @@ def test_lora_on_the_language_model_equals_peft(world):
         assert set(r["merged"]) <= set(merged)
         for name, t in r["merged"].items():
             assert (t - merged[name]).abs().max() <= 1e-5, name
+
+
+def test_lora_llm_trains_the_tower_beside_the_adapters(world):
+    """--tuner_type lora_llm (TP=2): the adapters and every tower tensor train; the tower's
+    gradients equal those of HF + PEFT loading the adapter we wrote (the trained tower as
+    modules_to_save `visual`, random B), whose logits it also reproduces; the reference
+    (adapters off) keeps the trained tower, as ms-swift's; a merged sync streams it; a LoRA
+    checkpoint round trip restores it and the adapters, and `megatron export` of that
+    checkpoint writes the same PEFT adapter."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    batch = world["batch"]
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(world["model_dir"],
+                                                            dtype=torch.float32)
+    peft = PeftModel.from_pretrained(hf, world["root"] / "vl_llm_adapter", is_trainable=True)
+    prefix = "base_model.model.model.visual.modules_to_save.default."
+    for n, p in peft.named_parameters():
+        p.requires_grad_(n.startswith(prefix))
+    total, count = 0.0, sum(n - 1 for n in batch["lengths"])
+    for e in batch["encs"]:
+        out = peft(**e, use_cache=False).logits
+        total = total + torch.nn.functional.cross_entropy(out[0, :-1], e["input_ids"][0, 1:],
+                                                          reduction="sum")
+    (total / count).backward()
+    ref = {n[len(prefix):]: p.grad for n, p in peft.named_parameters() if n.startswith(prefix)}
+    trained = {n[len(prefix):]: p.detach() for n, p in peft.named_parameters()
+               if n.startswith(prefix)}
+    original = {k[len("visual."):]: v for k, v in load_file(
+        world["model_dir"] / "model.safetensors").items() if k.startswith("visual.")}
+    written = load_file(world["root"] / "vl_llm_adapter" / "adapter_model.safetensors")
+    exported = load_file(world["root"] / "lora_llm_export" / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(written)         # megatron export of the checkpoint
+    assert all(torch.equal(exported[k], t) for k, t in written.items())
+    for r in (r["lora"]["lora_llm"] for r in world["results"]):
+        tower = [n for n in r["trainable"] if n.startswith("visual.model.")]
+        assert len(tower) == len(original) and \
+            all(n.startswith("visual.model.") or "_lora.lora_" in n for n in r["trainable"])
+        assert sorted(r["grads"]) == sorted(ref) == sorted(original)
+        for name, g in r["grads"].items():
+            scale = ref[name].abs().max().item()
+            assert (g - ref[name]).abs().max().item() <= 1e-5 + 1e-4 * scale, name
+            assert torch.equal(r["tower"][name], trained[name]), name      # the export's
+            assert not torch.equal(r["tower"][name], original[name]), name  # moved
+            for seen in (r["off"][name], r["stream"]["visual." + name], r["restored"][name]):
+                assert torch.equal(seen, r["tower"][name]), name
+        assert any(g.abs().max() > 0 for g in r["grads"].values()) and r["adapters_restored"]
 
 
 def test_freeze_options_choose_what_trains(world):

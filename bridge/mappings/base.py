@@ -93,6 +93,9 @@ class FamilyMapping:
     _patterns: list = field(init=False, repr=False, compare=False)
     # (stored prefix, canonical prefix) of HF names some writers use (bridge.hf_checkpoint)
     hf_aliases = ()
+    # (vLLM prefix, HF prefix): where vLLM's module names differ from the checkpoint's
+    # (rollout/verify.py check_weight_sync reads vLLM's tensors back by name)
+    vllm_aliases = ()
 
     def __post_init__(self):
         pats = [(_pattern(name), rule) for rule in self.rules for name in rule.megatron]

@@ -70,6 +70,9 @@ class VisionLanguageMapping(FamilyMapping):
     """The dense rules plus one replicated unit per HF vision tensor."""
 
     hf_aliases = (("model.language_model.", "model."), ("model.visual.", "visual."))
+    # vLLM's Qwen2(.5)-VL (`hf_to_vllm_mapper`, 0.32) holds the language model as
+    # `language_model.model.*` / `language_model.lm_head.*`; `visual.*` as the checkpoint.
+    vllm_aliases = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
 
     def _visual_units(self, args) -> dict[str, Unit]:
         """HF name -> unit of every vision tensor, in HF order."""

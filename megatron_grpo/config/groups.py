@@ -219,10 +219,13 @@ class TrainingOptions(_Group):
                "the same loss and gradients as padded micro-batches, under TP, PP and CP. "
                "ms-swift defaults to true; false here until the Transformer Engine (GPU) path "
                "has run on a GPU (on CPU the project's own attention keeps sequences apart).")
-    tuner_type: Literal["full", "lora"] = opt(
+    tuner_type: Literal["full", "lora", "lora_llm"] = opt(
         "full", "full: train every parameter; lora: freeze the model and train LoRA adapters "
                 "on its linears (tensor-parallel, the reference policy is the base with adapters "
-                "off). ms-swift's old name --train_type is accepted too.")
+                "off); lora_llm (vision-language models): LoRA on the language model and the "
+                "vision tower and merger trained in full (saved with the adapters, synced to "
+                "vLLM; the reference keeps the trained tower, as in ms-swift). ms-swift's old "
+                "name --train_type is accepted too.")
     freeze_vit: bool = opt(True, "Vision-language models: keep the vision tower (without its "
                                  "merger) frozen; false trains it (full-parameter training).")
     freeze_aligner: bool = opt(True, "Vision-language models: keep the merger (aligner: vision "

@@ -389,7 +389,6 @@ UNSUPPORTED_VALUES: Dict[Tuple[str, str], str] = {
     ("moe_token_dispatcher_type", "allgather"):
         "MoE: Megatron's allgather dispatcher refuses variable sequence lengths",
     ("moe_router_load_balancing_type", "sinkhorn"): "MoE: sinkhorn load balancing",
-    ("tuner_type", "lora_llm"): "LoRA, issue 15",
     ("lr_decay_style", "WSD"): "learning-rate and weight-decay schedules beyond cosine/linear/constant",
     ("lr_decay_style", "inverse-square-root"):
         "learning-rate and weight-decay schedules beyond cosine/linear/constant",

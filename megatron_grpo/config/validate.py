@@ -175,7 +175,6 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
     _check_lora(t, p, cfg.model.model)
     _check_recompute(t, p)
     _check_freeze(cfg, p)
-    _check_vision_sync(cfg, p)
 
 
 def _check_freeze(cfg: "GRPOConfig", p: Problems) -> None:
@@ -189,11 +188,14 @@ def _check_freeze(cfg: "GRPOConfig", p: Problems) -> None:
     p.require(not (t.freeze_vit and t.freeze_aligner and t.freeze_llm),
               f"{flags} leaves nothing to train. Fix: set one of them false")
     p.require(t.tuner_type != "lora",
-              f"{flags} with --tuner_type lora: LoRA trains adapters on the language model "
-              "only, the vision tower and merger frozen (adapters on the tower's linears, or "
-              "a tower trained in full beside them, are not kept by the LoRA checkpoint, the "
-              "reference policy and the PEFT export yet). Fix: keep the defaults (true, true, "
-              "false) or --tuner_type full")
+              f"{flags} with --tuner_type lora: in ms-swift this puts LoRA adapters on the "
+              "vision tower's / merger's linears, which is not supported (adapters on the "
+              "language model only). Fix: --tuner_type lora_llm (adapters on the language "
+              "model, the tower and merger trained in full), or keep the defaults (true, true, "
+              "false), or --tuner_type full")
+    p.require(t.tuner_type != "lora_llm" or not t.freeze_llm,
+              f"{flags} with --tuner_type lora_llm: the adapters are on the language model. "
+              "Fix: --freeze_llm false, or --tuner_type full")
     hf = _hf_config(cfg.model.model)
     if hf is not None:   # a vision-language config.json has a vision_config
         archs = ", ".join(hf.get("architectures") or []) or hf.get("model_type")
@@ -203,26 +205,25 @@ def _check_freeze(cfg: "GRPOConfig", p: Problems) -> None:
                   "(true, true, false)")
 
 
-def _check_vision_sync(cfg: "GRPOConfig", p: Problems) -> None:
-    """--check_weight_sync compares vLLM's tensors by HF name; a vision-language model's
-    vLLM names (`language_model.model.*`, the tower's fused qkv) are not mapped yet."""
-    if not cfg.rollout.check_weight_sync:
-        return
-    hf = _hf_config(cfg.model.model)
-    p.require(hf is None or "vision_config" not in hf,
-              f"--check_weight_sync true is not supported for vision-language models yet "
-              f"(--model {cfg.model.model!r}): vLLM names their weights differently. Fix: "
-              "--check_weight_sync false")
-
-
 def _check_lora(t, p: Problems, model: Optional[str] = None) -> None:
     """The LoRA options (tuner_type lora), one line each."""
-    if t.tuner_type != "lora":
+    if t.tuner_type not in ("lora", "lora_llm"):
         for name, default in (("adapters", []), ("merge_lora", False)):
             p.require(getattr(t, name) == default,
                       f"--{name} {getattr(t, name)!r} needs --tuner_type lora (it is "
                       f"{t.tuner_type!r}). Fix: add --tuner_type lora")
         return
+    hf = _hf_config(model)
+    if t.tuner_type == "lora_llm" and hf is not None:
+        p.require("vision_config" in hf,
+                  f"--tuner_type lora_llm with --model {model!r}: lora_llm trains a "
+                  "vision-language model's tower beside the adapters; this model is "
+                  "text-only. Fix: --tuner_type lora")
+    tower = "visual" in _adapter_modules_to_save(t)
+    p.require(not tower or t.tuner_type == "lora_llm",
+              f"--adapters {' '.join(t.adapters)} holds a trained vision tower (modules_to_save "
+              f"visual: a --tuner_type lora_llm adapter) and --tuner_type is {t.tuner_type!r}. "
+              "Fix: --tuner_type lora_llm")
     _positive(p, "lora_rank", t.lora_rank)
     p.require(t.lora_alpha > 0, f"--lora_alpha {t.lora_alpha} must be > 0, e.g. --lora_alpha 32")
     p.require(0 <= t.lora_dropout < 1, f"--lora_dropout {t.lora_dropout} must be in [0, 1)")
@@ -234,9 +235,8 @@ def _check_lora(t, p: Problems, model: Optional[str] = None) -> None:
     bad = [m for m in t.modules_to_save if m.rsplit(".", 1)[-1] not in ("embed_tokens", "lm_head")]
     p.require(not bad, f"--modules_to_save {' '.join(t.modules_to_save)}: {bad} not supported; "
                        "allowed: any of embed_tokens lm_head")
-    saved = list(t.modules_to_save) or _adapter_modules_to_save(t)
-    hf = _hf_config(model) if saved else None
-    if hf is not None:   # model/lora.py trains Megatron's untied embedding / output layer
+    saved = list(t.modules_to_save) or [m for m in _adapter_modules_to_save(t) if m != "visual"]
+    if saved and hf is not None:   # model/lora.py trains Megatron's untied embedding / lm_head
         p.require("vision_config" not in hf and not hf.get("tie_word_embeddings", False),
                   f"--modules_to_save {' '.join(saved)} with --model {model!r}: "
                   + ("a vision-language model" if "vision_config" in hf else
@@ -707,6 +707,11 @@ def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:
         p.require(v.vllm_max_lora_rank is None,
                   f"--vllm_max_lora_rank {v.vllm_max_lora_rank} needs --vllm_enable_lora true. "
                   "Fix: add --vllm_enable_lora true, or drop --vllm_max_lora_rank")
+        return
+    if not p.require(t.tuner_type != "lora_llm",
+                     "--vllm_enable_lora true with --tuner_type lora_llm: vLLM's LoRA adapters "
+                     "cannot carry the vision tower trained in full (ms-swift refuses it too). "
+                     "Fix: --vllm_enable_lora false (merged sync)"):
         return
     if not p.require(t.tuner_type == "lora",
                      f"--vllm_enable_lora true needs --tuner_type lora (it is {t.tuner_type!r}): "

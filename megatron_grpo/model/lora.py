@@ -46,6 +46,15 @@ sync: automatic). The original weights are kept as a frozen clone beside it
 `original_module`) and `adapters_disabled` swaps them in: the reference policy is the base.
 Tied embeddings (tie_word_embeddings) are refused.
 
+--tuner_type lora_llm (ms-swift's name; vision-language models, `train_vision`): the
+adapters on the language model as above, and the whole vision tower, merger included,
+trained in full beside them (ms-swift's `_prepare_full_vit`: `requires_grad` on
+`visual.*`, whatever --freeze_vit / --freeze_aligner say). The tower's parameters are
+saved with the adapters (`is_lora_state`) and streamed by every sync; no original copy is
+kept: as in ms-swift, whose reference policy is the same model with the adapters
+disabled, the reference sees the trained tower. (ms-swift's `--tuner_type lora
+--freeze_vit false` means adapters ON the tower's linears instead: not supported.)
+
 Simplifications: the local layer spec only (Transformer Engine's fused layer-norm
 linears take the un-normed input); no k/v adapters when kv heads are replicated
 (fewer kv heads than TP); with dropout > 0 the masks are drawn per rank (still a
@@ -80,6 +89,10 @@ LINEARS = {
 # --modules_to_save: PEFT's module name -> the Megatron parameter trained in full.
 SAVED_MODULES = {"embed_tokens": "embedding.word_embeddings.weight",
                  "lm_head": "output_layer.weight"}
+
+
+# The vision tower's parameters (and state-dict keys) in a vision-language model.
+VISION_PREFIX = "visual."
 
 
 def parse_modules_to_save(values) -> tuple[str, ...]:
@@ -118,6 +131,8 @@ class LoraSettings:
     # The base is a vision-language model (set by apply_lora): its PEFT files name the
     # language model's layers as transformers holds them (model/lora_peft.py).
     vision: bool = False
+    # --tuner_type lora_llm: the vision tower and merger (`visual.*`) train in full.
+    train_vision: bool = False
 
     @property
     def scale(self) -> float:
@@ -273,10 +288,18 @@ def apply_lora(chunks, config, args, settings: LoraSettings) -> list[str]:
         raise ValueError(f"--modules_to_save {' '.join(settings.modules_to_save)} with a model "
                          "that ties lm_head to embed_tokens (tie_word_embeddings) is not "
                          "supported; allowed: untied models. Fix: drop --modules_to_save")
+    if settings.train_vision and not settings.vision:
+        raise ValueError("--tuner_type lora_llm trains the vision tower beside the adapters; "
+                         f"the model ({args.family.name}) has none. Fix: --tuner_type lora")
     for c in chunks:
         for p in c.parameters():
             p.requires_grad_(False)
     added = []
+    for c in chunks:   # lora_llm: the tower and merger train in full (no original kept)
+        for name, p in unwrap(c).named_parameters():
+            if settings.train_vision and name.startswith(VISION_PREFIX):
+                p.requires_grad_(True)
+                added.append(name)
     for c in chunks:   # trained in full; the original kept for the reference policy
         model = unwrap(c)
         found = set()
@@ -328,9 +351,11 @@ def saved_params(chunks):
 
 def is_lora_state(name: str, settings: LoraSettings | None) -> bool:
     """Whether a state-dict key of a LoRA model is in its checkpoint: adapters and the
-    --modules_to_save parameters (the rest is the frozen base, from --model)."""
-    return is_adapter_param(name) or (settings is not None and name in {
-        SAVED_MODULES[m] for m in settings.modules_to_save})
+    --modules_to_save parameters, and the vision tower under lora_llm (the rest is the
+    frozen base, from --model)."""
+    return is_adapter_param(name) or (settings is not None and (
+        name in {SAVED_MODULES[m] for m in settings.modules_to_save}
+        or (settings.train_vision and name.startswith(VISION_PREFIX))))
 
 
 def adapters(chunks):

@@ -28,6 +28,11 @@ loads it from there (peft 0.21). Megatron's parameter is vocab-parallel with pad
 rank r holds rows [r n, (r + 1) n) of the padded table, n = padded vocab / tp; the file has
 the HF vocab rows only.
 
+--tuner_type lora_llm (settings.train_vision): the trained vision tower and merger go in
+the adapter file as PEFT's modules_to_save of `visual` (transformers' `model.visual`):
+`base_model.model.model.visual.<HF name after visual.>`, written from the rank that holds
+the tower (`vision_state`); `peft_settings` / `load_peft_adapter` read them back.
+
 Merged sync: the bridge streams the base weights as always and each HF tensor a target
 covers gets `W += scale * B @ A` in its bucket slot, in place (the slot is a reused
 staging buffer, the model's own weights are not touched); the product is computed per
@@ -51,7 +56,7 @@ import torch.distributed as dist
 from bridge.load import check_checkpoint, load_hf_weights
 
 from .lora import (HF_MODULE, LoraSettings, adapters, apply_lora, lora_settings,
-                   parse_modules_to_save, parse_target_modules, saved_params)
+                   parse_modules_to_save, parse_target_modules, saved_params, unwrap)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -65,6 +70,21 @@ def peft_key(layer: int, target: str, factor: str) -> str:
 # --modules_to_save: Megatron parameter -> PEFT's key of its trained copy (text models).
 SAVED_KEYS = {"embedding.word_embeddings.weight": "base_model.model.model.embed_tokens.weight",
               "output_layer.weight": "base_model.model.lm_head.weight"}
+
+
+# lora_llm: PEFT's key prefix of the trained tower (modules_to_save "visual"), and the
+# Megatron parameter prefix it stands for (model/vision.py: `visual.model.<HF name>`).
+VISION_KEY, _VISION_PARAM, VISION_MODULE = "base_model.model.model.visual.", "visual.model.", "visual"
+
+
+def vision_state(chunks) -> dict[str, torch.Tensor]:
+    """lora_llm: {PEFT key: tensor} of the trained vision tower on this rank (the first
+    pipeline stage holds it, replicated over TP; {} elsewhere). Not collective."""
+    if not getattr(lora_settings(chunks), "train_vision", False):
+        return {}
+    return {VISION_KEY + n[len(_VISION_PARAM):]: p.detach().cpu()
+            for c in chunks for n, p in unwrap(c).named_parameters()
+            if n.startswith(_VISION_PARAM)}
 
 
 _TEXT_LAYERS = "base_model.model.model.layers."
@@ -105,8 +125,11 @@ def peft_settings(adapter_dir: str, seed: int = 42) -> LoraSettings:
         targets = [targets]
     else:   # PEFT matches names by suffix; it saves all-linear expanded to module paths
         targets = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
+    modules = cfg.get("modules_to_save") or []
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    train_vision = VISION_MODULE in modules             # lora_llm's trained tower
     try:
-        saved = parse_modules_to_save(cfg.get("modules_to_save"))
+        saved = parse_modules_to_save([m for m in modules if m != VISION_MODULE])
     except ValueError as e:
         raise ValueError(f"--adapters {adapter_dir!r}: {e}") from None
     if cfg.get("bias", "none") != "none":
@@ -115,7 +138,7 @@ def peft_settings(adapter_dir: str, seed: int = 42) -> LoraSettings:
                         dropout=float(cfg.get("lora_dropout", 0.0)),
                         targets=parse_target_modules(targets),
                         rslora=bool(cfg.get("use_rslora", False)), seed=seed,
-                        modules_to_save=saved)
+                        modules_to_save=saved, train_vision=train_vision)
 
 
 def _split_axis(kind: str, factor: str) -> int | None:
@@ -152,6 +175,10 @@ def load_peft_adapter(chunks, adapter_dir: str) -> None:
         key, vocab = SAVED_KEYS[name], param.lora_saved[1]
         expected[key] = (vocab, param.shape[1])
         saved.append((key, param))
+    tower = [(VISION_KEY + n[len(_VISION_PARAM):], p) for c in chunks
+             for n, p in unwrap(c).named_parameters()
+             if n.startswith(_VISION_PARAM) and getattr(lora_settings(chunks), "train_vision", False)]
+    expected.update({k: tuple(p.shape) for k, p in tower})
     with safe_open(path, framework="pt") as f:
         found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         # Other stages' layers are in the file too: check only this rank's keys.
@@ -169,6 +196,8 @@ def load_peft_adapter(chunks, adapter_dir: str) -> None:
                 full = f.get_tensor(key)[tp_rank * rows:(tp_rank + 1) * rows]
                 param.zero_()            # vocab padding rows: no data, zero as the bridge does
                 param[:full.shape[0]].copy_(full)
+            for key, param in tower:
+                param.copy_(f.get_tensor(key))
 
 
 def gather_adapters(chunks, source=None) -> dict[str, torch.Tensor]:
@@ -301,7 +330,9 @@ def peft_config(settings: LoraSettings, base_model: str | None = None) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank,
             "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
             "target_modules": list(settings.targets), "use_rslora": settings.rslora,
-            "bias": "none", "fan_in_fan_out": False, "modules_to_save": list(settings.modules_to_save) or None,
+            "bias": "none", "fan_in_fan_out": False,
+            "modules_to_save": (list(settings.modules_to_save)
+                                + [VISION_MODULE] * settings.train_vision) or None,
             "init_lora_weights": True, "inference_mode": True,
             "base_model_name_or_path": base_model}
 

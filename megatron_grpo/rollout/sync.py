@@ -62,6 +62,7 @@ class WeightSync:
         """Stream the policy's HF weights into vLLM (collective over every trainer rank);
         with check_weight_sync, prove vLLM holds them. Returns the engine's load info."""
         from bridge import BucketBuffer, export_hf_weights
+        from bridge.mappings import get_mapping
         from ..model.lora_peft import merged_stream
 
         from .verify import StreamFingerprints, check_weight_sync
@@ -82,8 +83,11 @@ class WeightSync:
         # LoRA: W + scale * B @ A per HF tensor, in its bucket slot (model/lora_peft.py)
         stream = merged_stream(policy.chunks, stream)
         expected = StreamFingerprints() if r.check_weight_sync else None
+        aliases = get_mapping(policy.args.family).vllm_aliases    # vLLM's names, if its own
         return self._deliver(stream, expected, lambda s: load_weight_stream(self.engine, s),
-                             lambda info: check_weight_sync(self.engine, expected.result))
+                             lambda info: check_weight_sync(
+                                 self.engine, expected.result, aliases,
+                                 getattr(policy, "sync_include", None)))
 
     def _deliver(self, stream, expected, load, check) -> dict:
         """Feed `stream` to the engine through `load` (in server mode rank 0 alone uploads;
@@ -108,6 +112,7 @@ class WeightSync:
     def _sync_adapter(self, bucket: int) -> dict:
         """Adapter-only sync: the factors in buckets of at most `bucket` bytes (collective
         over every trainer rank); in server mode rank 0 alone uploads."""
+        from bridge.mappings import get_mapping
         from ..model.lora import lora_settings
         from ..model.lora_peft import adapter_stream, peft_config
 
@@ -119,7 +124,8 @@ class WeightSync:
         expected = AdapterFingerprints(settings.scale) if self.opts.check_weight_sync else None
         info = self._deliver(
             stream, expected, lambda s: load_adapter_stream(self.engine, s, peft_config(settings)),
-            lambda info: check_adapter_sync(self.engine, expected, info["lora_id"]))
+            lambda info: check_adapter_sync(self.engine, expected, info["lora_id"],
+                                            get_mapping(self.policy.args.family).vllm_aliases))
         if self.is_server:            # every rank's client samples with the new adapter
             name = [info.get("lora_name")]
             dist.broadcast_object_list(name, src=0)

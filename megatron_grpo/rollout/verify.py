@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -231,12 +231,20 @@ def _pieces_of(module_name: str, module: torch.nn.Module, pname: str, param: tor
     tp_size = getattr(module, "tp_size", 1)
     tp_rank = getattr(module, "tp_rank", 0)
     if isinstance(module, layers.qkv):
-        q, k, v = packed.get(leaf, ["q_proj", "k_proj", "v_proj"])
+        names = packed.get(leaf, ["q_proj", "k_proj", "v_proj"])
         hs, vhs = module.head_size, module.v_head_size
         nq, nkv = module.num_heads, module.num_kv_heads              # per rank
         kv_rank = tp_rank // module.num_kv_head_replicas
         hidden = () if pname == "bias" else (module.input_size,)
         tq, tkv = module.total_num_heads, max(module.total_num_kv_heads, 1)
+        if len(names) == 1:   # one HF tensor [q; k; v] (a vision tower's `attn.qkv`)
+            full = (tq * hs + tkv * hs + tkv * vhs, *hidden)
+            name = f"{prefix}{names[0]}.{pname}"
+            return [_Piece(name, full, 0, 0, tp_rank * nq * hs, nq * hs),
+                    _Piece(name, full, 0, nq * hs, tq * hs + kv_rank * nkv * hs, nkv * hs),
+                    _Piece(name, full, 0, nq * hs + nkv * hs,
+                           tq * hs + tkv * hs + kv_rank * nkv * vhs, nkv * vhs)]
+        q, k, v = names
         return [
             _Piece(f"{prefix}{q}.{pname}", (tq * hs, *hidden), 0, 0, tp_rank * nq * hs, nq * hs),
             _Piece(f"{prefix}{k}.{pname}", (tkv * hs, *hidden), 0, nq * hs, kv_rank * nkv * hs,
@@ -405,13 +413,19 @@ def compare_fingerprints(expected: Dict[str, Fingerprint], held: Dict[str, Finge
     return problems
 
 
-def check_weight_sync(engine, expected: Dict[str, Fingerprint]) -> int:
+def check_weight_sync(engine, expected: Dict[str, Fingerprint],
+                      vllm_aliases: Sequence[Tuple[str, str]] = (),
+                      include: Optional[Callable[[str], bool]] = None) -> int:
     """Raise WeightSyncError naming every tensor vLLM does not hold as the trainer sent it.
 
     `engine` is a ColocateEngine or a RolloutClient: anything whose
     `weight_fingerprints()` returns fingerprint pieces per vLLM engine (one list
     per data-parallel replica, each covering that replica's TP group). Every
     replica must hold every tensor. Returns the number of tensors checked.
+    vllm_aliases: (vLLM prefix, HF prefix) renames of vLLM's names (the family
+    mapping's, e.g. a vision-language model's `language_model.model.` -> `model.`);
+    include: the sync's filter (export_hf_weights): a tensor it leaves out (a frozen
+    vision tower) is not expected in the stream, vLLM holds it from the checkpoint.
     """
     if not expected:
         raise WeightSyncError("no expected fingerprints: the weight stream was empty")
@@ -419,6 +433,9 @@ def check_weight_sync(engine, expected: Dict[str, Fingerprint]) -> int:
     problems = []
     for i, pieces in enumerate(per_engine):
         held, found = combine_pieces(pieces)
+        held = {_renamed(n, vllm_aliases): fp for n, fp in held.items()}
+        if include is not None:
+            held = {n: fp for n, fp in held.items() if n in expected or include(n)}
         aliases = {}
         if "lm_head.weight" not in held and "model.embed_tokens.weight" in held:
             aliases["lm_head.weight"] = "model.embed_tokens.weight"  # tied embeddings
@@ -429,6 +446,13 @@ def check_weight_sync(engine, expected: Dict[str, Fingerprint]) -> int:
         raise WeightSyncError(f"vLLM does not hold the trainer's weights ({len(problems)} "
                               "problem(s)):\n  " + "\n  ".join(problems))
     return len(expected)
+
+
+def _renamed(name: str, aliases: Sequence[Tuple[str, str]]) -> str:
+    for prefix, hf in aliases:
+        if name.startswith(prefix):
+            return hf + name[len(prefix):]
+    return name
 
 
 # --------------------------------------------------------------------------- LoRA adapters
@@ -465,11 +489,15 @@ class AdapterFingerprints:
             yield bucket
 
 
-def check_adapter_sync(engine, expected: AdapterFingerprints, lora_id: int) -> int:
+def check_adapter_sync(engine, expected: AdapterFingerprints, lora_id: int,
+                       vllm_aliases: Sequence[Tuple[str, str]] = ()) -> int:
     """Raise WeightSyncError unless every vLLM worker holds exactly one adapter, `lora_id`,
     active in its LoRA slots, whose tensors are bit for bit the trainer's (A, and scale * B
     as vLLM stores it), and whose slots (what the kernels read) hold them too. Returns the
-    number of tensors checked."""
+    number of tensors checked. vllm_aliases: as check_weight_sync's, under PEFT's
+    `base_model.model.` (a VL model's `...language_model.model.layers` -> `...model.layers`)."""
+    peft = "base_model.model."
+    aliases = [(peft + v, peft + h) for v, h in vllm_aliases]
     if not expected.result:
         raise WeightSyncError("no expected fingerprints: the adapter stream was empty")
     problems = []
@@ -483,8 +511,8 @@ def check_adapter_sync(engine, expected: AdapterFingerprints, lora_id: int) -> i
             if held["dtypes"] and set(held["dtypes"]) != expected.dtypes:
                 problems.append(f"{where}holds the adapter in {held['dtypes']}, the trainer "
                                 f"sent {sorted(expected.dtypes)}")
-            problems += [where + p for p in compare_fingerprints(expected.result,
-                                                                 held["tensors"])]
+            tensors = {_renamed(n, aliases): fp for n, fp in held["tensors"].items()}
+            problems += [where + p for p in compare_fingerprints(expected.result, tensors)]
     if problems:
         raise WeightSyncError(f"vLLM does not hold the trainer's LoRA adapter ({len(problems)} "
                               "problem(s)):\n  " + "\n  ".join(problems))

@@ -95,7 +95,7 @@ def build_run(cfg) -> Run:
     policy = build_policy(cfg, steps)
     # LoRA: the reference is the policy with its adapters off (rollout_step.fill_logps).
     ref = None if g.beta == 0.0 else \
-        policy.chunks if t.tuner_type == "lora" else build_reference(cfg)
+        policy.chunks if t.tuner_type in ("lora", "lora_llm") else build_reference(cfg)
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
     reward_names = list(cfg.reward.reward_funcs)
@@ -231,7 +231,8 @@ def save_final_hf(policy: Policy, hf_source: str, out_dir: str, merge_lora: bool
     Collective: every rank iterates the export; rank 0 writes, then renames atomically."""
     from bridge import export_hf_weights
     from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
-    from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter
+    from megatron_grpo.model.lora_peft import (gather_adapters, merged_stream, save_peft_adapter,
+                                               vision_state)
 
     from ..model.lora import lora_settings
 
@@ -242,7 +243,8 @@ def save_final_hf(policy: Policy, hf_source: str, out_dir: str, merge_lora: bool
     settings = lora_settings(policy.chunks)
     if settings is not None and not merge_lora:   # LoRA: the PEFT adapter, no base weights
         factors = gather_adapters(policy.chunks)
-        if rank0:
+        if rank0:   # lora_llm: rank 0 (first pipeline stage) holds the trained tower
+            factors.update(vision_state(policy.chunks))
             save_peft_adapter(final + ".tmp", factors, settings, base_model=hf_source)
     else:
         stream = merged_stream(policy.chunks, export_hf_weights(

@@ -106,12 +106,15 @@ def lora_settings_of(cfg):
 
 
 def apply_tuner(cfg, config, args, chunks) -> None:
-    """--tuner_type lora: freeze `chunks`, add the adapters, load --adapters if given."""
-    if cfg.training.tuner_type != "lora":
+    """--tuner_type lora: freeze `chunks`, add the adapters, load --adapters if given;
+    lora_llm: the same, and the vision tower and merger train in full (model/lora.py)."""
+    if cfg.training.tuner_type not in ("lora", "lora_llm"):
         return
     from ..model.lora import apply_lora
 
-    apply_lora(chunks, config, args, lora_settings_of(cfg))
+    settings = dataclasses.replace(lora_settings_of(cfg),
+                                   train_vision=cfg.training.tuner_type == "lora_llm")
+    apply_lora(chunks, config, args, settings)
     if cfg.training.adapters:
         from megatron_grpo.model.lora_peft import load_peft_adapter
 
@@ -165,7 +168,9 @@ def build_policy(cfg, steps: int) -> Policy:
     if args.family.vision:
         from bridge.mappings.vision import sync_filter
 
-        sync_include = sync_filter(t.freeze_vit, t.freeze_aligner)
+        # lora_llm trains the whole tower: every sync streams it.
+        sync_include = None if t.tuner_type == "lora_llm" else \
+            sync_filter(t.freeze_vit, t.freeze_aligner)
     return Policy(config, args, chunks, optimizer, scheduler, sync_include)
 
 
