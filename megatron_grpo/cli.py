@@ -23,7 +23,7 @@ commands:
   export    convert checkpoints: --to_mcore true (HF -> Megatron) or --to_hf true (Megatron -> HF)
 
 Multi-process runs: NPROC_PER_NODE=N (and NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for
-several nodes) re-launch the command under torchrun, as in ms-swift.
+several nodes, which go through torchrun) re-launch the command as N workers, as in ms-swift.
 Run `megatron <command> --help` for the options of a command.
 """
 
@@ -63,8 +63,12 @@ def _rlhf(argv: list[str]) -> int:
         from .trainer import train
     except ImportError as e:  # the trainer lands with issue 6
         raise SystemExit(f"megatron rlhf: the GRPO trainer is not available yet ({e})")
-    train(cfg)
-    if launch.in_torchrun():
+    worker = launch.in_torchrun()
+    # A worker ends with os._exit right after (_exit_worker): vLLM's engine teardown (a
+    # gc pass over the whole heap, its process groups; ~1 CPU s per rank, measured with
+    # tools/profile_startup.py) would free nothing that the exit does not.
+    train(cfg, close_engine=not worker)
+    if worker:
         _exit_worker()
     return 0
 
