@@ -59,6 +59,9 @@ def _rlhf(argv: list[str]) -> int:
     problems.raise_if_any()
     if spec.world_size > 1 and not launch.in_torchrun():
         return launch.relaunch("rlhf", argv, spec)
+    from .platform.compat.megatron import import_core
+
+    import_core(hide=() if "wandb" in (cfg.logging.report_to or ()) else ("wandb",))
     try:
         from .trainer import train
     except ImportError as e:  # the trainer lands with issue 6
