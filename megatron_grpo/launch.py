@@ -121,7 +121,8 @@ def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec) -> int:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         return subprocess.call(cmd, env=env)
-    cmd = [sys.executable, "-m", "megatron_grpo.cli", subcommand, *argv]
+    # -u: unbuffered output, as torchrun starts its workers (a log piped to `tee` stays live).
+    cmd = [sys.executable, "-u", "-m", "megatron_grpo.cli", subcommand, *argv]
     return run_workers([(cmd, worker_env(spec, r)) for r in range(spec.nproc_per_node)])
 
 
