@@ -23,7 +23,7 @@ commands:
   export    convert checkpoints: --to_mcore true (HF -> Megatron) or --to_hf true (Megatron -> HF)
 
 Multi-process runs: NPROC_PER_NODE=N (and NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for
-several nodes) re-launch the command under torchrun, as in ms-swift.
+several nodes, which go through torchrun) re-launch the command as N workers, as in ms-swift.
 Run `megatron <command> --help` for the options of a command.
 """
 
@@ -59,10 +59,17 @@ def _rlhf(argv: list[str]) -> int:
     problems.raise_if_any()
     if spec.world_size > 1 and not launch.in_torchrun():
         return launch.relaunch("rlhf", argv, spec)
+    from .platform.compat.megatron import import_core
+
+    import_core(hide=() if "wandb" in (cfg.logging.report_to or ()) else ("wandb",))
     from .trainer import train
 
-    train(cfg)
-    if launch.in_torchrun():
+    worker = launch.in_torchrun()
+    # A worker ends with os._exit right after (_exit_worker): vLLM's engine teardown (a
+    # gc pass over the whole heap, its process groups; ~1 CPU s per rank, measured with
+    # tools/profile_startup.py) would free nothing that the exit does not.
+    train(cfg, close_engine=not worker)
+    if worker:
         _exit_worker()
     return 0
 

@@ -1,19 +1,22 @@
-"""Re-launch a `megatron` subcommand under torchrun, the way ms-swift users expect.
+"""Re-launch a `megatron` subcommand as N worker processes, the way ms-swift users expect.
 
     NPROC_PER_NODE=4 megatron rlhf --rlhf_type grpo ...
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NPROC_PER_NODE=8 megatron ...
 
 When NPROC_PER_NODE (or `--nproc_per_node N`) asks for more than one process and we
-are not already a torchrun worker, the command re-executes itself through
-`torch.distributed.run` with the same arguments. Each worker then sees RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+are not already a worker, the command re-executes itself as N workers with the same
+arguments: on one node it starts them itself, on several through
+`torch.distributed.run` (torchrun). Each worker sees what torchrun gives its workers:
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
 """
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 
@@ -102,12 +105,75 @@ def current_world_size(spec: LaunchSpec, env=None) -> int:
 
 
 def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec) -> int:
-    """Run `megatron <subcommand> argv` under torchrun with `spec`; returns its exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           f"--nproc_per_node={spec.nproc_per_node}", f"--nnodes={spec.nnodes}",
-           f"--node_rank={spec.node_rank}", f"--master_addr={spec.master_addr}",
-           f"--master_port={spec.master_port}",
-           "-m", "megatron_grpo.cli", subcommand, *argv]
-    env = dict(os.environ)
+    """Run `megatron <subcommand> argv` as the `spec.world_size` workers of `spec`; returns
+    the exit code (0, or the first failing worker's).
+
+    One node: the workers are started here, with the environment torchrun gives its
+    workers (`worker_env`). torchrun's agent would first import torch (1.2-1.7 CPU
+    seconds, 2-6 s of wall time measured on the critical path before any worker starts,
+    docs/benchmarks.md) for rendezvous and restarts that a single node does not use.
+    Several nodes: torchrun, whose rendezvous joins them."""
+    if spec.nnodes > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run",
+               f"--nproc_per_node={spec.nproc_per_node}", f"--nnodes={spec.nnodes}",
+               f"--node_rank={spec.node_rank}", f"--master_addr={spec.master_addr}",
+               f"--master_port={spec.master_port}",
+               "-m", "megatron_grpo.cli", subcommand, *argv]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return subprocess.call(cmd, env=env)
+    # -u: unbuffered output, as torchrun starts its workers (a log piped to `tee` stays live).
+    cmd = [sys.executable, "-u", "-m", "megatron_grpo.cli", subcommand, *argv]
+    return run_workers([(cmd, worker_env(spec, r)) for r in range(spec.nproc_per_node)])
+
+
+def worker_env(spec: LaunchSpec, local_rank: int, env=None) -> dict:
+    """The environment of local worker `local_rank` on a single node: the variables
+    torchrun sets for its workers (torch.distributed's env:// initialisation reads RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the rest as torchrun has them), one OpenMP
+    thread per worker unless OMP_NUM_THREADS says otherwise (as torchrun)."""
+    env = dict(os.environ if env is None else env)
+    n = spec.nproc_per_node
+    env.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(n),
+               LOCAL_WORLD_SIZE=str(n), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
+               ROLE_RANK=str(local_rank), ROLE_WORLD_SIZE=str(n), ROLE_NAME="default",
+               MASTER_ADDR=spec.master_addr, MASTER_PORT=str(spec.master_port))
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    return env
+
+
+def run_workers(workers: list, poll_s: float = 0.1, grace_s: float = 10.0) -> int:
+    """Start `workers` ((argv, env) each) and wait for them: 0 when all exit with 0. When
+    one fails, the others (waiting in a collective for it, as likely as not) are stopped
+    (SIGTERM, SIGKILL after grace_s) and its exit code is returned. A SIGTERM to this
+    process stops them as well; Ctrl-C reaches them through the terminal's process group."""
+    procs = [subprocess.Popen(argv, env=env) for argv, env in workers]
+
+    def stop(*_):
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(128 + signal.SIGTERM)))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                stop()
+                return failed[0] if failed[0] > 0 else 128 - failed[0]   # -N: killed by N
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        stop()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -21,7 +21,9 @@ from .train.run import build_run, finish, log_and_save
 from .train.step import optimizer_step
 
 
-def train(cfg) -> None:
+def train(cfg, close_engine: bool = True) -> None:
+    """The run of `cfg`; `close_engine=False` leaves the vLLM engine open at the end, for a
+    process that exits right after (cli.py)."""
     run = build_run(cfg)
     g = cfg.grpo
     # Each generation batch trains num_iterations passes of steps_per_generation steps.
@@ -45,4 +47,4 @@ def train(cfg) -> None:
             now = time.perf_counter()
             metrics["timing/step"], t_last = now - t_last, now
             log_and_save(run, batch, metrics, first_of_batch=n == 0)
-    finish(run)
+    finish(run, close_engine=close_engine)

@@ -206,3 +206,23 @@ def test_parse_version():
     assert compat.parse_version("dev") == ()
     assert (0, 32) <= compat.parse_version("0.32.9") < (0, 33)
     assert not compat.parse_version("0.33.0") < (0, 33)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
+def test_import_core_hides_wandb_from_megatron_only():
+    """compat.megatron.import_core: megatron.core imported without wandb (its optional
+    imports see ImportError), and wandb importable again afterwards."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from megatron_grpo.platform.compat.megatron import import_core\n"
+            "import_core()\n"
+            "import megatron.core.timers as timers\n"
+            "assert 'megatron.core' in sys.modules and 'wandb' not in sys.modules\n"
+            "assert timers.wandb is None\n"
+            "import wandb\n"
+            "print('ok', wandb.__name__)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok wandb", r.stderr[-2000:]

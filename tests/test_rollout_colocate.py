@@ -93,9 +93,10 @@ def _vllm_and_our_texts(engine):
 
     kw = dict(n=4, temperature=1.5, max_tokens=12, logprobs=0, seed=11)
     requests = [{"prompt_token_ids": p} for p in PROMPTS]
-    ref = engine.llm.generate(requests, SamplingParams(**kw), use_tqdm=False)
-    mine = engine.llm.generate(requests, SamplingParams(**kw, detokenize=False, flat_logprobs=True),
-                               use_tqdm=False)
+    with engine._in_vllm():     # as the engine's own calls (eager: nothing compiled)
+        ref = engine.llm.generate(requests, SamplingParams(**kw), use_tqdm=False)
+        mine = engine.llm.generate(requests, SamplingParams(**kw, detokenize=False,
+                                                            flat_logprobs=True), use_tqdm=False)
     return [(a.text, detokenize(engine.tokenizer, out.prompt_token_ids, b), a.finish_reason,
              list(a.token_ids) == list(b.token_ids), b.text)
             for ref_out, out in zip(ref, mine) for a, b in zip(ref_out.outputs, out.outputs)]
@@ -167,6 +168,11 @@ def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
         perturb_buckets(iter_safetensors_buckets(model_dir, bucket_bytes=1), seed=2)))
     seen["checked_5"] = check_weight_sync(engine, expected.result)
     seen["score_5"] = engine.score(PROMPTS, COMPLETIONS)
+    # An eager engine compiled nothing (colocate.py: vLLM's torch.compile'd sampler helper
+    # ran eagerly, instead of a ~4 CPU-second inductor compile in the first generate).
+    from torch._dynamo.utils import counters
+
+    seen["compiled_frames"] = counters["frames"]["total"]
     engine.close()
     return seen
 
@@ -198,6 +204,7 @@ def test_colocated_engine_samples_syncs_and_verifies(models, eager):
                              env={"MG_EAGER_RELOAD": eager})
 
     assert seen["is_rollout_engine"]   # the Protocol the trainer uses (test_rollout_engine.py)
+    assert seen["compiled_frames"] == 0, "torch.compile ran inside an enforce_eager engine"
     # generate: n samples per prompt, in prompt order, with every field filled in.
     gen = seen["generate"]
     assert [c["prompt_index"] for c in gen] == [0, 0, 1, 1, 2, 2]

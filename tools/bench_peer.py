@@ -220,7 +220,7 @@ def ours_settings(flat: dict, nproc: int, steps_per_generation: int) -> dict:
         layout += ", distributed optimizer"
     mbs = flat["micro_batch_size"]
     out = {
-        "processes": f"{nproc} (torchrun, OMP_NUM_THREADS=1 each)",
+        "processes": f"{nproc} (NPROC_PER_NODE workers, OMP_NUM_THREADS=1 each)",
         "parallel layout": layout,
         "generation": (f"vLLM colocated in each rank (vLLM TP={flat['vllm_tensor_parallel_size']}, "
                        f"prefix caching {_onoff(flat['vllm_enable_prefix_caching'])}, "

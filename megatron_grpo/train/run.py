@@ -212,8 +212,9 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool) -> Non
                              hf_config_dir=run.cfg.model.model)
 
 
-def finish(run: Run) -> None:
-    """The curve, the trained model as final_hf/, vLLM shut down."""
+def finish(run: Run, close_engine: bool = True) -> None:
+    """The curve, the trained model as final_hf/, vLLM shut down (unless the process
+    exits right after: `close_engine=False`)."""
     out_dir = run.cfg.logging.output_dir
     png = run.logger.close()
     save_final_hf(run.policy, run.cfg.model.model, out_dir,
@@ -221,7 +222,8 @@ def finish(run: Run) -> None:
     if dist.get_rank() == 0:
         print(f"[megatron-grpo] done: {run.step} steps; metrics in {out_dir}/metrics.jsonl"
               + (f", curve {png}" if png else ""), flush=True)
-    run.engine.close()
+    if close_engine:
+        run.engine.close()
 
 
 def save_final_hf(policy: Policy, hf_source: str, out_dir: str, merge_lora: bool = True) -> None:

@@ -29,6 +29,8 @@ every reference in every loaded `megatron.core` module (`_rebind`).
   (`distrib_optimizer.HAVE_APEX_OR_TE`), and a per-instance wrapper of
   `DistributedOptimizer._set_main_param_and_optimizer_states` that repairs the Adam `step`
   on load; and the results queue of `FileSystemWriterAsync` (`in_process_save_results`).
+- cli.py: megatron.core imported with wandb hidden (`import_core`): Megatron's optional
+  `wandb` module globals stay None in a run that does not report to wandb.
 
 Verified on megatron-core 0.16.1 (Python 3.11, CPU); the range is setup.py's.
 """
@@ -83,10 +85,36 @@ PRIVATE_NAMES = (
     "megatron.core.transformer.moe.router_replay:RouterReplayAction.REPLAY_FORWARD",
     # checkpoint.py: the save's results queue (module global, made on first use)
     "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
+    # cli.py (import_core): the optional `wandb` of the modules megatron.core imports
+    "megatron.core.inference.contexts.dynamic_context:HAVE_WANDB",
+    "megatron.core.timers:wandb",
 )
 RNG_LOGGER = "megatron.core.tensor_parallel.random"   # the RNG tracker's logger
 
 _checked = False
+
+
+def import_core(hide: tuple = ("wandb",)) -> None:
+    """Import megatron.core with the optional packages `hide` unimportable meanwhile.
+
+    `import megatron.core` imports wandb (its inference contexts and timers, for their own
+    logging, each inside `try: import wandb / except ImportError`): 0.9-1.0 CPU s of every
+    rank's start-up (tools/profile_startup.py), for code this project never runs. A None
+    in sys.modules makes such an import raise ImportError (the import system's rule), so
+    those modules do without; the entry goes again afterwards, and a run that reports to
+    wandb imports it itself (pass hide=() then, so that Megatron sees it too). A no-op
+    once megatron.core is imported."""
+    if "megatron.core" in sys.modules:
+        return
+    hidden = [name for name in hide if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
 
 def in_process_save_results() -> None:
