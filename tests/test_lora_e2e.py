@@ -41,7 +41,7 @@ def test_lora_run_sync_resume_and_adapter(tiny, tmp_path):
     out = str(tmp_path / "run")
     lora = dict(tuner_type="lora", lora_rank=4, lora_alpha=8, lora_dropout=0.0,
                 target_modules="all-linear", tensor_model_parallel_size=2, beta=0.04,
-                lr=2e-2, check_weight_sync="true", save_steps=1, save_total_limit=5,
+                lr=2e-2, check_weight_sync="true", save_steps=1000,   # after the last step
                 use_distributed_optimizer="false", lr_decay_style="constant")
     r = _run(_argv(tiny, out, train_iters=3, **lora))
     assert r.returncode == 0, r.stderr[-4000:]
@@ -92,20 +92,33 @@ def test_lora_run_sync_resume_and_adapter(tiny, tmp_path):
     from tests.test_bridge_roundtrip import _hf_tensors
     from tests.test_trainer_e2e import ROOT, _free_port
 
-    def export(dst, *extra):
-        r = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "export", "--to_hf",
-                            "true", "--mcore_model", out, "--output_dir", dst, *extra], cwd=ROOT,
-                           env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port())),
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-4000:]
+    ports = [_free_port()]
+    while len(ports) < 2:
+        ports += [p for p in [_free_port()] if p not in ports]
 
-    export(str(tmp_path / "adapter"))
+    def export(dst, port, *extra):    # one process each: the two run side by side
+        with open(f"{dst}.log", "w") as log:
+            return subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "export",
+                                     "--to_hf", "true", "--mcore_model", out, "--output_dir", dst,
+                                     *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                    env=dict(os.environ, OMP_NUM_THREADS="1",
+                                             MASTER_PORT=str(port)))
+
+    exports = [export(str(tmp_path / "adapter"), ports[0]),
+               export(str(tmp_path / "merged"), ports[1], "--merge_lora", "true")]
+    try:
+        for p, dst in zip(exports, ("adapter", "merged")):
+            assert p.wait(timeout=300) == 0, (tmp_path / f"{dst}.log").read_text()[-4000:]
+    finally:
+        for p in exports:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     want = load_file(os.path.join(out, "final_hf", "adapter_model.safetensors"))
     got = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
-    export(str(tmp_path / "merged"), "--merge_lora", "true")
     base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
     got = _hf_tensors(tmp_path / "merged")

@@ -3,10 +3,8 @@
 A tiny Qwen2 and PEFT adapters on every linear (random A and B, so every adapter moves
 the log-probs) are loaded into a Megatron TP=2 model (bridge + megatron_grpo/model/lora_peft.py).
 
-Merged sync: the merged stream (W + scale B A per HF tensor, model/lora_peft.merged_stream)
-goes into a colocated vLLM engine per rank (vLLM TP=1), the fingerprint check passes,
-and vLLM's per-token prompt log-probs equal HF transformers' on peft's merge_and_unload
-of the same adapter (float32, 1e-5 per token), while the adapter moves them by far more.
+One world and one colocated vLLM engine per rank (vLLM TP=1, LoRA enabled) for all of it:
+starting the world and the engines is most of the cost.
 
 Adapter-only sync (--vllm_enable_lora): vLLM keeps the base weights it loaded and gets
 only the adapter's PEFT tensors, through the trainer's own WeightSync, in buckets;
@@ -15,6 +13,14 @@ log-probs equal HF with the merged adapter; a second adapter synced next replace
 first (new id, the log-probs follow it: nothing stale), and a wrong expectation fails
 the check. Server mode (`megatron rollout --vllm_enable_lora true`): sync + check, and
 both ranks' clients sample with the new adapter (log-probs as HF's).
+
+Merged sync, last: the merged stream (W + scale B A per HF tensor,
+model/lora_peft.merged_stream) of the model with adapter 2 goes into the same engines'
+base weights, the fingerprint check of all 27 tensors passes, and vLLM's per-token prompt
+log-probs without an adapter request equal HF transformers' on peft's merge_and_unload of
+adapter 2 (float32, 1e-5 per token), while each adapter moves them by far more. (The
+merged sync of a run without --vllm_enable_lora, into a plain engine, is checked after
+every step by tests/test_lora_e2e.py's --check_weight_sync.)
 """
 from __future__ import annotations
 
@@ -71,44 +77,6 @@ def _lora_model(world_size, model_dir, adapter_dir):
     return chunks, config, args
 
 
-def _merged_body(rank, world_size, model_dir, adapter_dir):
-    import torch.distributed as dist
-
-    from bridge import export_hf_weights
-    from megatron_grpo.model.lora_peft import merged_stream
-    from megatron_grpo.rollout.colocate import ColocateEngine
-    from megatron_grpo.rollout.verify import StreamFingerprints, check_weight_sync
-    from megatron_grpo.rollout.weights import load_weight_stream
-
-    chunks, config, args = _lora_model(world_size, model_dir, adapter_dir)
-    engine = ColocateEngine(model_dir, **engine_kwargs(vllm_tensor_parallel_size=1))
-    seen = {}
-    expected = StreamFingerprints()
-    stream = merged_stream(chunks, export_hf_weights(chunks, config, args,
-                                                     bucket_size_bytes=192 << 10))
-    seen["stats"] = load_weight_stream(engine, expected.watch(stream))
-    seen["checked"] = check_weight_sync(engine, expected.result)
-    seen["score"] = engine.score(PROMPTS, COMPLETIONS)
-    dist.barrier()
-    engine.close()
-    return seen
-
-
-@needs_vllm
-def test_merged_lora_sync_into_vllm(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_vllm")
-    base_dir = tiny_vllm_model(root / "base")
-    adapter_dir, merged_dir = _random_adapter(base_dir, root, "a", seed=5)
-
-    seen = run_distributed(_merged_body, world_size=2, args=(str(base_dir), str(adapter_dir)),
-                           timeout=420)
-    ref = hf_logprobs(merged_dir, PROMPTS, COMPLETIONS)
-    assert max_diff(ref, hf_logprobs(base_dir, PROMPTS, COMPLETIONS)) > 1e-2
-    for rank, s in enumerate(seen):
-        assert s["stats"]["tensors"] == s["checked"] == 27, rank
-        assert max_diff(s["score"], ref) < ATOL, rank
-
-
 # --------------------------------------------------------------------------- adapter-only
 def _sync_opts(mode: str):
     """The rollout options WeightSync reads (cfg.rollout's names)."""
@@ -121,13 +89,16 @@ def _sync_opts(mode: str):
 def _adapter_body(rank, world_size, model_dir, adapter_dirs, port):
     import torch.distributed as dist
 
-    from megatron_grpo.model.lora_peft import adapter_stream, load_peft_adapter
+    from bridge import export_hf_weights
+    from megatron_grpo.model.lora_peft import adapter_stream, load_peft_adapter, merged_stream
     from megatron_grpo.model.lora import lora_settings
     from megatron_grpo.rollout.client import RolloutClient
     from megatron_grpo.rollout.colocate import ColocateEngine
     from megatron_grpo.rollout.sync import WeightSync
-    from megatron_grpo.rollout.verify import (AdapterFingerprints, WeightSyncError,
-                                              check_adapter_sync)
+    from megatron_grpo.rollout.verify import (AdapterFingerprints, StreamFingerprints,
+                                              WeightSyncError, check_adapter_sync,
+                                              check_weight_sync)
+    from megatron_grpo.rollout.weights import load_weight_stream
 
     chunks, config, args = _lora_model(world_size, model_dir, adapter_dirs[0])
     policy = types.SimpleNamespace(chunks=chunks, config=config, args=args, optimizer=None)
@@ -158,13 +129,24 @@ def _adapter_body(rank, world_size, model_dir, adapter_dirs, port):
     seen["server_info"] = WeightSync(policy, client, _sync_opts("server"))()
     seen["server_name"] = client.lora_name
     seen["server_score"] = client.score(PROMPTS, COMPLETIONS)
+
+    # Merged sync into the same engine (the base weights become W + s B A of adapter 2):
+    # the fingerprints of every tensor check, and without an adapter request vLLM's
+    # log-probs are HF's on peft's merge_and_unload of adapter 2.
+    expected = StreamFingerprints()
+    stream = merged_stream(chunks, export_hf_weights(chunks, config, args,
+                                                     bucket_size_bytes=192 << 10))
+    seen["merged_stats"] = load_weight_stream(engine, expected.watch(stream))
+    seen["merged_checked"] = check_weight_sync(engine, expected.result)
+    engine.lora_request = None
+    seen["merged_score"] = engine.score(PROMPTS, COMPLETIONS)
     dist.barrier()
     engine.close()          # (vLLM's teardown ends torch.distributed: nothing collective after)
     return seen
 
 
 @needs_vllm
-def test_adapter_only_sync_colocate_and_server(tmp_path_factory):
+def test_lora_sync_adapter_only_server_and_merged(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_vllm_adapter")
     base_dir = tiny_vllm_model(root / "base")
     # The server starts while the references are computed and the world comes up.
@@ -198,3 +180,6 @@ def test_adapter_only_sync_colocate_and_server(tmp_path_factory):
         assert s["server_name"] == "mgrpo-lora-1", rank
         assert max_diff(s["server_score"], ref_2) < ATOL, rank
     assert seen[0]["server_info"]["tensors"] == n_factors and seen[1]["server_info"] == {}
+    for rank, s in enumerate(seen):     # merged sync
+        assert s["merged_stats"]["tensors"] == s["merged_checked"] == 27, rank
+        assert max_diff(s["merged_score"], ref_2) < ATOL, rank

@@ -1,14 +1,18 @@
 """Multi-turn end to end: `megatron rlhf` on 2 CPU processes with a colocated vLLM engine.
 
 test_gym_multi_turn: the gym scheduler (number guessing), Megatron TP=2 or CP=2 with
-packed sequences, vLLM in fp32, 2 steps and an evaluation on held-out prompts
-(multi-turn as well). The random tiny model rarely guesses right, so almost every
-trajectory runs to --max_turns with the environment's feedback between turns: the loop,
-the masks and the trainer see real multi-turn trajectories. The trainer's log-probs
-(TP=2; CP=2) of the model's tokens equal vLLM's: rollout_correction/log_ppl_diff_max|min
-(per trajectory, the mean over its model tokens of rollout - trainer log-prob) stay
-within fp32 noise; a mask shifted by one token, or tool tokens counted, would move them
-by ~1.
+packed sequences, vLLM in fp32, a reference model (beta > 0), 4 steps from 2 generation
+batches of 2 optimizer steps each (old log-probs; the second generation samples from
+synced weights) and an evaluation on held-out prompts (multi-turn as well). The random tiny model rarely guesses right, so almost every trajectory runs to
+--max_turns with the environment's feedback between turns: the loop, the masks and the
+trainer see real multi-turn trajectories. The trainer's log-probs (TP=2; CP=2) of the
+model's tokens equal vLLM's: rollout_correction/log_ppl_diff_max|min (per trajectory, the
+mean over its model tokens of rollout - trainer log-prob) stay within fp32 noise; a mask
+shifted by one token, or tool tokens counted, would move them by ~1. The [cp2_packed]
+run is also the suite's `--padding_free true` end-to-end run (it was
+tests/test_train_packing.py's own CLI run before): every forward (old, reference,
+training) runs packed in 2*cp chunks, every logged metric is finite, and the KL is 0 at
+step 1 (policy == reference) and not after.
 
 test_calculator_learns_to_call_the_tool, test_guess_number_learns_to_guess: each
 built-in example learns something measurable on a tiny model in a few dozen steps (the
@@ -17,11 +21,13 @@ vocabulary, as Qwen2.5's <tool_call> is, so that a random policy writes them som
 the example reward plugins shape toward a whole call / guess.
 """
 import json
+import math
 import os
 
 import pytest
 
-from tests.test_trainer_e2e import ROOT, _argv, _metrics, _run, tiny  # noqa: F401  (fixture)
+from tests.test_trainer_e2e import (ROOT, METRIC_KEYS, _argv, _metrics, _run,  # noqa: F401
+                                    tiny)                                     # (fixture)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -35,17 +41,34 @@ def test_gym_multi_turn(tiny, tmp_path, parallel):  # noqa: F811
                                         "env_config": {"seed": i, "high": 4}}) + "\n"
                             for i in range(8)))
     out = str(tmp_path / "run")
+    # Each generation of 16 trajectories (4 prompts x 4) feeds 2 optimizer steps of 8.
     argv = _argv(tiny, out, dataset=str(data), gym_env="guess_number", max_turns=3,
                  max_length=400, vllm_max_model_len=512, **parallel,
                  log_rollout_offpolicy_metrics="true", log_completions="true", bf16="false",
-                 split_dataset_ratio=0.25, eval_steps=2)     # 2 held-out prompts, multi-turn too
+                 beta=0.04, generation_batch_size=16, global_batch_size=8, train_iters=4,
+                 split_dataset_ratio=0.25, eval_steps=4)     # 2 held-out prompts, multi-turn too
     for flag in ("--reward_funcs", "--external_plugins"):   # the environment's reward only
         i = argv.index(flag)
         del argv[i:i + 2]
     r = _run(argv)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = _metrics(out)
-    assert [row["step"] for row in rows] == [1, 2]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    # Every metric a user reads, finite; timing/generate and timing/score come with the
+    # steps that generated (1, 3), timing/sync (weights to vLLM) with steps 2 and 4.
+    once = {"timing/generate": (0, 2), "timing/score": (0, 2), "timing/sync": (1, 3)}
+    for k, steps in once.items():
+        for i in steps:
+            assert k in rows[i], f"step {i + 1}: metrics.jsonl lacks {k}"
+    keys = [k for k in METRIC_KEYS if k not in once and not k.startswith("rewards/digits")]
+    for row in rows:
+        for k in keys + ["kl", "rollout_correction/log_ppl_abs_diff"]:
+            assert k in row, f"step {row['step']}: metrics.jsonl lacks {k}"
+        for k, v in row.items():
+            assert v is not None and math.isfinite(v), f"step {row['step']}: {k}={v}"
+        assert row["rollout_correction/log_ppl_abs_diff"] < 1e-4, row
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)     # policy == reference at step 1
+    assert all(row["kl"] > 0 for row in rows[1:]), [row["kl"] for row in rows]
     for row in rows:
         assert 1 <= row["num_turns"] <= 3 and "rewards/gym_reward/mean" in row
         assert row["completions/max_length"] <= 3 * 8          # model tokens only
@@ -54,7 +77,7 @@ def test_gym_multi_turn(tiny, tmp_path, parallel):  # noqa: F811
     assert max(row["num_turns"] for row in rows) > 1
     with open(os.path.join(out, "completions.jsonl")) as f:
         done = [json.loads(line) for line in f]
-    assert len(done) == 16
+    assert len(done) == 32
     assert "eval/reward" in rows[-1] and "eval/completions/mean_length" in rows[-1]
     with open(os.path.join(out, "eval_completions.jsonl")) as f:
         evals = [json.loads(line) for line in f]

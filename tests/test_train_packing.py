@@ -6,6 +6,7 @@ PackedSeqParams and Megatron's THD RoPE, on a copy of the same weights. Per-toke
 log-probs and entropies (forward only), the step loss, its metrics and every parameter's
 gradient must agree at fp32 tolerance, at TP=1, TP=2 (with sequence parallelism), PP=2
 and CP=2, on micro-batches of mixed lengths (rows of 5 to 13 tokens padded to 16).
+The end-to-end run with --padding_free is test_multi_turn_e2e.py's gym run [cp2_packed].
 """
 import pytest
 import torch
@@ -13,7 +14,6 @@ import torch
 from tests.harness import run_distributed
 from tests.mcore_utils import TINY_QWEN2
 from tests.test_train_engine import make_samples
-from tests.test_trainer_e2e import tiny  # noqa: F401  (the tiny Qwen2 fixture of the e2e test)
 
 VOCAB, SEED, PAD = TINY_QWEN2["vocab_size"], 1234, 16
 
@@ -199,26 +199,7 @@ def test_packed_equals_padded_tp2_cp2_sp_and_pp2_cp2():
             _check(result)
 
 
-# ---- end to end ------------------------------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_e2e_rlhf_padding_free_cp2(tiny, tmp_path):
-    """`megatron rlhf --padding_free true` on 2 CPU ranks with CP=2 (each packed sequence
-    in 2*cp chunks), a reference model and two optimizer steps per generation: every
-    forward (old, reference, training) runs packed. The trainer's log-probs of the
-    sampled tokens equal vLLM's (rollout_correction/log_ppl_abs_diff), every metric is
-    finite."""
-    from tests.test_trainer_e2e import _argv, _check_metrics, _metrics, _run
-
-    out = str(tmp_path / "run")
-    r = _run(_argv(tiny, out, padding_free="true", context_parallel_size=2, beta=0.04,
-                   generation_batch_size=16, global_batch_size=8, train_iters=2))
-    assert r.returncode == 0, r.stderr[-4000:]
-    rows = _metrics(out)
-    _check_metrics(rows, 2, extra=("kl", "rollout_correction/log_ppl_abs_diff"),
-                   steps_per_generation=2)
-    for row in rows:
-        assert row["rollout_correction/log_ppl_abs_diff"] < 1e-4, row
-    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)     # policy == reference at step 1
-    assert rows[1]["kl"] > 0
+# ---- end to end: the `--padding_free true` CLI run (CP=2, a reference model, two optimizer
+# steps per generation; the trainer's log-probs equal vLLM's) is
+# tests/test_multi_turn_e2e.py::test_gym_multi_turn[cp2_packed], which checks all of it
+# on multi-turn trajectories (one CLI launch for both).
