@@ -72,17 +72,17 @@ def _run(argv, nproc=2, timeout=600, nnodes=1):
     for node in range(nnodes):
         files.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=files[-1][0], stderr=files[-1][1],
-                                      text=True, env=dict(env, NNODES=str(nnodes),
-                                                          NODE_RANK=str(node),
-                                                          MASTER_ADDR="127.0.0.1")))
+                                      start_new_session=True,
+                                      env=dict(env, NNODES=str(nnodes), NODE_RANK=str(node),
+                                               MASTER_ADDR="127.0.0.1")))
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
             p.wait(timeout=max(deadline - time.monotonic(), 1))
     finally:
-        for p in procs:
+        for p in procs:     # a node left running (timeout): its launcher and ranks
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     node = next((i for i, p in enumerate(procs) if p.returncode), 0)
     out, err = (f.seek(0) or f.read() for f in files[node])
