@@ -21,8 +21,7 @@ import pytest
 from tests import harness
 
 _SPAWNERS = {"run_distributed"}  # names whose use marks a test as multi-process
-_LAUNCHERS = {("tests.test_trainer_e2e", "_run"),  # (module, name)
-              ("tests.test_trainer_e2e", "test_two_nodes_over_loopback")}
+_LAUNCHERS = {("tests.test_trainer_e2e", "_run")}  # (module, name)
 
 
 def _codes(code: types.CodeType):

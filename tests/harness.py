@@ -152,12 +152,14 @@ def _worker(env, tasks, queue, stack_file):
 
 
 def _teardown():
-    try:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-    except Exception:  # megatron not imported or not initialised
-        pass
+    # Only a Megatron the body imported: importing it here (~5 s of CPU per rank) cost
+    # bodies that never use it more than their own work.
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        try:
+            parallel_state.destroy_model_parallel()
+        except Exception:  # not initialised
+            pass
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -261,6 +263,10 @@ def close_pool():
 
 
 
+# How long the other ranks of a world get to report once one rank failed or died.
+_PEER_GRACE = 15.0
+
+
 def _collect(procs, queue, job, stack_files, timeout, exiting=None, pooled=False):
     """Results of `job` by rank; on a failure or hang, stops every rank's process and
     raises DistributedTestError with the tracebacks and stacks. Ranks that said they
@@ -285,7 +291,7 @@ def _collect(procs, queue, job, stack_files, timeout, exiting=None, pooled=False
                 errors[r] = f"process exited with code {procs[r].exitcode} without a report"
             if dead and len(errors) + len(results) < world_size:
                 # The others are likely blocked in a collective with the dead rank.
-                deadline = min(deadline, time.monotonic() + 15)
+                deadline = min(deadline, time.monotonic() + _PEER_GRACE)
             continue
         if got_job != job:
             continue  # a late report of an earlier world
@@ -297,6 +303,11 @@ def _collect(procs, queue, job, stack_files, timeout, exiting=None, pooled=False
             errors[rank] = payload
             if status == "init error":
                 init_errors.add(rank)
+            # The others are likely blocked on this rank: in a collective, or (after a
+            # failed process-group start) waiting in init_process_group for keys it will
+            # never publish, which gloo waits out for 30 min. Waiting for them until
+            # `timeout` made a failed start cost the whole timeout before its rerun.
+            deadline = min(deadline, time.monotonic() + _PEER_GRACE)
 
     hung = [r for r in range(world_size) if r not in results and r not in errors]
     if hung:
@@ -313,7 +324,9 @@ def _collect(procs, queue, job, stack_files, timeout, exiting=None, pooled=False
         for r in hung:
             with open(stack_files[r]) as f:
                 stack = f.read().strip() or "(no stack dumped)"
-            parts.append(f"--- rank {r} hung (no result after {timeout:.0f}s; exit code "
+            waited = f"{timeout:.0f}s" if not errors else \
+                f"{_PEER_GRACE:.0f}s after another rank failed"
+            parts.append(f"--- rank {r} hung (no result after {waited}; exit code "
                          f"{procs[r].exitcode}); stack ---\n{stack}")
         error = DistributedTestError(f"{len(errors)} rank(s) failed, {len(hung)} hung "
                                      f"of {world_size}:\n" + "\n".join(parts))

@@ -18,25 +18,52 @@ def model(tiny_model):
     return str(tiny_model(family="qwen2", hidden_size=128))
 
 
+def _env(model, out):
+    return dict(os.environ, MODEL=model, OUTPUT_DIR=str(out), OMP_NUM_THREADS="1",
+                MEGATRON=f"{sys.executable} -m megatron_grpo.cli", NNODES="1")
+
+
 def _run(script, model, out, *args, timeout=300):
-    env = dict(os.environ, MODEL=model, OUTPUT_DIR=str(out), OMP_NUM_THREADS="1",
-               MEGATRON=f"{sys.executable} -m megatron_grpo.cli", NNODES="1")
-    return subprocess.run(["bash", f"examples/{script}", *args], cwd=ROOT, env=env,
+    return subprocess.run(["bash", f"examples/{script}", *args], cwd=ROOT, env=_env(model, out),
                           capture_output=True, text=True, timeout=timeout)
 
 
+DRY_RUNS = {"ms_swift_dense_colocate.sh": "colocate: 2 engines",
+            "ms_swift_dense_server.sh": "server: 127.0.0.1:"}
+
+
+@pytest.fixture(scope="module")
+def dry_runs(model, tmp_path_factory):
+    """Both scripts' dry runs, started together: each is one single-threaded process (no
+    ranks, no engine), so on 2 cores they take the time of one."""
+    root = tmp_path_factory.mktemp("dry_runs")
+    procs = {s: (subprocess.Popen(["bash", f"examples/{s}", "--dry_run", "true"], cwd=ROOT,
+                                  env=_env(model, root / s / "out"), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True), root / s / "out")
+             for s in DRY_RUNS}
+    results = {}
+    for script, (proc, out) in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        results[script] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout,
+                                                       stderr), out)
+    return results
+
+
 @pytest.mark.slow  # the example scripts run the CLI (dry run)
-@pytest.mark.parametrize("script,engine", [
-    ("ms_swift_dense_colocate.sh", "colocate: 2 engines"),
-    ("ms_swift_dense_server.sh", "server: 127.0.0.1:")])
-def test_example_dry_run(model, tmp_path, script, engine):
-    r = _run(script, model, tmp_path / "out", "--dry_run", "true")
+@pytest.mark.parametrize("script,engine", list(DRY_RUNS.items()))
+def test_example_dry_run(dry_runs, script, engine):
+    r, out = dry_runs[script]
     assert r.returncode == 0, r.stdout + r.stderr
     assert "dry_run: every check passed" in r.stdout
     assert "DP 2 x TP 1 x PP 1 x CP 1" in r.stdout, r.stdout
     assert "16 completions (generation_batch_size)" in r.stdout, r.stdout
     assert engine in r.stdout, r.stdout
-    assert not (tmp_path / "out" / "rollout_server.log").exists()   # dry run: no server
+    assert not (out / "rollout_server.log").exists()   # dry run: no server
 
 
 @pytest.mark.slow

@@ -1,9 +1,12 @@
 """tests/harness.py: pooled worlds reuse their processes and still report failures and hangs."""
 import os
+import queue
+import subprocess
 import time
 
 import pytest
 
+from tests import harness
 from tests.harness import DistributedTestError, pool_reruns, run_distributed
 
 
@@ -58,3 +61,47 @@ def test_failure_names_the_rank_and_the_next_world_runs():
 def test_hang_reports_the_stack():
     with pytest.raises(DistributedTestError, match="(?s)rank 0 hung.*_hang_on_rank0"):
         run_distributed(_hang_on_rank0, 2, timeout=5)
+
+
+class _Sleeper:
+    """A stand-in rank process (the subset of multiprocessing.Process _collect uses)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(["sleep", "600"])
+        self.pid = self.proc.pid
+
+    def is_alive(self):
+        return self.proc.poll() is None
+
+    @property
+    def exitcode(self):
+        return self.proc.poll()
+
+    def join(self, timeout=None):
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self):
+        self.proc.kill()
+
+
+def test_failed_start_stops_the_waiting_peer_early(tmp_path, monkeypatch):
+    """A rank whose process-group start failed (seen on a busy machine) leaves its peer
+    waiting in init_process_group (gloo waits 30 min): the world ends a short grace after
+    the report, not after its timeout, and is marked for a rerun. Rank 0 here is a
+    process that never reports; the 600 s timeout would outlast pytest's own."""
+    monkeypatch.setattr(harness, "_PEER_GRACE", 1.0)
+    reports = queue.Queue()
+    reports.put((7, 1, "init error", "init_process_group: Connection closed by peer"))
+    procs = [_Sleeper(), _Sleeper()]
+    stacks = [str(tmp_path / f"rank{r}.stack") for r in range(2)]
+    for path in stacks:
+        open(path, "w").close()
+    with pytest.raises(DistributedTestError, match=r"(?s)rank 1 failed.*Connection closed by "
+                       r"peer.*rank 0 hung \(no result after 1s after another rank failed"
+                       ) as err:
+        harness._collect(procs, reports, 7, stacks, timeout=600, pooled=True)
+    assert err.value.init_only                  # run again by _Pool.run
+    assert not any(p.is_alive() for p in procs)

@@ -13,7 +13,7 @@ log-probs by ~1e-1, so a missed or misrouted tensor cannot pass).
 from __future__ import annotations
 
 import importlib.util
-
+import os
 import pathlib
 
 import pytest
@@ -102,26 +102,12 @@ def _vllm_and_our_texts(engine):
             for ref_out, out in zip(ref, mine) for a, b in zip(ref_out.outputs, out.outputs)]
 
 
-# --------------------------------------------------------------------------- the rank's body
-def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
+def _syncs(engine, model_dir, copy_dirs, left_out, changed):
+    """Weight updates into `engine` and what each left: log-probs, samples, check results."""
     from megatron_grpo.rollout.verify import StreamFingerprints, WeightSyncError, check_weight_sync
     from megatron_grpo.rollout.weights import load_weight_stream, sleep, wake_up
 
-    from megatron_grpo.rollout.engine import RolloutEngine
-
     seen = {}
-    engine = ColocateEngine(model_dir, **engine_kwargs())
-    seen["is_rollout_engine"] = isinstance(engine, RolloutEngine) and engine.tp_size == 1
-    seen["generate"] = [c.__dict__ for c in engine.generate(PROMPTS)]
-    seen["texts"] = [engine.tokenizer.decode(c["token_ids"]) for c in seen["generate"]]
-    # A budget no completion can finish in: every completion truncated.
-    seen["short"] = [c.__dict__ for c in engine.generate(PROMPTS[:1], max_completion_length=2)]
-    # generate decodes the text itself (vLLM samples with detokenize=False): the same
-    # samples (per-request seed) once through vLLM's own detokenizer, once ours.
-    seen["text_pairs"] = _vllm_and_our_texts(engine)
-    from megatron_grpo.rollout.colocate import decodes_like_vllm
-    seen["own_text"] = decodes_like_vllm(engine.tokenizer)   # generate decodes, not vLLM
-
     # 1. A changed model, in 3 buckets, then the fingerprint check.
     sleep(engine, 1)
     wake_up(engine, level=1)
@@ -168,6 +154,33 @@ def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
         perturb_buckets(iter_safetensors_buckets(model_dir, bucket_bytes=1), seed=2)))
     seen["checked_5"] = check_weight_sync(engine, expected.result)
     seen["score_5"] = engine.score(PROMPTS, COMPLETIONS)
+    return seen
+
+
+# --------------------------------------------------------------------------- the rank's body
+def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
+    from megatron_grpo.rollout.engine import RolloutEngine
+
+    seen = {}
+    engine = ColocateEngine(model_dir, **engine_kwargs())
+    seen["is_rollout_engine"] = isinstance(engine, RolloutEngine) and engine.tp_size == 1
+    seen["generate"] = [c.__dict__ for c in engine.generate(PROMPTS)]
+    seen["texts"] = [engine.tokenizer.decode(c["token_ids"]) for c in seen["generate"]]
+    # A budget no completion can finish in: every completion truncated.
+    seen["short"] = [c.__dict__ for c in engine.generate(PROMPTS[:1], max_completion_length=2)]
+    # generate decodes the text itself (vLLM samples with detokenize=False): the same
+    # samples (per-request seed) once through vLLM's own detokenizer, once ours.
+    seen["text_pairs"] = _vllm_and_our_texts(engine)
+    from megatron_grpo.rollout.colocate import decodes_like_vllm
+    seen["own_text"] = decodes_like_vllm(engine.tokenizer)   # generate decodes, not vLLM
+
+    # The syncs, once per reload path of the worker (read at the start of each update):
+    # eager (reload.py), then vLLM's own buffering layer-wise reload plus a clone of every
+    # tensor, the fallback when reload.py's vLLM internals are missing. One engine for
+    # both: its start-up and first generate are most of the cost.
+    for eager in ("1", "0"):
+        os.environ["MG_EAGER_RELOAD"] = eager
+        seen[f"sync_eager{eager}"] = _syncs(engine, model_dir, copy_dirs, left_out, changed)
     # An eager engine compiled nothing (colocate.py: vLLM's torch.compile'd sampler helper
     # ran eagerly, instead of a ~4 CPU-second inductor compile in the first generate).
     from torch._dynamo.utils import counters
@@ -191,17 +204,16 @@ def models(tmp_path_factory):
 
 @pytest.mark.vllm
 @needs_vllm
-@pytest.mark.parametrize("eager", ["1", "0"], ids=["eager_reload", "vllm_buffered_reload"])
-def test_colocated_engine_samples_syncs_and_verifies(models, eager):
-    # MG_EAGER_RELOAD=0: the fallback path (vLLM's own buffering layer-wise reload plus a
-    # clone of every tensor) taken when reload.py's vLLM internals are missing.
+def test_colocated_engine_samples_syncs_and_verifies(models):
+    # Every sync check twice: the eager reload, then (MG_EAGER_RELOAD=0) the fallback path
+    # (vLLM's own buffering layer-wise reload plus a clone of every tensor) taken when
+    # reload.py's vLLM internals are missing.
     base, copies = models
     left_out = "model.layers.1.mlp.down_proj.weight"
     changed = "model.layers.0.self_attn.k_proj.weight"
     [seen] = run_distributed(_single_rank, world_size=1,
                              args=(str(base), {k: str(v) for k, v in copies.items()},
-                                   left_out, changed), timeout=240,
-                             env={"MG_EAGER_RELOAD": eager})
+                                   left_out, changed), timeout=300)
 
     assert seen["is_rollout_engine"]   # the Protocol the trainer uses (test_rollout_engine.py)
     assert seen["compiled_frames"] == 0, "torch.compile ran inside an enforce_eager engine"
@@ -231,34 +243,37 @@ def test_colocated_engine_samples_syncs_and_verifies(models, eager):
                       [c["token_ids"] for c in gen], TEMPERATURE)
     assert max_diff([c["logprobs"] for c in gen], ref) < ATOL
 
-    # After the sync: vLLM's log-probs are HF's under the changed weights (and not the old).
     n_tensors = len(safetensors_index(base))  # 26: no lm_head.weight (tied)
-    assert seen["stats"]["buckets"] == 3 and seen["stats"]["tensors"] == n_tensors
-    assert seen["checked"] == n_tensors
     ref_1 = hf_logprobs(copies[1], PROMPTS, COMPLETIONS)
-    assert max_diff(seen["score_1"], ref_1) < ATOL
-    assert max_diff(seen["score_1"], hf_logprobs(base, PROMPTS, COMPLETIONS)) > 1e-2
-    gen_1 = seen["generate_1"]
-    ref = hf_logprobs(copies[1], [PROMPTS[c["prompt_index"]] for c in gen_1],
-                      [c["token_ids"] for c in gen_1], TEMPERATURE)
-    assert max_diff([c["logprobs"] for c in gen_1], ref) < ATOL
-
-    # The check names the tensor left out, and the tensor that arrived changed, only them.
-    err = seen["left_out_error"]
-    assert f"{left_out}: held by vLLM but absent from the trainer's stream" in err
-    assert "1 problem(s)" in err
-    err = seen["changed_error"]
-    assert f"{changed}: differs in vLLM" in err and "1 problem(s)" in err
-
     ref_2 = hf_logprobs(copies[2], PROMPTS, COMPLETIONS)
-    assert max_diff(seen["score_2"], ref_2) < ATOL
+    ref_base = hf_logprobs(base, PROMPTS, COMPLETIONS)
+    for eager in ("1", "0"):
+        sync = seen[f"sync_eager{eager}"]
+        # After the sync: vLLM's log-probs are HF's under the changed weights (and not the old).
+        assert sync["stats"]["buckets"] == 3 and sync["stats"]["tensors"] == n_tensors
+        assert sync["checked"] == n_tensors
+        assert max_diff(sync["score_1"], ref_1) < ATOL
+        assert max_diff(sync["score_1"], ref_base) > 1e-2
+        gen_1 = sync["generate_1"]
+        ref = hf_logprobs(copies[1], [PROMPTS[c["prompt_index"]] for c in gen_1],
+                          [c["token_ids"] for c in gen_1], TEMPERATURE)
+        assert max_diff([c["logprobs"] for c in gen_1], ref) < ATOL
 
-    # vLLM's own reload after ours loads every tensor (at most the tied LM head's packed
-    # copy is stale: vLLM's limitation, which our sync repairs), and ours after it too.
-    reload = seen["vllm_reload"]
-    assert reload == n_tensors or ("1 problem(s)" in reload and "packed copy" in reload), reload
-    assert seen["checked_5"] == n_tensors
-    assert max_diff(seen["score_5"], ref_2) < ATOL
+        # The check names the tensor left out, and the tensor that arrived changed, only them.
+        err = sync["left_out_error"]
+        assert f"{left_out}: held by vLLM but absent from the trainer's stream" in err
+        assert "1 problem(s)" in err
+        err = sync["changed_error"]
+        assert f"{changed}: differs in vLLM" in err and "1 problem(s)" in err
+
+        assert max_diff(sync["score_2"], ref_2) < ATOL
+
+        # vLLM's own reload after ours loads every tensor (at most the tied LM head's packed
+        # copy is stale: vLLM's limitation, which our sync repairs), and ours after it too.
+        reload = sync["vllm_reload"]
+        assert reload == n_tensors or ("1 problem(s)" in reload and "packed copy" in reload), reload
+        assert sync["checked_5"] == n_tensors
+        assert max_diff(sync["score_5"], ref_2) < ATOL
 
 
 @needs_vllm

@@ -2,7 +2,9 @@
 
 Each test launches the real command (torchrun re-launch included) on a tiny Qwen2
 and checks what a user would look at: metrics.jsonl keys and values, checkpoints,
-the final HF model, and resuming after a SIGKILL.
+the final HF model, and resuming after a SIGKILL. Each launch costs ~15-20 s of start-up
+(torchrun, imports, vLLM engines), so one run checks several things. Server mode:
+tests/test_trainer_eval_e2e.py (a run that also evaluates).
 """
 import json
 import math
@@ -10,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -28,14 +31,10 @@ METRIC_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "rewards/digits/m
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
-
-    d = tmp_path_factory.mktemp("tiny")
-    model = make_tiny_model(d / "qwen2", family="qwen2", num_layers=2, hidden_size=128,
-                            num_attention_heads=4, num_key_value_heads=2,
-                            intermediate_size=256, vocab_size=999)
-    return str(model)
+def tiny(tiny_model):
+    # Built once per session (conftest), shared with test_trainer_eval_e2e.py.
+    return str(tiny_model(family="qwen2", num_layers=2, hidden_size=128, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=256, vocab_size=999))
 
 
 def _argv(model, out, **over):
@@ -58,11 +57,36 @@ def _argv(model, out, **over):
     return argv
 
 
-def _run(argv, nproc=2, timeout=600):
+def _run(argv, nproc=2, timeout=600, nnodes=1):
+    """`megatron rlhf ARGV` on `nproc` processes, or on `nnodes` "nodes" of `nproc` each, all
+    on this machine: ms-swift's variables (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT)
+    re-launch each command under torchrun and the nodes meet at MASTER_ADDR:MASTER_PORT.
+    Several nodes: node 0's output, or that of the first node that failed."""
+    cmd = [sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv]
     env = dict(os.environ, NPROC_PER_NODE=str(nproc), OMP_NUM_THREADS="1",
                MASTER_PORT=str(_free_port()))
-    return subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    if nnodes == 1:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    procs, files = [], []
+    for node in range(nnodes):
+        files.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=files[-1][0], stderr=files[-1][1],
+                                      start_new_session=True,
+                                      env=dict(env, NNODES=str(nnodes), NODE_RANK=str(node),
+                                               MASTER_ADDR="127.0.0.1")))
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        for p in procs:     # a node left running (timeout): its launcher and ranks
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    node = next((i for i, p in enumerate(procs) if p.returncode), 0)
+    out, err = (f.seek(0) or f.read() for f in files[node])
+    return subprocess.CompletedProcess(cmd, procs[node].returncode, out, err)
 
 
 def _free_port():
@@ -95,7 +119,9 @@ def _check_metrics(rows, steps, extra=(), steps_per_generation=1, num_iterations
             assert r[k] is not None and math.isfinite(r[k]), f"{k}={r[k]}"
 
 
-def test_tp2_colocate(tiny, tmp_path):
+def test_tp2_colocate_on_two_nodes(tiny, tmp_path):
+    # NNODES=2 with one process per "node", both on this machine (_run): the TP group of
+    # 2 spans the two nodes, each with its own colocated vLLM engine.
     # RLOO with beta > 0 puts the KL into the reward by default (ms-swift's kl_in_reward):
     # the trainer needs old and reference log-probs before the advantages.
     # Prompts longer than --max_length are dropped with --truncation_strategy delete.
@@ -107,7 +133,8 @@ def test_tp2_colocate(tiny, tmp_path):
     data.write_text("".join(json.dumps(row) + "\n" for pair in zip(short, long) for row in pair))
     r = _run(_argv(tiny, out, dataset=str(data), tensor_model_parallel_size=2,
                    log_completions="true", check_weight_sync="true", advantage_estimator="rloo",
-                   beta=0.04, max_length=40, truncation_strategy="delete"))
+                   beta=0.04, max_length=40, truncation_strategy="delete"),
+             nproc=1, nnodes=2)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "dropped 12 prompts longer than --max_length 40" in r.stdout
     rows = _metrics(out)
@@ -153,9 +180,16 @@ def test_pp2_with_reference_and_two_steps_per_generation(tiny, tmp_path):
                    steps_per_generation=2)
 
 
-def test_sigkill_then_resume(tiny, tmp_path):
+def test_sigkill_then_resume_from_lean_checkpoints_and_finetune(tiny, tmp_path):
+    """A run killed (SIGKILL) after its second checkpoint auto-resumes from its newest one and
+    continues the steps and the data position. Its checkpoints are lean (--no_save_optim
+    --no_save_rng: no optimizer or RNG state), so the resume restarts the optimizer, with a
+    warning; a --finetune run from one starts its own steps at 1 with a saved optimizer of
+    its own. (An auto-resume that restores the optimizer: test_lora_e2e.py, and in-process
+    test_checkpoint_resume.py, bit-identical.)"""
     out = str(tmp_path / "run")
-    argv = _argv(tiny, out, train_iters=4, save_steps=1, log_completions="true")
+    argv = _argv(tiny, out, train_iters=4, save_steps=1, log_completions="true",
+                 no_save_optim="true", no_save_rng="true")
     env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
                MASTER_PORT=str(_free_port()))
     proc = subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv],
@@ -167,6 +201,11 @@ def test_sigkill_then_resume(tiny, tmp_path):
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)        # the launcher and both ranks, no clean-up
     proc.wait()
+    ckpt = os.path.join(out, "checkpoint-2")
+    with open(os.path.join(ckpt, "checkpoint.json")) as f:
+        contents = json.load(f)["contents"]
+    assert contents["optimizer"] == "not_saved" and contents["rng"] is False
+    assert torch.load(os.path.join(ckpt, "rank_00001.pt"), weights_only=False)["rng"] is None
     from megatron_grpo.checkpoint import find_latest_checkpoint
 
     latest = find_latest_checkpoint(out)
@@ -174,6 +213,7 @@ def test_sigkill_then_resume(tiny, tmp_path):
     assert done >= 2
     r = _run(argv)                             # auto-resume from output_dir
     assert r.returncode == 0, r.stderr[-4000:]
+    assert "without optimizer state (--no_save_optim)" in r.stderr
     _check_metrics(_metrics(out), 4)            # every step exactly once
     # The data position continued: the prompts of each step follow the sampler's order
     # of an uninterrupted run (generation batches of 2 prompts, seed 7).
@@ -191,77 +231,12 @@ def test_sigkill_then_resume(tiny, tmp_path):
         got = sorted(set(by_step[step]), key=by_step[step].index)
         assert got == expect, f"step {step}: prompts {got}, expected {expect}"
 
-
-def test_lean_checkpoints_resume_and_finetune(tiny, tmp_path):
-    """--no_save_optim --no_save_rng: checkpoints without optimizer and RNG state; an
-    auto-resume from one continues the steps (optimizer restarted, with a warning); a
-    --finetune run from one starts its own steps at 1 with a saved optimizer of its own."""
-    out = str(tmp_path / "run")
-    lean = dict(save_steps=1, no_save_optim="true", no_save_rng="true")
-    r = _run(_argv(tiny, out, train_iters=2, **lean))
-    assert r.returncode == 0, r.stderr[-4000:]
-    ckpt = os.path.join(out, "checkpoint-2")
-    with open(os.path.join(ckpt, "checkpoint.json")) as f:
-        contents = json.load(f)["contents"]
-    assert contents["optimizer"] == "not_saved" and contents["rng"] is False
-    assert torch.load(os.path.join(ckpt, "rank_00001.pt"), weights_only=False)["rng"] is None
-
-    r = _run(_argv(tiny, out, train_iters=3, **lean))      # auto-resume from checkpoint-2
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "without optimizer state (--no_save_optim)" in r.stderr
-    _check_metrics(_metrics(out), 3)
-
     tuned = str(tmp_path / "finetune")
     r = _run(_argv(tiny, tuned, train_iters=1, save_steps=1, resume=ckpt, finetune="true"))
     assert r.returncode == 0, r.stderr[-4000:]
     _check_metrics(_metrics(tuned), 1)
     with open(os.path.join(tuned, "checkpoint-1", "checkpoint.json")) as f:
         assert json.load(f)["contents"]["optimizer"] == "saved"
-
-
-def test_server_mode(tiny, tmp_path):
-    """`megatron rollout` in a subprocess; the trainer (TP=2) samples from it over HTTP and
-    streams its weights to it after each step, verified by fingerprints."""
-    from tests.harness import free_port
-
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "megatron_grpo.cli", "rollout", "--model", tiny,
-         "--port", str(port), "--vllm_max_model_len", "128", "--vllm_enforce_eager", "true",
-         "--vllm_engine_kwargs", '{"dtype": "float32"}', "--seed", "0"],
-        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-        stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out = str(tmp_path / "run")
-        r = _run(_argv(tiny, out, tensor_model_parallel_size=2, vllm_mode="server",
-                       vllm_server_host="127.0.0.1", vllm_server_port=port,
-                       vllm_server_timeout=300, check_weight_sync="true"))
-        assert r.returncode == 0, r.stderr[-4000:]
-        _check_metrics(_metrics(out), 2)
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-        log.close()
-
-
-def test_two_nodes_over_loopback(tiny, tmp_path):
-    """NNODES=2 with one process per "node", both on this machine: the ms-swift variables
-    re-launch each command under torchrun and the two meet at MASTER_ADDR:MASTER_PORT."""
-    out = str(tmp_path / "run")
-    argv = _argv(tiny, out, tensor_model_parallel_size=2, train_iters=1)
-    port = str(_free_port())
-    procs = []
-    for node in range(2):
-        env = dict(os.environ, NNODES="2", NODE_RANK=str(node), NPROC_PER_NODE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-4000:]
-    _check_metrics(_metrics(out), 1)
 
 
 def test_dp2_offload_sleep_dynamic_sample_two_iterations(tiny, tmp_path):

@@ -5,9 +5,6 @@ re-scores to the logged eval reward."""
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -83,35 +80,29 @@ def test_colocate_split_eval_every_step_with_sleep_and_offload(tiny, tmp_path):
     assert trained and not any(q in t["prompt"] for t in trained for q in held_texts)
 
 
-def test_server_val_dataset_eval_iters(tiny, tmp_path):
-    """--val_dataset with --eval_iters 1 in server mode: every 2 steps and after the last, one
-    batch of global_batch_size completions (8 / num_generations_eval 4 = 2 prompts), the
-    validation file walked on from one evaluation to the next."""
-    from tests.harness import free_port
+def test_server_mode_tp2_val_dataset_eval_iters(tiny, tmp_path):
+    """Server mode: `megatron rollout` in a subprocess (tests/harness.py); the trainer (TP=2)
+    samples from it over HTTP and streams its weights to it after each step, verified by
+    fingerprints (--check_weight_sync). It evaluates a --val_dataset with --eval_iters 1:
+    every 2 steps and after the last, one batch of global_batch_size completions
+    (8 / num_generations_eval 4 = 2 prompts), the validation file walked on from one
+    evaluation to the next. (Server mode at DP=2: tests/test_example_ms_swift.py.)"""
+    from tests.harness import rollout_server
 
     val = tmp_path / "val.jsonl"
     with open(ARITHMETIC) as f:
         rows = [json.loads(line) for line in f][:3]
     val.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "megatron_grpo.cli", "rollout", "--model", tiny,
-         "--port", str(port), "--vllm_max_model_len", "128", "--vllm_enforce_eager", "true",
-         "--vllm_engine_kwargs", '{"dtype": "float32"}', "--seed", "0"],
-        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-        stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out = str(tmp_path / "run")
-        r = _run(_argv(tiny, out, vllm_mode="server", vllm_server_host="127.0.0.1",
-                       vllm_server_port=port, vllm_server_timeout=300, val_dataset=str(val),
+    out = str(tmp_path / "run")
+    with rollout_server(tiny, tmp_path / "server.log", "--vllm_max_model_len", "128",
+                        "--vllm_enforce_eager", "true", "--vllm_engine_kwargs",
+                        '{"dtype": "float32"}', "--seed", "0") as server:
+        r = _run(_argv(tiny, out, tensor_model_parallel_size=2, vllm_mode="server",
+                       vllm_server_host="127.0.0.1", vllm_server_port=server.port,
+                       vllm_server_timeout=300, check_weight_sync="true", val_dataset=str(val),
                        eval_steps=2, eval_iters=1, num_generations_eval=4, train_iters=3,
                        log_completions="true"))
-        assert r.returncode == 0, r.stderr[-4000:]
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-        log.close()
+        assert r.returncode == 0, r.stderr[-4000:] + "\nserver log:\n" + server.log_tail(2000)
     _check_metrics(_metrics(out), 3)
     _, completions = _check_eval(out, [2, 3], 2, 4)
     by_step = {s: sorted({c["prompt_index"] for c in completions if c["step"] == s})
