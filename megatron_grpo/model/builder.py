@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 
 from bridge.params import unwrap  # noqa: F401  (re-exported: one definition, the bridge's)
+from megatron_grpo.platform.compat.megatron import moe_without_transformer_engine
 
 from .config import ModelArgs
 from .kv_replication import install_grouped_qkv_checkpointing
+from .layers import RMSNorm
 from .te import HAVE_TE, use_transformer_engine  # noqa: F401  (re-exported)
 
 
@@ -20,8 +22,6 @@ def _moe_spec_kwargs(config) -> dict:
     """An MoE config's layers get Megatron's MoELayer as their MLP (model/moe.py)."""
     if not config.num_moe_experts:
         return {}
-    from megatron_grpo.platform.compat.megatron import moe_without_transformer_engine
-
     moe_without_transformer_engine()
     return {"num_experts": config.num_moe_experts, "moe_grouped_gemm": config.moe_grouped_gemm}
 
@@ -35,8 +35,6 @@ def layer_spec(config, use_te: bool | None = None, padding_free: bool = False):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (TransformerBlock,
                                                              TransformerBlockSubmodules)
-
-    from .layers import RMSNorm
 
     use_te = use_transformer_engine() if use_te is None else use_te
     if use_te:

@@ -49,14 +49,14 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+from torch import Tensor
 
 from ..data.cp_split import local_positions
+from ..platform.compat import megatron as compat
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch has only those.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -141,8 +141,6 @@ def _rope_positions_on_cpu() -> None:
     Megatron modules imported the function by name, so each reference is replaced
     (platform/compat/megatron.py).
     """
-    from ..platform.compat import megatron as compat
-
     if getattr(compat.rope_cp_slicing(), "_cpu_safe", False):
         return
 

@@ -47,6 +47,8 @@ import torch.distributed as dist
 
 from bridge.params import unwrap
 
+from ..platform.compat.megatron import restrict_grad_norm
+
 _QKV_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 
 
@@ -112,8 +114,6 @@ def count_kv_once_in_grad_norm(optimizer, chunks, config, args) -> None:
     if replicas == 1 or tp == 1:
         return
     from megatron.core import parallel_state as ps
-
-    from ..platform.compat.megatron import restrict_grad_norm
 
     if ps.get_tensor_model_parallel_rank() % replicas == 0:
         return   # the first replica counts its kv rows

@@ -43,6 +43,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from bridge.params import unwrap
+from megatron_grpo.platform.compat.megatron import moe_step_losses
+
+from ..platform.compat import megatron as compat
 from .families import Family
 from .te import use_transformer_engine
 
@@ -189,10 +193,6 @@ def set_routing_replay(chunk, routed) -> None:
 
     from megatron.core import parallel_state as ps
 
-    from bridge.params import unwrap
-
-    from ..platform.compat import megatron as compat
-
     replays = compat.router_replays(chunk)
     if routed is None:
         for _, replay in replays:
@@ -229,7 +229,5 @@ def step_metrics(config, num_microbatches: int) -> dict:
     and the tracker is cleared. Collective: every rank calls it after each step."""
     if not getattr(config, "num_moe_experts", None):
         return {}
-    from megatron_grpo.platform.compat.megatron import moe_step_losses
-
     return {name: float(values.sum()) / (config.num_layers * max(num_microbatches, 1))
             for name, values in moe_step_losses().items()}

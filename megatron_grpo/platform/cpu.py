@@ -34,6 +34,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .compat import megatron as compat
+
 _INSTALLED = False
 _LOCK = threading.Lock()
 _MODE = None  # the _CudaToCpuMode instance install() entered
@@ -131,8 +133,6 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron() -> None:
-    from .compat import megatron as compat
-
     def get_rng_state(device="cuda", clone=False, graph_safe=False):
         state = torch.get_rng_state()
         return state.clone() if clone else state

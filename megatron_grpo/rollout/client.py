@@ -17,12 +17,15 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import socket
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ..data.vision import png_base64
 from .colocate import Completion, SamplingOptions
 from .server import API_KEY_ENV
 
@@ -151,8 +154,6 @@ class RolloutClient:
         return self._completions(prompts, opts, self.seed)
 
     def _generate_images(self, prompts: List[List[int]], images, opts: SamplingOptions):
-        from ..data.vision import png_base64
-
         # A seed per prompt (as generate_turns' per chain): one for all would draw the
         # same random numbers for every prompt.
         self._calls += 1
@@ -208,8 +209,6 @@ class RolloutClient:
         Seeds: with a client seed, each request gets its own, drawn from (seed, rank, call,
         chain, turn): the chains of a group often share their prompt, and one seed for all
         would sample them alike."""
-        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-
         opts = SamplingOptions(**{**self.sampling.__dict__, **overrides, "num_generations": 1})
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         if not prompts:
@@ -242,8 +241,6 @@ class RolloutClient:
     def _turn_seed(self, chain: int, turn: int) -> Optional[int]:
         if self.seed is None:
             return None
-        import random
-
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -65,6 +65,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from ..data.vision import is_vision_language, model_type
 from ..platform.compat import vllm as compat
 from ..platform.cpu import without_cuda_rewrite
 from .kv_cache import kv_cache_engine_kwargs, parse_size
@@ -222,8 +223,6 @@ class ColocateEngine:
         compat.check_version()   # an untested vLLM fails here, not inside a worker
         from vllm import LLM
         from vllm.platforms import current_platform
-
-        from ..data.vision import is_vision_language, model_type
 
         self.model_path = model
         self.vision = is_vision_language(model)

@@ -44,13 +44,20 @@ fingerprints come back per engine.
 """
 # No `from __future__ import annotations` here: FastAPI reads the route signatures.
 
+import asyncio
 import json
 import os
 import sys
 import tempfile
+import uuid
 from typing import Optional, Sequence
 
+from ..config.rollout_server import parse_rollout_args
+from ..data.vision import is_vision_language, load_image, model_type, resolve_max_pixels
 from ..platform.compat import vllm as compat
+from .kv_cache import kv_cache_engine_kwargs
+from .weights import adapter_name
+from .worker_ext import WORKER_EXTENSION
 
 API_KEY_ENV = "MEGATRON_ROLLOUT_API_KEY"
 
@@ -66,9 +73,6 @@ def vllm_cli_args(cfg, on_cpu: Optional[bool] = None) -> list:
     The KV cache is sized in bytes on CPU (kv_cache.py), never as a fraction of the
     NUMA node: `--kv-cache-memory-bytes` unless the user's vLLM conventions apply.
     """
-    from .kv_cache import kv_cache_engine_kwargs
-    from .worker_ext import WORKER_EXTENSION
-
     if on_cpu is None:
         from vllm.platforms import current_platform
 
@@ -97,8 +101,6 @@ def vllm_cli_args(cfg, on_cpu: Optional[bool] = None) -> list:
         tensor_parallel_size=cfg.vllm_tensor_parallel_size, engine_kwargs=cfg.vllm_engine_kwargs)
     if "kv_cache_memory_bytes" in kv:
         argv += ["--kv-cache-memory-bytes", str(kv["kv_cache_memory_bytes"])]
-    from ..data.vision import is_vision_language, resolve_max_pixels
-
     if is_vision_language(cfg.model):
         max_pixels = resolve_max_pixels(cfg.max_pixels, cfg.model)
         if max_pixels is not None:
@@ -124,8 +126,6 @@ def make_router(engine, api_key: Optional[str], app_state=None):
     """The trainer's routes, bound to vLLM's engine client (`app_state`: the OpenAI
     app's state, where adapter-only LoRA sync registers each new adapter's name)."""
     from fastapi import APIRouter, HTTPException, Request, Response
-
-    from .weights import adapter_name
 
     router = APIRouter()
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -234,13 +234,8 @@ def make_router(engine, api_key: Optional[str], app_state=None):
 
 async def _generate_images(engine, body: dict) -> dict:
     """Sample image prompts through the engine client (AsyncLLM.generate), all at once."""
-    import asyncio
-    import uuid
-
     from fastapi import HTTPException
     from vllm import SamplingParams
-
-    from ..data.vision import load_image
 
     try:
         s = body["sampling"]
@@ -272,8 +267,6 @@ async def _generate_images(engine, body: dict) -> dict:
 
 async def serve(cfg) -> None:
     """Start vLLM's engine and API server with the trainer's routes; run until stopped."""
-    from ..data.vision import is_vision_language, model_type
-
     if is_vision_language(cfg.model):
         compat.image_models_without_torchvision(model_type(cfg.model))
     args = build_vllm_namespace(cfg)
@@ -292,8 +285,6 @@ async def serve(cfg) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of `megatron rollout` (argv: its flags, without the sub-command)."""
-    from ..config.rollout_server import parse_rollout_args
-
     cfg = parse_rollout_args(argv)
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"megatron rollout: listening on {cfg.host}:{cfg.port}, reachable from the "

@@ -23,8 +23,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from bridge import BucketBuffer, export_hf_weights
+from bridge.mappings import get_mapping
+
+from ..model.lora import is_adapter_param, lora_settings
+from ..model.lora_peft import adapter_stream, merged_stream, peft_config
+from ..platform import device
 from .offload import offload_model, offload_optimizer, onload_model, onload_optimizer
-from .weights import load_weight_stream, sleep, wake_up
+from .verify import AdapterFingerprints, StreamFingerprints, check_adapter_sync, check_weight_sync
+from .weights import load_adapter_stream, load_weight_stream, sleep, wake_up
 
 
 class WeightSync:
@@ -44,9 +51,6 @@ class WeightSync:
     def bucket_bytes(self) -> int:
         """move_model_batches buckets per sync (of an upper bound of the HF model's bytes:
         every rank's TP/PP shards summed; adapter-only sync: of the adapter's), else 512 MiB."""
-        from ..model.lora import is_adapter_param
-        from ..platform import device
-
         if not self.opts.move_model_batches:
             return 512 << 20
         if self._bucket_bytes is None:   # the parameters' sizes never change: once per run
@@ -61,12 +65,6 @@ class WeightSync:
     def __call__(self) -> dict:
         """Stream the policy's HF weights into vLLM (collective over every trainer rank);
         with check_weight_sync, prove vLLM holds them. Returns the engine's load info."""
-        from bridge import BucketBuffer, export_hf_weights
-        from bridge.mappings import get_mapping
-        from ..model.lora_peft import merged_stream
-
-        from .verify import StreamFingerprints, check_weight_sync
-
         r, policy = self.opts, self.policy
         if not self.is_server:   # vLLM slept through training (sleep_level > 0): weights back first
             wake_up(self.engine, level=r.sleep_level)
@@ -112,13 +110,6 @@ class WeightSync:
     def _sync_adapter(self, bucket: int) -> dict:
         """Adapter-only sync: the factors in buckets of at most `bucket` bytes (collective
         over every trainer rank); in server mode rank 0 alone uploads."""
-        from bridge.mappings import get_mapping
-        from ..model.lora import lora_settings
-        from ..model.lora_peft import adapter_stream, peft_config
-
-        from .verify import AdapterFingerprints, check_adapter_sync
-        from .weights import load_adapter_stream
-
         settings = lora_settings(self.policy.chunks)
         stream = adapter_stream(self.policy.chunks, bucket_size_bytes=bucket)
         expected = AdapterFingerprints(settings.scale) if self.opts.check_weight_sync else None

@@ -21,6 +21,9 @@ from typing import Collection, List, Sequence, Tuple
 import torch
 
 from ..platform.compat import vllm as compat
+from . import reload
+from .routing import RoutingCapture
+from .verify import fingerprint, vllm_fingerprint_pieces
 
 # A spawned worker of a vision-language server: the patches its parent applied.
 compat.inherited_image_patches()
@@ -34,8 +37,6 @@ class RolloutWorkerExtension:
 
     def mg_begin_weight_update(self) -> None:
         """Put every layer into reload mode (eager where reload.py supports it)."""
-        from . import reload
-
         self._mg_eager = reload.supported() and os.environ.get("MG_EAGER_RELOAD", "1") != "0"
         if self._mg_eager:
             self._mg_layers = reload.begin(self._mg_model())
@@ -84,15 +85,11 @@ class RolloutWorkerExtension:
 
     def mg_fingerprint_pieces(self) -> List[dict]:
         """Fingerprints of the HF slices this worker holds (see verify.py)."""
-        from .verify import vllm_fingerprint_pieces
-
         return vllm_fingerprint_pieces(self._mg_model())
 
     def mg_capture_routing(self) -> int:
         """Start recording the experts every MoE layer routes each token to (routing.py);
         returns the number of MoE layers."""
-        from .routing import RoutingCapture
-
         self._mg_routing = RoutingCapture(self)
         return len(self._mg_routing.layers)
 
@@ -132,8 +129,6 @@ class RolloutWorkerExtension:
 
     def mg_adapter_fingerprints(self) -> dict:
         """Fingerprints of the adapter this worker holds (see verify.py)."""
-        from .verify import fingerprint
-
         held = compat.worker_lora_tensors(self)
         return {"ids": held["ids"], "active": held["active"],
                 "slot_problems": held["slot_problems"],

@@ -15,8 +15,21 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from bridge import export_hf_weights
+from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
+from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter, vision_state
+
 from .. import checkpoint as ckpt
+from ..data import PromptSampler, drop_long_prompts, load_datasets, render_prompt
+from ..data.vision import VisionProcessor, is_vision_language
+from ..model.lora import lora_settings
+from ..rewards import build_reward_funcs, load_plugins
+from ..rewards.registry import flat_args
+from ..rollout.sync import WeightSync
+from ..rollout.trajectory import MultiTurnRollout
 from .engine import LossOptions
+from .evaluate import build_evaluator
+from .logger import RunLogger
 from .setup import (Policy, build_parallel, build_policy, build_reference, build_sampler,
                     loss_options, seed_everything, total_steps)
 
@@ -74,12 +87,6 @@ def build_run(cfg) -> Run:
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
-    from ..data import PromptSampler, load_datasets, render_prompt
-    from ..rewards import build_reward_funcs, load_plugins
-    from ..rollout.sync import WeightSync
-    from .evaluate import build_evaluator
-    from .logger import RunLogger
-
     g, t, log = cfg.grpo, cfg.training, cfg.logging
     loss = loss_options(cfg)   # first: a bad sapo/fipo option fails before any start-up
     build_parallel(cfg)
@@ -130,8 +137,6 @@ def build_run(cfg) -> Run:
 def _vision_processor(cfg, dataset, val_dataset):
     """The model's processor with the run's pixel budget when a dataset has images (None
     otherwise); checked before the model is built."""
-    from ..data.vision import VisionProcessor, is_vision_language
-
     if all(d is None or d.images is None for d in (dataset, val_dataset)):
         return None
     if not is_vision_language(cfg.model.model):
@@ -146,9 +151,6 @@ def _vision_processor(cfg, dataset, val_dataset):
 
 def build_multi_turn(cfg, tokenizer):
     """The multi-turn sampler of --multi_turn_scheduler, or None (one completion each)."""
-    from ..rewards.registry import flat_args
-    from ..rollout.trajectory import MultiTurnRollout
-
     r = cfg.rollout
     if r.multi_turn_scheduler is None:
         return None
@@ -162,8 +164,6 @@ def _drop_long_prompts(cfg, dataset, tokenizer, render):
     """--truncation_strategy delete: the prompts longer than --max_length go."""
     if not (cfg.data.max_length and cfg.data.truncation_strategy == "delete"):
         return dataset
-    from ..data import drop_long_prompts
-
     dataset, dropped = drop_long_prompts(dataset, lambda m: len(tokenizer(
         render(tokenizer, m), add_special_tokens=False)["input_ids"]), cfg.data.max_length)
     if dist.get_rank() == 0 and dropped:
@@ -231,13 +231,6 @@ def save_final_hf(policy: Policy, hf_source: str, out_dir: str, merge_lora: bool
     safetensors, an index when sharded, plus the source's config and tokenizer files). A
     LoRA model: merged (W + scale B A) with merge_lora, else the PEFT adapter files.
     Collective: every rank iterates the export; rank 0 writes, then renames atomically."""
-    from bridge import export_hf_weights
-    from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
-    from megatron_grpo.model.lora_peft import (gather_adapters, merged_stream, save_peft_adapter,
-                                               vision_state)
-
-    from ..model.lora import lora_settings
-
     final = os.path.join(out_dir, "final_hf")
     rank0 = dist.get_rank() == 0
     if rank0:

@@ -12,12 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from bridge import load_hf_weights
+
 from ..algorithms import LossTypeParams
+from ..data.vision import resolve_max_pixels
+from ..model import build_model, build_transformer_config, wrap_ddp
+from ..model.kv_replication import count_kv_once_in_grad_norm
+from ..model.lora import LoraSettings, apply_lora, parse_modules_to_save, parse_target_modules
+from ..model.moe import MoEOptions
+from ..platform import ParallelDims, init_parallel, init_process_group
+from ..rollout.colocate import ColocateEngine, EngineSettings
+from ..rollout.kv_cache import sequences_per_engine
 from .engine import LossOptions
 
 
@@ -48,8 +59,6 @@ def loss_options(cfg) -> LossOptions:
 def build_parallel(cfg):
     import torch.distributed as dist
 
-    from ..platform import ParallelDims, init_parallel, init_process_group
-
     init_process_group()
     dims = ParallelDims.from_options(cfg.parallel, dist.get_world_size())
     return init_parallel(dims, seed=cfg.training.seed)
@@ -63,11 +72,6 @@ def _dtype(cfg) -> str:
 
 def build_chunks(cfg, load_weights: bool = True):
     """Megatron chunks of this rank with the HF weights loaded by the bridge."""
-    from bridge import load_hf_weights
-
-    from ..model import build_model, build_transformer_config
-    from ..model.moe import MoEOptions
-
     p, t = cfg.parallel, cfg.training
     config, args = build_transformer_config(
         cfg.model.model, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
@@ -93,8 +97,6 @@ def recompute_modules_of(t) -> list:
 
 def lora_settings_of(cfg):
     """The run's LoraSettings: from --adapters' adapter_config.json, else the lora_* options."""
-    from ..model.lora import LoraSettings, parse_modules_to_save, parse_target_modules
-
     t = cfg.training
     if t.adapters:
         from megatron_grpo.model.lora_peft import peft_settings
@@ -110,8 +112,6 @@ def apply_tuner(cfg, config, args, chunks) -> None:
     lora_llm: the same, and the vision tower and merger train in full (model/lora.py)."""
     if cfg.training.tuner_type not in ("lora", "lora_llm"):
         return
-    from ..model.lora import apply_lora
-
     settings = dataclasses.replace(lora_settings_of(cfg),
                                    train_vision=cfg.training.tuner_type == "lora_llm")
     apply_lora(chunks, config, args, settings)
@@ -139,9 +139,6 @@ def total_steps(cfg, num_prompts: int) -> int:
 def build_policy(cfg, steps: int) -> Policy:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from ..model import wrap_ddp
-    from ..model.kv_replication import count_kv_once_in_grad_norm
 
     t = cfg.training
     config, args, chunks = build_chunks(cfg)
@@ -202,8 +199,6 @@ def build_sampler(cfg):
                                num_generations=g.num_generations, seed=cfg.training.seed)
         client.wait_until_ready()
         return client
-    from ..rollout.colocate import ColocateEngine
-
     return ColocateEngine(cfg.model.model, engine_settings(cfg))
 
 
@@ -211,11 +206,6 @@ def engine_settings(cfg):
     """The colocated engine's settings: every `EngineSettings` field from the rollout or
     grpo option of the same name; the seed, dtype and sequences in flight derived."""
     import torch.distributed as dist
-
-    from ..rollout.colocate import EngineSettings
-    from ..rollout.kv_cache import sequences_per_engine
-
-    from ..data.vision import resolve_max_pixels
 
     r, g = cfg.rollout, cfg.grpo
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -232,8 +222,6 @@ def engine_settings(cfg):
 
 
 def seed_everything(seed: int, rank: int) -> None:
-    import random
-
     import numpy as np
 
     random.seed(seed + rank)
