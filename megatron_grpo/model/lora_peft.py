@@ -77,14 +77,20 @@ SAVED_KEYS = {"embedding.word_embeddings.weight": "base_model.model.model.embed_
 VISION_KEY, _VISION_PARAM, VISION_MODULE = "base_model.model.model.visual.", "visual.model.", "visual"
 
 
-def vision_state(chunks) -> dict[str, torch.Tensor]:
-    """lora_llm: {PEFT key: tensor} of the trained vision tower on this rank (the first
-    pipeline stage holds it, replicated over TP; {} elsewhere). Not collective."""
+def _vision_params(chunks) -> list[tuple[str, torch.Tensor]]:
+    """lora_llm: (PEFT key, parameter) of the trained vision tower on this rank (the first
+    pipeline stage holds it, replicated over TP); [] elsewhere or without lora_llm."""
     if not getattr(lora_settings(chunks), "train_vision", False):
-        return {}
-    return {VISION_KEY + n[len(_VISION_PARAM):]: p.detach().cpu()
+        return []
+    return [(VISION_KEY + n[len(_VISION_PARAM):], p)
             for c in chunks for n, p in unwrap(c).named_parameters()
-            if n.startswith(_VISION_PARAM)}
+            if n.startswith(_VISION_PARAM)]
+
+
+def vision_state(chunks) -> dict[str, torch.Tensor]:
+    """lora_llm: {PEFT key: tensor} of the trained vision tower on this rank ({} elsewhere).
+    Not collective."""
+    return {key: p.detach().cpu() for key, p in _vision_params(chunks)}
 
 
 _TEXT_LAYERS = "base_model.model.model.layers."
@@ -175,9 +181,7 @@ def load_peft_adapter(chunks, adapter_dir: str) -> None:
         key, vocab = SAVED_KEYS[name], param.lora_saved[1]
         expected[key] = (vocab, param.shape[1])
         saved.append((key, param))
-    tower = [(VISION_KEY + n[len(_VISION_PARAM):], p) for c in chunks
-             for n, p in unwrap(c).named_parameters()
-             if n.startswith(_VISION_PARAM) and getattr(lora_settings(chunks), "train_vision", False)]
+    tower = _vision_params(chunks)
     expected.update({k: tuple(p.shape) for k, p in tower})
     with safe_open(path, framework="pt") as f:
         found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
