@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 from . import launch
 
@@ -26,6 +27,8 @@ Multi-process runs: NPROC_PER_NODE=N (and NNODES, NODE_RANK, MASTER_ADDR, MASTER
 several nodes, which go through torchrun) re-launch the command as N workers, as in ms-swift.
 Run `megatron <command> --help` for the options of a command.
 """
+# Function-level imports: each command imports only what it needs, when it needs it, so that
+# `--help` and option errors come before torch, Megatron and vLLM are imported.
 
 
 def _rlhf(argv: list[str]) -> int:
@@ -98,8 +101,6 @@ def _dry_run(cfg, spec, dataset, val_dataset, problems) -> int:
     built, no process started), then the plan."""
     from .config import validate_world
     from .config.dry_run import check_model, format_plan
-
-    import warnings
 
     model = None
     with problems.section(), warnings.catch_warnings():

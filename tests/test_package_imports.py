@@ -115,3 +115,71 @@ def test_cycle_finder_finds_a_cycle():
     """The check above can fail: a two-module cycle hidden in a function is reported."""
     edges = {"a": {"b": 3}, "b": {"a": 9}, "c": {"a": 1}}
     assert _cycles(edges) == [["a", "b"]]
+
+
+# Libraries that may be imported inside a function without a comment: heavy ones (an import
+# costs seconds and the CLI parent or a CPU run never needs them) and optional ones (a run
+# without the feature must not need them installed). Anything else there (our own modules,
+# the standard library, light dependencies) needs a reason: a comment on the import's line or
+# the line above its block of imports, an enclosing `if`/`try` (a conditional or optional import), or a module
+# comment starting with "# Function-level imports:" (cli.py: each command imports its own).
+LAZY_LIBRARIES = {
+    "torch", "megatron", "vllm", "transformers", "safetensors", "tokenizers", "torchvision",
+    "PIL", "datasets", "pyarrow", "matplotlib", "triton",                      # heavy
+    "sympy", "math_verify", "fastapi", "uvicorn", "uvloop", "wandb", "swanlab",  # optional
+    "tensorboard", "peft",
+}
+MODULE_REASON = "# Function-level imports:"
+
+
+def _unexplained_function_imports(path: str) -> list[str]:
+    """`path:line: statement` of each import inside a function that the rule above refuses."""
+    src = open(path).read()
+    lines = src.splitlines()
+    if any(line.startswith(MODULE_REASON) for line in lines):
+        return []
+    bad = []
+
+    def visit(node, in_function: bool, conditional: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, True, False)
+            elif isinstance(child, (ast.Import, ast.ImportFrom)) and in_function:
+                if isinstance(child, ast.Import):
+                    top = child.names[0].name.split(".")[0]
+                else:
+                    top = "" if child.level else (child.module or "").split(".")[0]
+                line = lines[child.lineno - 1]
+                i = child.lineno - 2    # the line above this block of imports
+                while i >= 0 and lines[i].strip().startswith(("import ", "from ")):
+                    i -= 1
+                above = lines[i].strip() if i >= 0 else ""
+                explained = (top in LAZY_LIBRARIES or conditional or "#" in line
+                             or above.startswith("#"))
+                if not explained:
+                    bad.append(f"{os.path.relpath(path, ROOT)}:{child.lineno}: {line.strip()}")
+            else:
+                visit(child, in_function,
+                      conditional or (in_function and isinstance(child, (ast.If, ast.Try))))
+
+    visit(ast.parse(src), False, False)
+    return bad
+
+
+def test_imports_inside_functions_are_heavy_optional_or_explained():
+    """docs/architecture.md's rule: imports sit at module level; inside a function only a
+    heavy or optional library, or with a reason (start-up time, a cycle, a conditional)."""
+    bad = [b for path in _modules().values() for b in _unexplained_function_imports(path)]
+    assert not bad, ("imports inside functions without a reason (move them to the top of the "
+                     "module, or say why in a comment):\n" + "\n".join(bad))
+
+
+def test_import_rule_refuses_an_unexplained_import(tmp_path):
+    """The rule can fail: our own module and a light library imported in a function without
+    a reason are reported; a heavy library, a commented one and a conditional one are not."""
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from . import a\n    import json\n    import torch\n"
+                 "    import yaml  # only with --config\n    if x:\n        import b\n"
+                 "    # a cycle\n    from . import c\n    from . import d\n")
+    assert [b.split(": ", 1)[1] for b in _unexplained_function_imports(str(f))] == \
+        ["from . import a", "import json"]

@@ -37,6 +37,7 @@ class ModelFacts:
 
 def check_model(cfg: "GRPOConfig") -> ModelFacts:
     """The model's config.json against the parallel sizes; ValueError naming the option."""
+    # model/ imports torch and Megatron; this module is imported by the CLI parent
     from ..model import build_transformer_config, load_hf_config
     from ..model.moe import MoEOptions
 
@@ -80,7 +81,7 @@ def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, npro
                 num_val_prompts: Optional[int] = None) -> str:
     """The resolved plan of a run, one line per stage. num_prompts: training prompts (after
     a --split_dataset_ratio split); num_val_prompts: validation prompts, None without."""
-    from ..train.setup import total_steps
+    from ..train.setup import total_steps  # train/ imports torch (see check_model)
 
     p, t, g, v = cfg.parallel, cfg.training, cfg.grpo, cfg.rollout
     G = g.num_generations

