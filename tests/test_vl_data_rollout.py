@@ -157,7 +157,8 @@ def test_processor_encodes_prompts_for_trainer_and_vllm(model_dir, count_data, m
         p.check_expanded([1, 2, 3])
 
 
-def test_vision_options_are_checked_before_start_up(model_dir, count_data, monkeypatch):
+def test_vision_options_are_checked_before_start_up(model_dir, count_data, monkeypatch,
+                                                     tmp_path):
     """--max_pixels / MAX_PIXELS and --vllm_limit_mm_per_prompt (ms-swift's flags), for
     `megatron rlhf` and `megatron rollout`: one line naming the option and what is allowed."""
     from megatron_grpo.config import build_config
@@ -179,6 +180,29 @@ def test_vision_options_are_checked_before_start_up(model_dir, count_data, monke
     # --tuner_type lora_llm (the tower trained beside the adapters) fits a VL model.
     _, problems = build_config(base + ["--tuner_type", "lora_llm"])
     assert not problems.messages, problems.messages
+    # --tuner_type lora --freeze_vit false: adapters on the tower's linears (all-linear only;
+    # merged sync only; the language model keeps its adapters).
+    tower = base + ["--tuner_type", "lora", "--freeze_vit", "false", "--freeze_aligner", "false"]
+    _, problems = build_config(tower)
+    assert not problems.messages, problems.messages
+    for extra, part in ((["--target_modules", "q_proj"], "Fix: --target_modules all-linear"),
+                        (["--freeze_llm", "true"], "alone (none on the language model)"),
+                        (["--vllm_enable_lora", "true"], "Fix: --vllm_enable_lora false")):
+        _, problems = build_config(tower + extra)
+        assert len(problems.messages) == 1 and part in problems.messages[0], problems.messages
+    # --adapters with tower adapters (the regex model/lora_peft.py writes) needs the flags
+    from megatron_grpo.model.lora_peft import _vl_targets_regex
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+         "target_modules": _vl_targets_regex(["q_proj"], ("blocks.0.attn.qkv",))}))
+    _, problems = build_config(tower + ["--adapters", str(adapter), "--freeze_aligner", "true"])
+    assert not problems.messages, problems.messages
+    _, problems = build_config(tower + ["--adapters", str(adapter)])
+    assert len(problems.messages) == 1 and "on the merger: false" in problems.messages[0] and \
+        "Fix: --freeze_vit false --freeze_aligner true" in problems.messages[0]
     _, problems = build_config(base + ["--check_weight_sync", "true"])
     assert not problems.messages, problems.messages
     monkeypatch.setenv("MAX_PIXELS", "many")
