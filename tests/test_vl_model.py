@@ -64,7 +64,7 @@ def _loss_terms(logits, ids, lengths, vocab):
     return total, count
 
 
-def _world(rank, world_size, model_dir, batch, root):
+def _world(rank, world_size, model_dir, batch, root, qwen2_vl):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -127,6 +127,7 @@ def _world(rank, world_size, model_dir, batch, root):
             out["packed_logps"] = _trainer_logps(_packed_chunks(config, args, model_dir),
                                                  batch, args.vocab_size)
 
+    out["qwen2_vl"] = _qwen2_vl_phase(world_size, qwen2_vl)
     out["cp2"] = _cp_phase(world_size, model_dir, batch)
     out["lora"] = _lora_phase(world_size, model_dir, batch, root)
 
@@ -520,11 +521,13 @@ def world(tmp_path_factory, model_dir):
     batch = _inputs(model_dir, hf)
     ref_logits, ref_grads, ref_logps = _hf_reference(hf, batch)
     root = tmp_path_factory.mktemp("vl_convert")
+    qwen2_vl = _qwen2_vl_inputs(tmp_path_factory.mktemp("vl") / "tiny-qwen2-vl")
     results = run_distributed(_world, world_size=2, timeout=600,
                               args=(str(model_dir), {k: v for k, v in batch.items() if k != "encs"},
-                                    str(root)))
+                                    str(root), {k: v for k, v in qwen2_vl.items() if k != "ref"}))
     return dict(model_dir=model_dir, root=root, batch=batch, results=results,
-                ref_logits=ref_logits, ref_grads=ref_grads, ref_logps=ref_logps)
+                ref_logits=ref_logits, ref_grads=ref_grads, ref_logps=ref_logps,
+                qwen2_vl=qwen2_vl)
 
 
 def test_mrope_positions_equal_hf_get_rope_index(world):
@@ -869,60 +872,58 @@ def test_sync_stream_leaves_frozen_vision_weights_out(world):
 
 
 # --------------------------------------------------------------------------- Qwen2-VL
-def _qwen2_vl(path):
-    """A tiny random Qwen2-VL saved by transformers (its vision blocks differ from 2.5's:
-    LayerNorm, fc1/fc2 MLP, no windows)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _qwen2_vl_inputs(path):
+    """A tiny Qwen2-VL (tools/make_tiny_vl_model.py family qwen2_vl: its vision blocks differ
+    from 2.5's: LayerNorm, fc1/fc2 MLP, no windows), the first test prompt through its own
+    processor (compat's image-only Qwen2VLProcessor without torchvision), HF's logits."""
+    from transformers import Qwen2VLForConditionalGeneration
 
-    torch.manual_seed(0)
-    config = Qwen2VLConfig(
-        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, vocab_size=300,
-                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [4, 6, 6]}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
-        image_token_id=290, video_token_id=291, vision_start_token_id=292,
-        vision_end_token_id=293)
-    model = Qwen2VLForConditionalGeneration(config).eval()
-    model.save_pretrained(path)
-    return model
+    from megatron_grpo.model.mrope import mrope_positions
+    from megatron_grpo.platform.compat import transformers as compat_transformers
+    from tests.test_vl_tiny_model import hf_logits
+
+    make_tiny_vl_model(path, family="qwen2_vl")
+    processor = compat_transformers.load_processor(str(path), "qwen2_vl")
+    enc = encode(processor, PROMPTS[0], IMAGES[0]())
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    pos, _ = mrope_positions(enc["input_ids"][0], enc["image_grid_thw"], hf.config.image_token_id)
+    return dict(path=str(path), ids=enc["input_ids"], pos=pos[:, None],
+                pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                processor=type(processor).__mro__[1].__name__, ref=hf_logits(hf, enc))
 
 
-def _qwen2_vl_rank(rank, world_size, path, ids, pos, pixel_values, grid):
+def _qwen2_vl_phase(world_size, q):
+    """Qwen2-VL at TP=2: the logits on the image prompt and the bridge's manifest."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from bridge import load_hf_weights, manifest
     from megatron_grpo.model import build_model, build_transformer_config
     from megatron_grpo.platform import ParallelDims, init_parallel
 
-    init_parallel(ParallelDims(world_size=world_size, tp=world_size, pp=1), seed=1)
-    config, args = build_transformer_config(path, tp=world_size)
+    init_parallel(ParallelDims(world_size=world_size, tp=2), seed=1)
+    config, args = build_transformer_config(q["path"], tp=2)
     chunks = build_model(config, args)
-    load_hf_weights(chunks, config, args, path)
+    load_hf_weights(chunks, config, args, q["path"])
     chunks[0].eval()
     with torch.no_grad():
-        out = chunks[0](ids, pos, None, pixel_values=pixel_values, image_grid_thw=grid)
-    return gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size], manifest(config, args)
+        out = chunks[0](q["ids"], q["pos"], None, pixel_values=q["pixel_values"],
+                        image_grid_thw=q["image_grid_thw"])
+    return dict(logits=gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size],
+                names=manifest(config, args))
 
 
-def test_qwen2_vl_logits_equal_hf(tmp_path):
-    """Qwen2-VL goes through the same code: the bridge's manifest is its checkpoint and the
-    logits on an image prompt are HF's (random pixels, a 4x4 patch grid: 4 image tokens)."""
+def test_qwen2_vl_logits_equal_hf(world):
+    """Qwen2-VL goes through the same code: its own processor loads without torchvision
+    (compat's image-only Qwen2VLProcessor), the bridge's manifest is its checkpoint and the
+    logits at TP=2 on an image prompt (a PIL image, 12 image tokens) are HF's."""
     from safetensors import safe_open
 
-    from megatron_grpo.model.mrope import mrope_positions
-
-    hf = _qwen2_vl(tmp_path)
-    ids = torch.tensor([[5, 6, 292] + [290] * 4 + [293, 7, 8, 9]])
-    grid = torch.tensor([[1, 4, 4]])
-    pixel_values = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(input_ids=ids, mm_token_type_ids=(ids == 290).long(), pixel_values=pixel_values,
-                 image_grid_thw=grid, use_cache=False).logits[0]
-    pos, _ = mrope_positions(ids[0], grid, 290)
-    [(logits, names)] = run_distributed(_qwen2_vl_rank, world_size=1, timeout=300,
-                                        args=(str(tmp_path), ids, pos[:, None], pixel_values, grid))
-    with safe_open(tmp_path / "model.safetensors", "pt") as f:
-        assert names == {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert (logits[0] - ref).abs().max() <= 1e-4
+    q = world["qwen2_vl"]
+    assert q["processor"] == "Qwen2VLProcessor"
+    assert int((q["ids"] == world["batch"]["image_token_id"]).sum()) == 12
+    with safe_open(os.path.join(q["path"], "model.safetensors"), "pt") as f:
+        names = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert any(".mlp.fc1." in k for k in names)     # Qwen2-VL's tower, not 2.5's
+    for r in world["results"]:
+        assert r["qwen2_vl"]["names"] == names
+        assert (r["qwen2_vl"]["logits"][0].double() - q["ref"]).abs().max() <= 1e-4
