@@ -181,13 +181,13 @@ def test_vision_options_are_checked_before_start_up(model_dir, count_data, monke
     _, problems = build_config(base + ["--tuner_type", "lora_llm"])
     assert not problems.messages, problems.messages
     # --tuner_type lora --freeze_vit false: adapters on the tower's linears (all-linear only;
-    # merged sync only; the language model keeps its adapters).
+    # the language model keeps its adapters).
     tower = base + ["--tuner_type", "lora", "--freeze_vit", "false", "--freeze_aligner", "false"]
-    _, problems = build_config(tower)
-    assert not problems.messages, problems.messages
+    for extra in ([], ["--vllm_enable_lora", "true"]):
+        _, problems = build_config(tower + extra)
+        assert not problems.messages, problems.messages
     for extra, part in ((["--target_modules", "q_proj"], "Fix: --target_modules all-linear"),
-                        (["--freeze_llm", "true"], "alone (none on the language model)"),
-                        (["--vllm_enable_lora", "true"], "Fix: --vllm_enable_lora false")):
+                        (["--freeze_llm", "true"], "alone (none on the language model)")):
         _, problems = build_config(tower + extra)
         assert len(problems.messages) == 1 and part in problems.messages[0], problems.messages
     # --adapters with tower adapters (the regex model/lora_peft.py writes) needs the flags
@@ -317,27 +317,34 @@ def _colocate_rank(rank, world_size, model_dir, count_data, export_root):
 
 
 def _adapter_only_sync(engine, model_dir, root):
-    """--vllm_enable_lora on the VL model: LoRA (random B) on a Megatron copy, the adapter
-    synced alone by the trainer's WeightSync with --check_weight_sync (vLLM's names for the
-    language model's adapters read back by the family's aliases); the PEFT adapter written
+    """--vllm_enable_lora on the VL model: LoRA (random B) on a Megatron copy, on the
+    language model and (--tuner_type lora --freeze_vit/--freeze_aligner false) on every
+    tower and merger linear; the trainer's WeightSync with --check_weight_sync sends the
+    language model's adapter alone (vLLM's names read back by the family's aliases) and
+    the tower merged into vLLM's tower weights (fingerprinted); the PEFT adapter written
     for the HF reference."""
     import types
 
     from bridge import load_hf_weights
     from megatron_grpo.model import build_model, build_transformer_config
-    from megatron_grpo.model.lora import LoraSettings, adapters, apply_lora, lora_settings
+    from megatron_grpo.model.lora import (LoraSettings, adapters, apply_lora, lora_settings,
+                                          tower_adapters)
     from megatron_grpo.model.lora_peft import gather_adapters, save_peft_adapter
     from megatron_grpo.rollout.sync import WeightSync
 
     config, args = build_transformer_config(model_dir)      # the export's world: TP=1
     chunks = build_model(config, args)
     load_hf_weights(chunks, config, args, model_dir)
-    apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0))
+    apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0, tower=True,
+                                                  aligner=True))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for _, _, adapter in adapters(chunks):
             for b in adapter.lora_B.values():
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+        for _, layer in tower_adapters(chunks):
+            b = layer.lora_B["default"].weight
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     save_peft_adapter(os.path.join(root, "adapter"), gather_adapters(chunks),
                       lora_settings(chunks), base_model=model_dir)
     opts = types.SimpleNamespace(vllm_mode="colocate", sleep_level=0, move_model_batches=None,
@@ -378,7 +385,8 @@ def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, coun
     assert checked == len(original)      # every tensor, the tower's included, found in vLLM
 
     # --vllm_enable_lora: the same engine samples with the adapter synced alone (2 layers
-    # x 7 targets x A, B; fingerprint-checked); its log-probs are HF + PEFT's (merged).
+    # x 7 targets x A, B; fingerprint-checked) and the tower's adapters merged into its
+    # tower; its log-probs are HF + PEFT's (merged, tower included).
     from peft import PeftModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 

@@ -739,13 +739,6 @@ def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:
                      "cannot carry the vision tower trained in full (ms-swift refuses it too). "
                      "Fix: --vllm_enable_lora false (merged sync)"):
         return
-    if not p.require(t.tuner_type != "lora" or (t.freeze_vit and t.freeze_aligner),
-                     f"--vllm_enable_lora true with --tuner_type lora --freeze_vit "
-                     f"{str(t.freeze_vit).lower()} --freeze_aligner "
-                     f"{str(t.freeze_aligner).lower()}: adapters on the vision tower are not "
-                     "sent to vLLM's LoRA (vLLM 0.32 would need enable_tower_connector_lora; "
-                     "not wired or checked here). Fix: --vllm_enable_lora false (merged sync)"):
-        return
     if not p.require(t.tuner_type == "lora",
                      f"--vllm_enable_lora true needs --tuner_type lora (it is {t.tuner_type!r}): "
                      "there is no adapter to send. Fix: add --tuner_type lora, or drop "

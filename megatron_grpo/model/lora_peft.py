@@ -47,7 +47,9 @@ target) and are gathered whole once per sync.
 
 Adapter-only sync (--vllm_enable_lora): vLLM keeps the base weights it loaded at start
 and gets only the factors, in PEFT names, gathered over TP factor by factor into buckets
-(`adapter_stream`); vLLM's LoRA layers apply `scale * B (A x)` themselves.
+(`adapter_stream`); vLLM's LoRA layers apply `scale * B (A x)` themselves. The language
+model's factors only: the tower's adapters reach vLLM merged into its tower weights
+(rollout/sync.py `WeightSync._sync_merged_tower`).
 """
 from __future__ import annotations
 
@@ -339,10 +341,6 @@ def adapter_stream(chunks, bucket_size_bytes: int = 64 << 20) -> Iterator[list]:
     tp_group = ps.get_tensor_model_parallel_group()
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    settings = lora_settings(chunks)
-    if settings is not None and (settings.tower or settings.aligner):   # config/validate.py
-        raise ValueError("adapter-only sync (--vllm_enable_lora) of adapters on the vision "
-                         "tower is not supported; use the merged sync")
 
     def local_buckets():
         bucket, size = [], 0
