@@ -20,10 +20,20 @@ _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # In the name of every LoRA adapter parameter (megatron_grpo/model/lora.py names them so) and
 # in no base parameter's: adapters are not tensors of the HF checkpoint.
 ADAPTER_MARK = "_lora.lora_"
+# PEFT's own LoRA layers (the vision tower's adapters, model/lora.py): the factors are
+# `<linear>.lora_A.default.weight`, the wrapped base weight `<linear>.base_layer.weight`,
+# which is the checkpoint's `<linear>.weight`.
+PEFT_MARKS = (".lora_A.default.", ".lora_B.default.")
+PEFT_BASE = ".base_layer."
 
 
 def is_adapter_param(name: str) -> bool:
-    return ADAPTER_MARK in name
+    return ADAPTER_MARK in name or any(m in name for m in PEFT_MARKS)
+
+
+def base_name(name: str) -> str:
+    """A parameter's name without PEFT's `.base_layer` (a wrapped linear's base weight)."""
+    return name.replace(PEFT_BASE, ".")
 
 
 def unwrap(model):
@@ -43,6 +53,7 @@ def global_params(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
         for name, param in model.named_parameters():
             if is_adapter_param(name):
                 continue
+            name = base_name(name)
             m = _LOCAL_LAYER.match(name)
             if m:
                 layer = layers[int(m.group(1))].layer_number - 1

@@ -115,8 +115,7 @@ CASES = [
     # vision-language freezing: only on a VL model, never everything
     (["--freeze_vit", "false"], ["--freeze_vit false", "text-only"]),
     (["--freeze_llm", "true"], ["--freeze_llm true", "nothing to train"]),
-    (["--freeze_aligner", "false", "--tuner_type", "lora"],
-     ["--freeze_aligner false", "--tuner_type lora", "language model only", "--tuner_type full"]),
+    (["--freeze_aligner", "false", "--tuner_type", "lora"], ["--freeze_aligner false", "text-only"]),
     (["--tuner_type", "lora_llm"], ["--tuner_type lora_llm", "text-only", "Fix: --tuner_type lora"]),
     (["--tuner_type", "lora_llm", "--freeze_llm", "true"],
      ["--freeze_llm true with --tuner_type lora_llm", "Fix: --freeze_llm false"]),

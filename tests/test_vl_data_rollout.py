@@ -157,7 +157,8 @@ def test_processor_encodes_prompts_for_trainer_and_vllm(model_dir, count_data, m
         p.check_expanded([1, 2, 3])
 
 
-def test_vision_options_are_checked_before_start_up(model_dir, count_data, monkeypatch):
+def test_vision_options_are_checked_before_start_up(model_dir, count_data, monkeypatch,
+                                                     tmp_path):
     """--max_pixels / MAX_PIXELS and --vllm_limit_mm_per_prompt (ms-swift's flags), for
     `megatron rlhf` and `megatron rollout`: one line naming the option and what is allowed."""
     from megatron_grpo.config import build_config
@@ -179,6 +180,29 @@ def test_vision_options_are_checked_before_start_up(model_dir, count_data, monke
     # --tuner_type lora_llm (the tower trained beside the adapters) fits a VL model.
     _, problems = build_config(base + ["--tuner_type", "lora_llm"])
     assert not problems.messages, problems.messages
+    # --tuner_type lora --freeze_vit false: adapters on the tower's linears (all-linear only;
+    # the language model keeps its adapters).
+    tower = base + ["--tuner_type", "lora", "--freeze_vit", "false", "--freeze_aligner", "false"]
+    for extra in ([], ["--vllm_enable_lora", "true"]):
+        _, problems = build_config(tower + extra)
+        assert not problems.messages, problems.messages
+    for extra, part in ((["--target_modules", "q_proj"], "Fix: --target_modules all-linear"),
+                        (["--freeze_llm", "true"], "alone (none on the language model)")):
+        _, problems = build_config(tower + extra)
+        assert len(problems.messages) == 1 and part in problems.messages[0], problems.messages
+    # --adapters with tower adapters (the regex model/lora_peft.py writes) needs the flags
+    from megatron_grpo.model.lora_peft import _vl_targets_regex
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+         "target_modules": _vl_targets_regex(["q_proj"], ("blocks.0.attn.qkv",))}))
+    _, problems = build_config(tower + ["--adapters", str(adapter), "--freeze_aligner", "true"])
+    assert not problems.messages, problems.messages
+    _, problems = build_config(tower + ["--adapters", str(adapter)])
+    assert len(problems.messages) == 1 and "on the merger: false" in problems.messages[0] and \
+        "Fix: --freeze_vit false --freeze_aligner true" in problems.messages[0]
     _, problems = build_config(base + ["--check_weight_sync", "true"])
     assert not problems.messages, problems.messages
     monkeypatch.setenv("MAX_PIXELS", "many")
@@ -293,27 +317,34 @@ def _colocate_rank(rank, world_size, model_dir, count_data, export_root):
 
 
 def _adapter_only_sync(engine, model_dir, root):
-    """--vllm_enable_lora on the VL model: LoRA (random B) on a Megatron copy, the adapter
-    synced alone by the trainer's WeightSync with --check_weight_sync (vLLM's names for the
-    language model's adapters read back by the family's aliases); the PEFT adapter written
+    """--vllm_enable_lora on the VL model: LoRA (random B) on a Megatron copy, on the
+    language model and (--tuner_type lora --freeze_vit/--freeze_aligner false) on every
+    tower and merger linear; the trainer's WeightSync with --check_weight_sync sends the
+    language model's adapter alone (vLLM's names read back by the family's aliases) and
+    the tower merged into vLLM's tower weights (fingerprinted); the PEFT adapter written
     for the HF reference."""
     import types
 
     from bridge import load_hf_weights
     from megatron_grpo.model import build_model, build_transformer_config
-    from megatron_grpo.model.lora import LoraSettings, adapters, apply_lora, lora_settings
+    from megatron_grpo.model.lora import (LoraSettings, adapters, apply_lora, lora_settings,
+                                          tower_adapters)
     from megatron_grpo.model.lora_peft import gather_adapters, save_peft_adapter
     from megatron_grpo.rollout.sync import WeightSync
 
     config, args = build_transformer_config(model_dir)      # the export's world: TP=1
     chunks = build_model(config, args)
     load_hf_weights(chunks, config, args, model_dir)
-    apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0))
+    apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0, tower=True,
+                                                  aligner=True))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for _, _, adapter in adapters(chunks):
             for b in adapter.lora_B.values():
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+        for _, layer in tower_adapters(chunks):
+            b = layer.lora_B["default"].weight
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     save_peft_adapter(os.path.join(root, "adapter"), gather_adapters(chunks),
                       lora_settings(chunks), base_model=model_dir)
     opts = types.SimpleNamespace(vllm_mode="colocate", sleep_level=0, move_model_batches=None,
@@ -354,7 +385,8 @@ def test_colocate_engine_samples_dataset_images_with_hf_logprobs(model_dir, coun
     assert checked == len(original)      # every tensor, the tower's included, found in vLLM
 
     # --vllm_enable_lora: the same engine samples with the adapter synced alone (2 layers
-    # x 7 targets x A, B; fingerprint-checked); its log-probs are HF + PEFT's (merged).
+    # x 7 targets x A, B; fingerprint-checked) and the tower's adapters merged into its
+    # tower; its log-probs are HF + PEFT's (merged, tower included).
     from peft import PeftModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 

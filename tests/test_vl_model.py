@@ -64,7 +64,7 @@ def _loss_terms(logits, ids, lengths, vocab):
     return total, count
 
 
-def _world(rank, world_size, model_dir, batch, root):
+def _world(rank, world_size, model_dir, batch, root, qwen2_vl):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -127,6 +127,7 @@ def _world(rank, world_size, model_dir, batch, root):
             out["packed_logps"] = _trainer_logps(_packed_chunks(config, args, model_dir),
                                                  batch, args.vocab_size)
 
+    out["qwen2_vl"] = _qwen2_vl_phase(world_size, qwen2_vl)
     out["cp2"] = _cp_phase(world_size, model_dir, batch)
     out["lora"] = _lora_phase(world_size, model_dir, batch, root)
 
@@ -212,7 +213,8 @@ def _lora_phase(world_size, model_dir, batch, root):
     from bridge import export_hf_weights, load_hf_weights
     from megatron_grpo.model import build_model, build_transformer_config
     from megatron_grpo.model.lora import LoraSettings, adapters, apply_lora, lora_settings
-    from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter
+    from megatron_grpo.model.lora_peft import (gather_adapters, load_peft_adapter, merged_stream,
+                                               save_peft_adapter)
     from megatron_grpo.platform import ParallelDims, init_parallel
 
     init_parallel(ParallelDims(world_size=world_size, tp=2), seed=1)
@@ -242,7 +244,108 @@ def _lora_phase(world_size, model_dir, batch, root):
         save_peft_adapter(os.path.join(root, "vl_adapter"), factors, lora_settings(chunks),
                           base_model=model_dir)
     return dict(base=base, adapted=logits(), merged=merged, trainable=trainable,
-                lora_llm=_lora_llm_phase(config, args, model_dir, batch, root))
+                lora_llm=_lora_llm_phase(config, args, model_dir, batch, root),
+                tower=_tower_lora_phase(config, args, model_dir, batch, root))
+
+
+def _tower_lora_phase(config, args, model_dir, batch, root):
+    """--tuner_type lora --freeze_vit false --freeze_aligner false at TP=2: adapters (random
+    B) on the language model and on every linear of the tower and merger. Returns the logits
+    with the adapters on and off, the tower adapters' gradients of _world's loss (after a
+    reference forward with the adapters off), the tower in a merged sync stream, and
+    whether a LoRA checkpoint round trip into a fresh model, and loading the PEFT adapter
+    rank 0 wrote (--adapters), restore every adapter; `megatron export` writes the
+    checkpoint's adapter."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from bridge import export_hf_weights, load_hf_weights
+    from megatron_grpo.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_grpo.model import build_model, wrap_ddp
+    from megatron_grpo.model.lora import (LoraSettings, adapters, adapters_disabled, apply_lora,
+                                          lora_settings, tower_adapters)
+    from megatron_grpo.model.lora_peft import (gather_adapters, load_peft_adapter, merged_stream,
+                                               save_peft_adapter)
+    from megatron_grpo.platform import ParallelDims, init_parallel
+
+    # the lora_llm phase's `megatron export` left its own parallel state
+    init_parallel(ParallelDims(world_size=torch.distributed.get_world_size(), tp=2), seed=1)
+
+    def build():
+        chunks = build_model(config, args)
+        load_hf_weights(chunks, config, args, model_dir)
+        apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0,
+                                                      tower=True, aligner=True))
+        return chunks
+
+    chunks = build()
+    g = torch.Generator().manual_seed(13)          # equal on both ranks (replicated tower)
+    with torch.no_grad():
+        for _, _, adapter in adapters(chunks):
+            for b in adapter.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+        for _, layer in tower_adapters(chunks):
+            b = layer.lora_B["default"].weight
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    trainable = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
+    stream = {n: t.clone() for bucket in merged_stream(chunks, export_hf_weights(
+        chunks, config, args, bucket_size_bytes=64 << 10)) for n, t in bucket
+        if n.startswith("visual.")}
+    factors = gather_adapters(chunks)
+    if torch.distributed.get_rank() == 0:
+        save_peft_adapter(os.path.join(root, "vl_tower_adapter"), factors, lora_settings(chunks),
+                          base_model=model_dir)
+    ckpt = save_checkpoint(os.path.join(root, "tower_lora_ckpt"), 1, chunks, save_rng=False,
+                           hf_config_dir=model_dir)
+
+    chunks = wrap_ddp(config, chunks)
+    ids, count = batch["ids"], sum(n - 1 for n in batch["lengths"])
+    seen = {}
+
+    def step(data_iterator, model):
+        next(data_iterator)
+        output = model(ids, batch["pos"], None, pixel_values=batch["pixel_values"],
+                       image_grid_thw=batch["image_grid_thw"])
+
+        def loss_fn(o):
+            full = gather_from_tensor_model_parallel_region(o)[..., :args.vocab_size]
+            seen["logits"] = full.detach().clone()
+            loss, _ = _loss_terms(full, ids, batch["lengths"], args.vocab_size)
+            return loss / count, {}
+        return output, loss_fn
+
+    def run(forward_only):
+        get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]),
+                                    model=chunks, num_microbatches=1, seq_length=ids.shape[1],
+                                    micro_batch_size=ids.shape[0], forward_only=forward_only)
+        return seen["logits"]
+
+    chunks[0].train()
+    with adapters_disabled(chunks), torch.no_grad():   # the reference policy's forward
+        off = run(True)
+    on = run(False)
+    grads = {f"{n}.{f}": getattr(layer, f)["default"].weight.main_grad.clone()
+             for n, layer in tower_adapters(chunks) for f in ("lora_A", "lora_B")}
+
+    fresh = build()
+    load_checkpoint(ckpt, fresh, load_rng=False)
+    loaded = build()                                 # --adapters: the PEFT folder back
+    load_peft_adapter(loaded, os.path.join(root, "vl_tower_adapter"))
+    from megatron_grpo.convert import main as convert   # the PEFT export of the checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(["--to_hf", "true", "--mcore_model", ckpt, "--output_dir",
+                 os.path.join(root, "tower_lora_export")])
+
+    def same(other):
+        pairs = [(x, y) for (_, a), (_, b) in zip(tower_adapters(chunks), tower_adapters(other))
+                 for x, y in ((a.lora_A["default"].weight, b.lora_A["default"].weight),
+                              (a.lora_B["default"].weight, b.lora_B["default"].weight))]
+        pairs += [(x, y) for (_, _, a), (_, _, b) in zip(adapters(chunks), adapters(other))
+                  for x, y in zip(a.parameters(), b.parameters())]
+        return len(pairs) == 2 * (12 + 2 * 7) and all(torch.equal(x, y) for x, y in pairs)
+    return dict(trainable=trainable, stream=stream, on=on, off=off, grads=grads,
+                restored=same(fresh), loaded=same(loaded))
 
 
 def _lora_llm_phase(config, args, model_dir, batch, root):
@@ -418,11 +521,13 @@ def world(tmp_path_factory, model_dir):
     batch = _inputs(model_dir, hf)
     ref_logits, ref_grads, ref_logps = _hf_reference(hf, batch)
     root = tmp_path_factory.mktemp("vl_convert")
+    qwen2_vl = _qwen2_vl_inputs(tmp_path_factory.mktemp("vl") / "tiny-qwen2-vl")
     results = run_distributed(_world, world_size=2, timeout=600,
                               args=(str(model_dir), {k: v for k, v in batch.items() if k != "encs"},
-                                    str(root)))
+                                    str(root), {k: v for k, v in qwen2_vl.items() if k != "ref"}))
     return dict(model_dir=model_dir, root=root, batch=batch, results=results,
-                ref_logits=ref_logits, ref_grads=ref_grads, ref_logps=ref_logps)
+                ref_logits=ref_logits, ref_grads=ref_grads, ref_logps=ref_logps,
+                qwen2_vl=qwen2_vl)
 
 
 def test_mrope_positions_equal_hf_get_rope_index(world):
@@ -571,6 +676,69 @@ def test_lora_llm_trains_the_tower_beside_the_adapters(world):
         assert any(g.abs().max() > 0 for g in r["grads"].values()) and r["adapters_restored"]
 
 
+def test_lora_on_the_tower_equals_peft(world):
+    """--tuner_type lora --freeze_vit false --freeze_aligner false (TP=2): adapters on every
+    linear of the tower and merger (ms-swift's all-linear), only adapters train; the logits
+    equal PEFT's on HF's model loading the adapter we wrote, and with the adapters off HF's;
+    the tower adapters' gradients equal PEFT's (autograd, the same loss); the merged sync
+    stream's tower equals PEFT's merge_and_unload; a LoRA checkpoint round trip restores
+    the tower adapters (so does loading the adapter: --adapters) and `megatron export` of it
+    writes the same adapter."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    batch = world["batch"]
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(world["model_dir"],
+                                                            dtype=torch.float32)
+    linears = [n for n, m in hf.model.visual.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 2 * 5 + 2      # 2 blocks x (qkv, proj, gate, up, down) + merger
+    peft = PeftModel.from_pretrained(hf, world["root"] / "vl_tower_adapter", is_trainable=True)
+    prefix = "base_model.model.model.visual."
+    wrapped = sorted(n[len(prefix):] for n, p in peft.named_parameters()
+                     if n.startswith(prefix) and ".lora_" in n)
+    assert wrapped == sorted(f"{n}.lora_{f}.default.weight" for n in linears for f in "AB")
+    assert sum(".language_model." in n and "lora_A" in n for n, _ in peft.named_parameters()) \
+        == 2 * 7
+    for n, p in peft.named_parameters():
+        p.requires_grad_(n.startswith(prefix) and ".lora_" in n)
+    total, count, logits = 0.0, sum(n - 1 for n in batch["lengths"]), []
+    for e in batch["encs"]:
+        out = peft(**e, use_cache=False).logits
+        logits.append(out[0].detach())
+        total = total + torch.nn.functional.cross_entropy(out[0, :-1], e["input_ids"][0, 1:],
+                                                          reduction="sum")
+    (total / count).backward()
+    ref = {n[len(prefix):].replace(".default.weight", ""): p.grad
+           for n, p in peft.named_parameters() if n.startswith(prefix) and ".lora_" in n}
+    merged = {k.replace("model.visual.", "visual."): v
+              for k, v in peft.merge_and_unload().state_dict().items()
+              if k.startswith("model.visual.")}
+    written = load_file(world["root"] / "vl_tower_adapter" / "adapter_model.safetensors")
+    exported = load_file(world["root"] / "tower_lora_export" / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(written)
+    assert all(torch.equal(exported[k], t) for k, t in written.items())
+    for r in (r["lora"]["tower"] for r in world["results"]):
+        tower = [n for n in r["trainable"] if n.startswith("visual.")]
+        assert len(tower) == 2 * len(linears) and \
+            all(".lora_A.default." in n or ".lora_B.default." in n or "_lora.lora_" in n
+                for n in r["trainable"])
+        for i, (base, adapted) in enumerate(zip(world["ref_logits"], logits)):
+            n = batch["lengths"][i]
+            assert (r["on"][i, :n] - adapted).abs().max() <= 1e-5, i
+            assert (r["off"][i, :n] - base).abs().max() <= 1e-4, i
+            assert (adapted - base).abs().max() > 1e-2
+        assert sorted(r["grads"]) == sorted(ref)
+        for name, g in r["grads"].items():
+            scale = ref[name].abs().max().item()
+            assert (g - ref[name]).abs().max().item() <= 1e-5 + 1e-4 * scale, name
+        assert any(g.abs().max() > 0 for g in r["grads"].values())
+        assert sorted(r["stream"]) == sorted(merged)
+        for name, t in r["stream"].items():
+            assert (t - merged[name]).abs().max() <= 1e-5, name
+        assert r["restored"] and r["loaded"]
+
+
 def test_freeze_options_choose_what_trains(world):
     trainable = world["results"][0][1, 1, False]["trainable"]
     vit = [n for n in trainable[False, False, True] if n.startswith("visual.model.")]
@@ -704,60 +872,58 @@ def test_sync_stream_leaves_frozen_vision_weights_out(world):
 
 
 # --------------------------------------------------------------------------- Qwen2-VL
-def _qwen2_vl(path):
-    """A tiny random Qwen2-VL saved by transformers (its vision blocks differ from 2.5's:
-    LayerNorm, fc1/fc2 MLP, no windows)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _qwen2_vl_inputs(path):
+    """A tiny Qwen2-VL (tools/make_tiny_vl_model.py family qwen2_vl: its vision blocks differ
+    from 2.5's: LayerNorm, fc1/fc2 MLP, no windows), the first test prompt through its own
+    processor (compat's image-only Qwen2VLProcessor without torchvision), HF's logits."""
+    from transformers import Qwen2VLForConditionalGeneration
 
-    torch.manual_seed(0)
-    config = Qwen2VLConfig(
-        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, vocab_size=300,
-                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [4, 6, 6]}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
-        image_token_id=290, video_token_id=291, vision_start_token_id=292,
-        vision_end_token_id=293)
-    model = Qwen2VLForConditionalGeneration(config).eval()
-    model.save_pretrained(path)
-    return model
+    from megatron_grpo.model.mrope import mrope_positions
+    from megatron_grpo.platform.compat import transformers as compat_transformers
+    from tests.test_vl_tiny_model import hf_logits
+
+    make_tiny_vl_model(path, family="qwen2_vl")
+    processor = compat_transformers.load_processor(str(path), "qwen2_vl")
+    enc = encode(processor, PROMPTS[0], IMAGES[0]())
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    pos, _ = mrope_positions(enc["input_ids"][0], enc["image_grid_thw"], hf.config.image_token_id)
+    return dict(path=str(path), ids=enc["input_ids"], pos=pos[:, None],
+                pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                processor=type(processor).__mro__[1].__name__, ref=hf_logits(hf, enc))
 
 
-def _qwen2_vl_rank(rank, world_size, path, ids, pos, pixel_values, grid):
+def _qwen2_vl_phase(world_size, q):
+    """Qwen2-VL at TP=2: the logits on the image prompt and the bridge's manifest."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from bridge import load_hf_weights, manifest
     from megatron_grpo.model import build_model, build_transformer_config
     from megatron_grpo.platform import ParallelDims, init_parallel
 
-    init_parallel(ParallelDims(world_size=world_size, tp=world_size, pp=1), seed=1)
-    config, args = build_transformer_config(path, tp=world_size)
+    init_parallel(ParallelDims(world_size=world_size, tp=2), seed=1)
+    config, args = build_transformer_config(q["path"], tp=2)
     chunks = build_model(config, args)
-    load_hf_weights(chunks, config, args, path)
+    load_hf_weights(chunks, config, args, q["path"])
     chunks[0].eval()
     with torch.no_grad():
-        out = chunks[0](ids, pos, None, pixel_values=pixel_values, image_grid_thw=grid)
-    return gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size], manifest(config, args)
+        out = chunks[0](q["ids"], q["pos"], None, pixel_values=q["pixel_values"],
+                        image_grid_thw=q["image_grid_thw"])
+    return dict(logits=gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size],
+                names=manifest(config, args))
 
 
-def test_qwen2_vl_logits_equal_hf(tmp_path):
-    """Qwen2-VL goes through the same code: the bridge's manifest is its checkpoint and the
-    logits on an image prompt are HF's (random pixels, a 4x4 patch grid: 4 image tokens)."""
+def test_qwen2_vl_logits_equal_hf(world):
+    """Qwen2-VL goes through the same code: its own processor loads without torchvision
+    (compat's image-only Qwen2VLProcessor), the bridge's manifest is its checkpoint and the
+    logits at TP=2 on an image prompt (a PIL image, 12 image tokens) are HF's."""
     from safetensors import safe_open
 
-    from megatron_grpo.model.mrope import mrope_positions
-
-    hf = _qwen2_vl(tmp_path)
-    ids = torch.tensor([[5, 6, 292] + [290] * 4 + [293, 7, 8, 9]])
-    grid = torch.tensor([[1, 4, 4]])
-    pixel_values = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(input_ids=ids, mm_token_type_ids=(ids == 290).long(), pixel_values=pixel_values,
-                 image_grid_thw=grid, use_cache=False).logits[0]
-    pos, _ = mrope_positions(ids[0], grid, 290)
-    [(logits, names)] = run_distributed(_qwen2_vl_rank, world_size=1, timeout=300,
-                                        args=(str(tmp_path), ids, pos[:, None], pixel_values, grid))
-    with safe_open(tmp_path / "model.safetensors", "pt") as f:
-        assert names == {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert (logits[0] - ref).abs().max() <= 1e-4
+    q = world["qwen2_vl"]
+    assert q["processor"] == "Qwen2VLProcessor"
+    assert int((q["ids"] == world["batch"]["image_token_id"]).sum()) == 12
+    with safe_open(os.path.join(q["path"], "model.safetensors"), "pt") as f:
+        names = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert any(".mlp.fc1." in k for k in names)     # Qwen2-VL's tower, not 2.5's
+    for r in world["results"]:
+        assert r["qwen2_vl"]["names"] == names
+        assert (r["qwen2_vl"]["logits"][0].double() - q["ref"]).abs().max() <= 1e-4

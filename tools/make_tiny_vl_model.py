@@ -82,6 +82,7 @@ MERGE_SIZE = 2
 IMAGE_FACTOR = PATCH_SIZE * MERGE_SIZE    # image sides are resized to multiples of 28 px
 OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+FAMILIES = ("qwen2_5_vl", "qwen2_vl")
 
 
 @functools.lru_cache(maxsize=8)
@@ -177,8 +178,14 @@ def make_tiny_vl_model(
     seed: int = 0,
     max_position_embeddings: int = 1024,
     rope_theta: float = 10000.0,
+    family: str = "qwen2_5_vl",
 ) -> pathlib.Path:
     """Write a tiny Qwen2.5-VL checkpoint into `out_dir` and return its path.
+
+    family="qwen2_vl": a Qwen2-VL instead (same tokenizer, processor geometry and language
+    model; its vision blocks are LayerNorm + fc1/fc2 with quick_gelu, no windows:
+    `window_size` is unused, `vision_intermediate_size` / `vision_hidden_size` is its
+    mlp_ratio).
 
     The default pixel budget maps an image to 4..16 language tokens (one per 28x28
     pixels after resizing, 4 vision patches each). The tokenizer has `vocab_size`
@@ -186,7 +193,11 @@ def make_tiny_vl_model(
     `vocab_size` rows). Same arguments give bitwise-identical tensors.
     """
     from transformers import (GenerationConfig, Qwen2_5_VLConfig,
-                              Qwen2_5_VLForConditionalGeneration)
+                              Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is not supported; choose one of {FAMILIES}")
 
     mrope_section = tuple(int(x) for x in mrope_section)
     _check_args(hidden_size, num_attention_heads, num_key_value_heads, mrope_section,
@@ -199,8 +210,10 @@ def make_tiny_vl_model(
         (out_dir / name).write_bytes(data)
     added = json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]
     token_id = {t["content"]: t["id"] for t in added}
-    (out_dir / "preprocessor_config.json").write_text(
-        json.dumps(_preprocessor_config(min_pixels, max_pixels), indent=2) + "\n")
+    preprocessor = _preprocessor_config(min_pixels, max_pixels)
+    if family == "qwen2_vl":
+        preprocessor["processor_class"] = "Qwen2VLProcessor"
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
 
     ids = dict(bos_token_id=token_id["<|endoftext|>"], eos_token_id=token_id["<|im_end|>"],
                pad_token_id=token_id["<|endoftext|>"])
@@ -221,16 +234,24 @@ def make_tiny_vl_model(
         temporal_patch_size=TEMPORAL_PATCH_SIZE, spatial_merge_size=MERGE_SIZE,
         window_size=window_size, fullatt_block_indexes=[vision_depth - 1],
         tokens_per_second=2)
-    config = Qwen2_5_VLConfig(
+    config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    if family == "qwen2_vl":
+        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision_config = dict(
+            depth=vision_depth, embed_dim=vision_hidden_size, hidden_size=hidden_size,
+            num_heads=vision_num_heads, mlp_ratio=vision_intermediate_size // vision_hidden_size,
+            hidden_act="quick_gelu", in_channels=3, patch_size=PATCH_SIZE,
+            temporal_patch_size=TEMPORAL_PATCH_SIZE, spatial_merge_size=MERGE_SIZE)
+    config = config_cls(
         text_config=text_config, vision_config=vision_config,
         image_token_id=token_id["<|image_pad|>"], video_token_id=token_id["<|video_pad|>"],
         vision_start_token_id=token_id["<|vision_start|>"],
         vision_end_token_id=token_id["<|vision_end|>"],
         tie_word_embeddings=tie_word_embeddings, **ids)
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.architectures = [model_cls.__name__]
 
     with torch.random.fork_rng(devices=[]):   # HF's init must not shift callers' RNG
-        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+        model = model_cls._from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(_init_tensor(name, param.shape, seed))
@@ -264,6 +285,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tie_word_embeddings", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES)
     args = vars(parser.parse_args(argv))
     print(make_tiny_vl_model(args.pop("output_dir"), **args))
 

@@ -69,6 +69,18 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
                        "down_proj")
 
 
+def adapter_covers_tower(target_modules) -> tuple[bool, bool]:
+    """Whether a PEFT adapter's target_modules (a regex, as model/lora_peft.py writes for a
+    vision-language model) cover Qwen2(.5)-VL's vision tower and its merger: it must match
+    one linear of each as PEFT names them on the HF model."""
+    import re
+
+    if not isinstance(target_modules, str) or target_modules == "all-linear":
+        return False, False
+    return (bool(re.fullmatch(target_modules, "model.visual.blocks.0.attn.qkv")),
+            bool(re.fullmatch(target_modules, "model.visual.merger.mlp.0")))
+
+
 class _Group:
     def __post_init__(self) -> None:
         check_choices(self)
@@ -227,9 +239,12 @@ class TrainingOptions(_Group):
                 "vLLM; the reference keeps the trained tower, as in ms-swift). ms-swift's old "
                 "name --train_type is accepted too.")
     freeze_vit: bool = opt(True, "Vision-language models: keep the vision tower (without its "
-                                 "merger) frozen; false trains it (full-parameter training).")
+                                 "merger) frozen; false trains it (full-parameter training; "
+                                 "with --tuner_type lora: LoRA adapters on its linears, as "
+                                 "ms-swift).")
     freeze_aligner: bool = opt(True, "Vision-language models: keep the merger (aligner: vision "
-                                     "features -> language embeddings) frozen.")
+                                     "features -> language embeddings) frozen (false with "
+                                     "--tuner_type lora: adapters on its linears).")
     freeze_llm: bool = opt(False, "Vision-language models: keep the language model frozen "
                                   "(train only what freeze_vit / freeze_aligner leave on).")
     lora_rank: int = opt(8, "LoRA rank r (tuner_type lora).")

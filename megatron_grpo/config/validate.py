@@ -25,7 +25,7 @@ from megatron_grpo.multi_turn import check_scheduler, env_names, scheduler_names
 from megatron_grpo.rewards import registry
 
 from .errors import Problems
-from .groups import LORA_TARGET_MODULES
+from .groups import LORA_TARGET_MODULES, adapter_covers_tower
 from .hf_model import VLLM_CPU_HEAD_SIZES, head_dim, model_max_len, vllm_is_cpu_build
 from .parallel import ParallelDims, divisors
 from .sizes import parse_size
@@ -187,12 +187,16 @@ def _check_freeze(cfg: "GRPOConfig", p: Problems) -> None:
         return   # the defaults
     p.require(not (t.freeze_vit and t.freeze_aligner and t.freeze_llm),
               f"{flags} leaves nothing to train. Fix: set one of them false")
-    p.require(t.tuner_type != "lora",
-              f"{flags} with --tuner_type lora: in ms-swift this puts LoRA adapters on the "
-              "vision tower's / merger's linears, which is not supported (adapters on the "
-              "language model only). Fix: --tuner_type lora_llm (adapters on the language "
-              "model, the tower and merger trained in full), or keep the defaults (true, true, "
-              "false), or --tuner_type full")
+    if t.tuner_type == "lora":   # adapters on the tower's / merger's linears (model/lora.py)
+        p.require(not t.freeze_llm,
+                  f"{flags} with --tuner_type lora: adapters on the vision tower / merger "
+                  "alone (none on the language model) are not supported. Fix: --freeze_llm "
+                  "false, or --tuner_type full")
+        p.require("all-linear" in (t.target_modules or []),
+                  f"{flags} with --tuner_type lora --target_modules "
+                  f"{' '.join(t.target_modules or [])}: the tower's / merger's adapters follow "
+                  "ms-swift's all-linear (its linears are not q_proj ... down_proj). Fix: "
+                  "--target_modules all-linear, or keep --freeze_vit / --freeze_aligner true")
     p.require(t.tuner_type != "lora_llm" or not t.freeze_llm,
               f"{flags} with --tuner_type lora_llm: the adapters are on the language model. "
               "Fix: --freeze_llm false, or --tuner_type full")
@@ -219,6 +223,16 @@ def _check_lora(t, p: Problems, model: Optional[str] = None) -> None:
                   f"--tuner_type lora_llm with --model {model!r}: lora_llm trains a "
                   "vision-language model's tower beside the adapters; this model is "
                   "text-only. Fix: --tuner_type lora")
+    covers = _adapter_tower_targets(t)
+    if t.tuner_type == "lora" and covers is not None:   # the adapter's tower adapters
+        want = (not t.freeze_vit, not t.freeze_aligner)
+        p.require(covers == want,
+                  f"--adapters {' '.join(t.adapters)} has adapters on the vision tower: "
+                  f"{str(covers[0]).lower()}, on the merger: {str(covers[1]).lower()}; "
+                  f"--freeze_vit {str(t.freeze_vit).lower()} --freeze_aligner "
+                  f"{str(t.freeze_aligner).lower()} ask for {str(want[0]).lower()} / "
+                  f"{str(want[1]).lower()}. Fix: --freeze_vit {str(not covers[0]).lower()} "
+                  f"--freeze_aligner {str(not covers[1]).lower()}")
     tower = "visual" in _adapter_modules_to_save(t)
     p.require(not tower or t.tuner_type == "lora_llm",
               f"--adapters {' '.join(t.adapters)} holds a trained vision tower (modules_to_save "
@@ -698,6 +712,18 @@ def _adapter_modules_to_save(t) -> list:
         except (OSError, ValueError, TypeError, AttributeError):
             return []
     return []
+
+
+def _adapter_tower_targets(t) -> Optional[tuple]:
+    """(vision tower, merger): whether --adapters' target_modules cover their linears
+    (model/lora_peft.py writes a regex for them); None when no adapter is readable."""
+    for folder in t.adapters:
+        try:
+            with open(os.path.join(folder, "adapter_config.json")) as f:
+                return adapter_covers_tower(json.load(f).get("target_modules"))
+        except (OSError, ValueError, TypeError, AttributeError, re.error):
+            return None
+    return None
 
 
 def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:

@@ -52,8 +52,23 @@ trained in full beside them (ms-swift's `_prepare_full_vit`: `requires_grad` on
 `visual.*`, whatever --freeze_vit / --freeze_aligner say). The tower's parameters are
 saved with the adapters (`is_lora_state`) and streamed by every sync; no original copy is
 kept: as in ms-swift, whose reference policy is the same model with the adapters
-disabled, the reference sees the trained tower. (ms-swift's `--tuner_type lora
---freeze_vit false` means adapters ON the tower's linears instead: not supported.)
+disabled, the reference sees the trained tower.
+
+--tuner_type lora with --freeze_vit false / --freeze_aligner false (ms-swift's meaning: its
+`all-linear` regex, `get_multimodal_target_regex`, then covers the vision tower's and/or the
+merger's linears; `settings.tower` / `settings.aligner`): PEFT's own LoRA layers on HF's
+`nn.Linear`s inside the tower (`peft.inject_adapter_in_model` on `visual.model`), same rank,
+alpha, dropout and rslora as the language model's. Each wrapped linear's base weight
+becomes `<linear>.base_layer.weight` (the bridge strips `.base_layer`: bridge/params.py)
+and its factors `<linear>.lora_A.default.weight` / `lora_B` (PEFT's names with the
+adapter name, which PEFT's files drop). The tower is replicated over TP, so are its
+adapters: A is redrawn like the language model's (seeded by the module's name: equal on
+every rank), B = 0, and they are tagged `average_gradients_across_tp_domain` like the
+tower's own parameters (HuggingFaceModule tags only what exists when it is set). The
+reference policy turns them off with PEFT's `enable_adapters(False)` (PeftModel's
+`disable_adapter`), the requires_grad flags put back after. With dropout > 0 each TP rank
+draws its own masks in the tower too (its outputs then differ slightly over TP, as any
+per-rank dropout).
 
 Simplifications: the local layer spec only (Transformer Engine's fused layer-norm
 linears take the un-normed input); no k/v adapters when kv heads are replicated
@@ -133,6 +148,10 @@ class LoraSettings:
     vision: bool = False
     # --tuner_type lora_llm: the vision tower and merger (`visual.*`) train in full.
     train_vision: bool = False
+    # --tuner_type lora with --freeze_vit false: adapters on the tower's linears (not the
+    # merger's); --freeze_aligner false: on the merger's.
+    tower: bool = False
+    aligner: bool = False
 
     @property
     def scale(self) -> float:
@@ -336,9 +355,69 @@ def apply_lora(chunks, config, args, settings: LoraSettings) -> list[str]:
                 parent.add_module(attr + "_lora", adapter)
                 _wrap_forward(linear, adapter)
                 added += [f"decoder.layers.{i}.{path}_lora.{n}" for n, _ in adapter.named_parameters()]
+    if settings.tower or settings.aligner:
+        if not settings.vision:
+            raise ValueError("--freeze_vit false / --freeze_aligner false with --tuner_type lora "
+                             f"put adapters on a vision tower; the model ({args.family.name}) "
+                             "has none. Fix: keep the defaults (true, true)")
+        for c in chunks:
+            added += _add_tower_adapters(unwrap(c), settings)
     for c in chunks:
         unwrap(c).lora_settings = settings
     return added
+
+
+# The vision tower's HF module inside the Megatron model (model/vision.py VisionTower).
+TOWER_MODULE = "visual.model"
+_ALIGNER = "merger"
+
+
+def tower_linears(tower: torch.nn.Module, settings: LoraSettings) -> list[str]:
+    """The names (inside the HF tower) of the linears the tower's adapters wrap: ms-swift's
+    all-linear over `visual` without `visual.merger` (settings.tower) and over the merger
+    (settings.aligner); `nn.Linear` only (patch_embed's Conv3d is none)."""
+    def chosen(name):
+        aligner = name == _ALIGNER or name.startswith(_ALIGNER + ".")
+        return settings.aligner if aligner else settings.tower
+    return [n for n, m in tower.named_modules() if isinstance(m, torch.nn.Linear) and chosen(n)]
+
+
+def _add_tower_adapters(model, settings: LoraSettings) -> list[str]:
+    """PEFT's LoRA layers on the tower's linears of `model` (the chunk that holds the tower;
+    none elsewhere). Returns the added parameters' names."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    visual = getattr(model, "visual", None)
+    if visual is None:
+        return []
+    names = tower_linears(visual.model, settings)
+    inject_adapter_in_model(LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
+                                       lora_dropout=settings.dropout, use_rslora=settings.rslora,
+                                       target_modules=names), visual.model)
+    added = []
+    with torch.no_grad():
+        for name, layer in tower_adapters([model]):
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            a.copy_(_init_a(settings, 0, f"{TOWER_MODULE}.{name}", a.shape[1]))
+            b.zero_()
+            for factor, p in (("lora_A", a), ("lora_B", b)):
+                p.requires_grad_(True)
+                p.average_gradients_across_tp_domain = True   # replicated over TP
+                added.append(f"{TOWER_MODULE}.{name}.{factor}.default.weight")
+    return added
+
+
+def tower_adapters(chunks):
+    """(name inside the HF tower, PEFT LoraLayer) of every tower adapter of `chunks`."""
+    from peft.tuners.lora import LoraLayer
+
+    for c in chunks:
+        visual = getattr(unwrap(c), "visual", None)
+        if visual is None:
+            continue
+        for name, module in visual.model.named_modules():
+            if isinstance(module, LoraLayer):
+                yield name, module
 
 
 def saved_params(chunks):
@@ -383,10 +462,14 @@ def adapters_disabled(chunks):
     before = [a.enabled for a in found]
     saved = [p for _, p in saved_params(chunks)]
     trained = [p.data for p in saved]
+    tower = [m for _, m in tower_adapters(chunks) if not m.disable_adapters]
+    grads = [(p, p.requires_grad) for m in tower for p in m.parameters()]
     for a in found:
         a.enabled = False
     for p in saved:
         p.data = p.lora_original
+    for m in tower:          # PEFT's disable_adapter (it also clears their requires_grad)
+        m.enable_adapters(False)
     try:
         yield
     finally:
@@ -394,3 +477,7 @@ def adapters_disabled(chunks):
             a.enabled = e
         for p, t in zip(saved, trained):
             p.data = t
+        for m in tower:
+            m.enable_adapters(True)
+        for p, g in grads:
+            p.requires_grad_(g)

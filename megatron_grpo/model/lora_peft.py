@@ -33,6 +33,12 @@ the adapter file as PEFT's modules_to_save of `visual` (transformers' `model.vis
 `base_model.model.model.visual.<HF name after visual.>`, written from the rank that holds
 the tower (`vision_state`); `peft_settings` / `load_peft_adapter` read them back.
 
+--tuner_type lora with --freeze_vit false / --freeze_aligner false (settings.tower /
+settings.aligner): the tower's adapters are PEFT layers on HF's linears (model/lora.py), so
+their PEFT keys are the HF model's: `base_model.model.model.visual.<linear>.lora_A.weight`,
+replicated (no TP split), gathered from the first stage; target_modules adds a regex over
+the wrapped tower linears (`_tower_regex`), which `peft_settings` reads back.
+
 Merged sync: the bridge streams the base weights as always and each HF tensor a target
 covers gets `W += scale * B @ A` in its bucket slot, in place (the slot is a reused
 staging buffer, the model's own weights are not touched); the product is computed per
@@ -41,7 +47,9 @@ target) and are gathered whole once per sync.
 
 Adapter-only sync (--vllm_enable_lora): vLLM keeps the base weights it loaded at start
 and gets only the factors, in PEFT names, gathered over TP factor by factor into buckets
-(`adapter_stream`); vLLM's LoRA layers apply `scale * B (A x)` themselves.
+(`adapter_stream`); vLLM's LoRA layers apply `scale * B (A x)` themselves. The language
+model's factors only: the tower's adapters reach vLLM merged into its tower weights
+(rollout/sync.py `WeightSync._sync_merged_tower`).
 """
 from __future__ import annotations
 
@@ -55,8 +63,10 @@ import torch.distributed as dist
 
 from bridge.load import check_checkpoint, load_hf_weights
 
+from ..config.groups import adapter_covers_tower
 from .lora import (HF_MODULE, LoraSettings, adapters, apply_lora, lora_settings,
-                   parse_modules_to_save, parse_target_modules, saved_params, unwrap)
+                   parse_modules_to_save, parse_target_modules, saved_params, tower_adapters,
+                   unwrap)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -93,6 +103,22 @@ def vision_state(chunks) -> dict[str, torch.Tensor]:
     return {key: p.detach().cpu() for key, p in _vision_params(chunks)}
 
 
+def tower_key(name: str, factor: str) -> str:
+    """PEFT's saved name of lora_A / lora_B of the tower linear `name` (inside the tower)."""
+    return f"{VISION_KEY}{name}.{factor}.weight"
+
+
+def _tower_factors(chunks, source) -> dict[str, torch.Tensor]:
+    """{PEFT key: tensor} of this rank's tower adapters (replicated: no gather)."""
+    out = {}
+    for name, layer in tower_adapters(chunks):
+        for factor in ("lora_A", "lora_B"):
+            p = getattr(layer, factor)["default"].weight
+            t = source(p)
+            out[tower_key(name, factor)] = (torch.zeros_like(p) if t is None else t).cpu()
+    return out
+
+
 _TEXT_LAYERS = "base_model.model.model.layers."
 _VL_LAYERS = "base_model.model.model.language_model.layers."
 
@@ -102,9 +128,17 @@ def _file_key(key: str, vision: bool) -> str:
     return _VL_LAYERS + key[len(_TEXT_LAYERS):] if vision and key.startswith(_TEXT_LAYERS) else key
 
 
-def _vl_targets_regex(targets) -> str:
-    """PEFT target_modules of a vision-language model: the language model's projections."""
-    return r".*language_model\.layers\.\d+\.(self_attn|mlp)\.(" + "|".join(targets) + ")"
+def _vl_targets_regex(targets, tower: tuple[str, ...] = ()) -> str:
+    """PEFT target_modules of a vision-language model: the language model's projections, and
+    the tower's wrapped linears (names inside the tower, block numbers as \\d+)."""
+    regex = r".*language_model\.layers\.\d+\.(self_attn|mlp)\.(" + "|".join(targets) + ")"
+    return regex + (_tower_regex(tower) if tower else "")
+
+
+def _tower_regex(names) -> str:
+    """`|.*visual\.(...)` over the tower linears `names` (e.g. blocks.0.attn.qkv)."""
+    pats = sorted({re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(n)) for n in names})
+    return r"|.*visual\.(" + "|".join(pats) + ")"
 
 
 def hf_weight_name(layer: int, target: str) -> str:
@@ -123,7 +157,9 @@ def peft_settings(adapter_dir: str, seed: int = 42) -> LoraSettings:
         raise ValueError(f"--adapters {adapter_dir!r}: peft_type {cfg.get('peft_type')!r}; "
                          "allowed: LORA")
     targets = cfg.get("target_modules") or ["all-linear"]
+    tower = aligner = False
     if isinstance(targets, str) and targets != "all-linear":   # PEFT: a regex, full match
+        tower, aligner = adapter_covers_tower(targets)
         targets = [t for t in HF_MODULE if any(re.fullmatch(targets, f"{prefix}.0.{HF_MODULE[t]}")
                                                for prefix in ("model.layers",
                                                               "model.language_model.layers"))]
@@ -144,7 +180,8 @@ def peft_settings(adapter_dir: str, seed: int = 42) -> LoraSettings:
                         dropout=float(cfg.get("lora_dropout", 0.0)),
                         targets=parse_target_modules(targets),
                         rslora=bool(cfg.get("use_rslora", False)), seed=seed,
-                        modules_to_save=saved, train_vision=train_vision)
+                        modules_to_save=saved, train_vision=train_vision, tower=tower,
+                        aligner=aligner)
 
 
 def _split_axis(kind: str, factor: str) -> int | None:
@@ -182,6 +219,9 @@ def load_peft_adapter(chunks, adapter_dir: str) -> None:
         expected[key] = (vocab, param.shape[1])
         saved.append((key, param))
     tower = _vision_params(chunks)
+    for name, layer in tower_adapters(chunks):   # the tower's own adapters (replicated)
+        for factor in ("lora_A", "lora_B"):
+            tower.append((tower_key(name, factor), getattr(layer, factor)["default"].weight))
     expected.update({k: tuple(p.shape) for k, p in tower})
     with safe_open(path, framework="pt") as f:
         found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -237,6 +277,7 @@ def gather_adapters(chunks, source=None) -> dict[str, torch.Tensor]:
             dist.all_gather(parts, t, group=tp_group)
             t = torch.cat(parts)
         local[SAVED_KEYS[name]] = t[:param.lora_saved[1]].cpu()
+    local.update(_tower_factors(chunks, source))
     if ps.get_pipeline_model_parallel_world_size() > 1:
         everything = [None] * ps.get_pipeline_model_parallel_world_size()
         dist.all_gather_object(everything, local, group=ps.get_pipeline_model_parallel_group())
@@ -247,10 +288,15 @@ def gather_adapters(chunks, source=None) -> dict[str, torch.Tensor]:
 def delta(factors: dict[str, torch.Tensor], settings: LoraSettings, layer: int,
           target: str) -> torch.Tensor | None:
     """scale * B @ A of one target [out, in] in float32, or None when not adapted."""
-    a = factors.get(peft_key(layer, target, "lora_A"))
+    return _product(factors, settings, peft_key(layer, target, "lora_A"))
+
+
+def _product(factors, settings: LoraSettings, a_key: str) -> torch.Tensor | None:
+    """scale * B @ A [out, in] (float32) of the factors under `a_key` and its lora_B twin."""
+    a = factors.get(a_key)
     if a is None:
         return None
-    b = factors[peft_key(layer, target, "lora_B")]
+    b = factors[a_key.replace(".lora_A.", ".lora_B.")]
     return (b.float() @ a.float()) * settings.scale
 
 
@@ -258,17 +304,18 @@ def merge_lora_stream(stream, factors: dict[str, torch.Tensor], settings: LoraSe
                       ) -> Iterator[list]:
     """The bridge stream with `W + scale * B @ A` in place of every adapted HF weight
     (in the bucket's own slot; float32 product, cast to the stream's dtype)."""
-    by_name = {}
+    by_name = {}   # HF weight name -> its lora_A key
     for key in factors:
-        if key.endswith("lora_A.weight"):
+        if key.startswith(VISION_KEY) and key.endswith(".lora_A.weight"):   # a tower linear
+            by_name["visual." + key[len(VISION_KEY):-len(".lora_A.weight")] + ".weight"] = key
+        elif key.endswith("lora_A.weight"):
             parts = key.split(".")                  # base_model.model.model.layers.N.mod.proj...
-            layer, target = int(parts[4]), parts[6]
-            by_name[hf_weight_name(layer, target)] = (layer, target)
+            by_name[hf_weight_name(int(parts[4]), parts[6])] = key
     for bucket in stream:
         for name, tensor in bucket:
             hit = by_name.get(name)
             if hit is not None:
-                d = delta(factors, settings, *hit).to(tensor.device)
+                d = _product(factors, settings, hit).to(tensor.device)
                 tensor.copy_((tensor.float() + d).to(tensor.dtype))
         yield bucket
 
@@ -348,8 +395,10 @@ def save_peft_adapter(out_dir: str, factors: dict[str, torch.Tensor], settings: 
 
     os.makedirs(out_dir, exist_ok=True)
     config = peft_config(settings, base_model)
-    if settings.vision:     # the language model only (module docstring)
-        config["target_modules"] = _vl_targets_regex(settings.targets)
+    if settings.vision:     # the language model (and the tower's wrapped linears)
+        tower = sorted({k[len(VISION_KEY):-len(".lora_A.weight")] for k in factors
+                        if k.startswith(VISION_KEY) and k.endswith(".lora_A.weight")})
+        config["target_modules"] = _vl_targets_regex(settings.targets, tuple(tower))
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     tensors = {_file_key(k, settings.vision): (v.to(dtype) if dtype else v).contiguous()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from bridge import BucketBuffer, export_hf_weights
 from bridge.mappings import get_mapping
+from bridge.mappings.vision import HF_PREFIX as VISION_HF_PREFIX
 
 from ..model.lora import is_adapter_param, lora_settings
 from ..model.lora_peft import adapter_stream, merged_stream, peft_config
@@ -109,8 +110,13 @@ class WeightSync:
 
     def _sync_adapter(self, bucket: int) -> dict:
         """Adapter-only sync: the factors in buckets of at most `bucket` bytes (collective
-        over every trainer rank); in server mode rank 0 alone uploads."""
+        over every trainer rank); in server mode rank 0 alone uploads. Adapters on the
+        vision tower (--freeze_vit / --freeze_aligner false) are not sent to vLLM's LoRA:
+        the tower goes merged (W + scale * B @ A) into vLLM's own tower weights first
+        (`_sync_merged_tower`)."""
         settings = lora_settings(self.policy.chunks)
+        if settings.tower or settings.aligner:
+            self._sync_merged_tower(bucket)
         stream = adapter_stream(self.policy.chunks, bucket_size_bytes=bucket)
         expected = AdapterFingerprints(settings.scale) if self.opts.check_weight_sync else None
         info = self._deliver(
@@ -122,6 +128,26 @@ class WeightSync:
             dist.broadcast_object_list(name, src=0)
             self.engine.lora_name = name[0]
         return info
+
+    def _sync_merged_tower(self, bucket: int) -> dict:
+        """The vision tower's HF tensors (those the sync filter streams), merged with their
+        adapters, into vLLM's base weights; vLLM's LoRA keeps the language model's adapter
+        (vLLM 0.32's LoRA on the tower, `enable_tower_connector_lora`, is experimental and
+        not used). Base weights are streamed each time, so nothing accumulates."""
+        policy, r = self.policy, self.opts
+        base = getattr(policy, "sync_include", None)
+
+        def include(name: str) -> bool:
+            return name.startswith(VISION_HF_PREFIX) and (base is None or base(name))
+
+        stream = merged_stream(policy.chunks, export_hf_weights(
+            policy.chunks, policy.config, policy.args, bucket_size_bytes=bucket,
+            offload_bridge=r.offload_bridge, include=include))
+        expected = StreamFingerprints() if r.check_weight_sync else None
+        aliases = get_mapping(policy.args.family).vllm_aliases
+        return self._deliver(stream, expected, lambda s: load_weight_stream(self.engine, s),
+                             lambda info: check_weight_sync(self.engine, expected.result,
+                                                            aliases, include))
 
     def hand_over(self) -> None:
         """Before vLLM generates: free the trainer's accelerator memory for it (colocate

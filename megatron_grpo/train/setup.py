@@ -109,12 +109,16 @@ def lora_settings_of(cfg):
 
 
 def apply_tuner(cfg, config, args, chunks) -> None:
-    """--tuner_type lora: freeze `chunks`, add the adapters, load --adapters if given;
+    """--tuner_type lora: freeze `chunks`, add the adapters (on the tower's / merger's
+    linears too with --freeze_vit / --freeze_aligner false), load --adapters if given;
     lora_llm: the same, and the vision tower and merger train in full (model/lora.py)."""
     if cfg.training.tuner_type not in ("lora", "lora_llm"):
         return
-    settings = dataclasses.replace(lora_settings_of(cfg),
-                                   train_vision=cfg.training.tuner_type == "lora_llm")
+    t = cfg.training
+    lora = t.tuner_type == "lora"       # ms-swift: --freeze_vit / --freeze_aligner false put
+    settings = dataclasses.replace(     # adapters on the tower's / merger's linears
+        lora_settings_of(cfg), train_vision=t.tuner_type == "lora_llm",
+        tower=lora and not t.freeze_vit, aligner=lora and not t.freeze_aligner)
     apply_lora(chunks, config, args, settings)
     if cfg.training.adapters:
         from megatron_grpo.model.lora_peft import load_peft_adapter

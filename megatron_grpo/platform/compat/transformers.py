@@ -17,8 +17,9 @@ What this module does, only when `import torchvision` fails (GPU stacks need non
 1. `install_image_processor_shim`: registers, under that module's name, a module holding
    the PIL implementation's `smart_resize`, image processor and its kwargs (the same
    resize function in both backends, so the image token counts agree);
-2. `image_only_processor_cls`: `Qwen2_5_VLProcessor` with a tokenizer and an image
-   processor only (ProcessorMixin reads the sub-processors from `__init__`'s signature).
+2. `image_only_processor_cls`: `Qwen2_5_VLProcessor` (or Qwen2-VL's `Qwen2VLProcessor`,
+   the same `__init__` in 5.19) with a tokenizer and an image processor only
+   (ProcessorMixin reads the sub-processors from `__init__`'s signature).
 
 Verified on transformers 5.19.0 (the range is setup.py's).
 """
@@ -42,9 +43,11 @@ PRIVATE_NAMES = (
     f"{_PIL_MODULE}:Qwen2VLImageProcessorKwargs",
     "transformers.processing_utils:ProcessorMixin.__init__",
     "transformers:Qwen2_5_VLProcessor",
+    "transformers:Qwen2VLProcessor",
 )
-# model_type values whose processor this module can build without torchvision.
-IMAGE_ONLY_MODEL_TYPES = ("qwen2_5_vl",)
+# model_type -> the processor class this module can build without torchvision.
+IMAGE_ONLY_PROCESSORS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen2_vl": "Qwen2VLProcessor"}
+IMAGE_ONLY_MODEL_TYPES = tuple(IMAGE_ONLY_PROCESSORS)
 
 _checked = False
 
@@ -89,26 +92,27 @@ def install_image_processor_shim() -> None:
     sys.modules[_TV_MODULE] = shim
 
 
-@functools.lru_cache(maxsize=1)
-def image_only_processor_cls():
-    """Patch 2: Qwen2.5-VL's processor class without a video processor (one class per
-    process: vLLM caches processors by class)."""
+@functools.lru_cache(maxsize=None)
+def image_only_processor_cls(model_type: str = "qwen2_5_vl"):
+    """Patch 2: the processor class of `model_type` without a video processor (one class
+    per model type and process: vLLM caches processors by class)."""
     check_version()
-    from transformers import Qwen2_5_VLProcessor
+    import transformers
     from transformers.processing_utils import ProcessorMixin
 
-    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
-        """Qwen2.5-VL's processor with a tokenizer and an image processor only: videos
-        are not supported where torchvision is absent."""
+    base = getattr(transformers, IMAGE_ONLY_PROCESSORS[model_type])
 
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            self.image_token = "<|image_pad|>"
-            self.video_token = "<|video_pad|>"
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token = "<|image_pad|>"
+        self.video_token = "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    return ImageOnlyQwen2_5_VLProcessor
+    return type(f"ImageOnly{base.__name__}", (base,), {
+        "__init__": __init__, "__module__": __name__,
+        "__doc__": f"{base.__name__} with a tokenizer and an image processor only: videos "
+                   "are not supported where torchvision is absent."})
 
 
 def load_processor(model_dir: str, model_type: str, **kwargs):
@@ -124,4 +128,4 @@ def load_processor(model_dir: str, model_type: str, **kwargs):
                          f"which does not import here; without it only "
                          f"{list(IMAGE_ONLY_MODEL_TYPES)} are supported")
     install_image_processor_shim()
-    return image_only_processor_cls().from_pretrained(model_dir, **kwargs)
+    return image_only_processor_cls(model_type).from_pretrained(model_dir, **kwargs)

@@ -793,13 +793,14 @@ def image_models_without_torchvision(model_type: str) -> None:
     `processor.video_processor`); and the registry inspects the architecture in a fresh
     interpreter (`_run_in_subprocess`), which would not hold the shim, so it runs
     in-process (the inspection only imports the model class)."""
-    if model_type not in compat_transformers.IMAGE_ONLY_MODEL_TYPES or \
-            compat_transformers.torchvision_available():
+    # Qwen2.5-VL only: Qwen2-VL's processor loads (compat.transformers) but vLLM's
+    # Qwen2VLProcessingInfo is not patched or checked here.
+    if model_type != "qwen2_5_vl" or compat_transformers.torchvision_available():
         return
     check_version()
     os.environ[IMAGE_PATCHES_ENV] = model_type     # for spawned engine processes
     compat_transformers.install_image_processor_shim()
-    processor_cls = compat_transformers.image_only_processor_cls()
+    processor_cls = compat_transformers.image_only_processor_cls(model_type)
     import vllm.model_executor.models.qwen2_5_vl as qwen2_5_vl
     import vllm.model_executor.models.registry as registry
 
