@@ -11,6 +11,7 @@ project's own say so in their help.
 """
 from __future__ import annotations
 
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Literal, Optional
@@ -73,8 +74,6 @@ def adapter_covers_tower(target_modules) -> tuple[bool, bool]:
     """Whether a PEFT adapter's target_modules (a regex, as model/lora_peft.py writes for a
     vision-language model) cover Qwen2(.5)-VL's vision tower and its merger: it must match
     one linear of each as PEFT names them on the HF model."""
-    import re
-
     if not isinstance(target_modules, str) or target_modules == "all-linear":
         return False, False
     return (bool(re.fullmatch(target_modules, "model.visual.blocks.0.attn.qkv")),
