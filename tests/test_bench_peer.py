@@ -107,6 +107,9 @@ def test_settings_differ_shows_a_layout_and_a_setting_change(model_dir):
     assert lines["parallel layout"].startswith("ours TP=1 PP=1 CP=1 DP=2")
     assert lines["accumulation"] == "ours 2 | trl 4"       # per rank: 32 / (8 x DP 2)
     assert lines["activation recompute"] == "ours off | trl on"
+    # Ours as resolved: the trainer's default (selective, core attention) is not "off".
+    flat, spg = resolved("quickstart", model_dir, "--recompute_granularity", "selective")
+    assert bp.ours_settings(flat, 2, spg)["activation recompute"] == "selective (core_attn)"
     assert lines["top_k"] == "ours off | trl 50"
     assert lines["processes"].endswith("trl 1 (1 torch threads)")
     # A setting one side lacks is listed as n/a.

