@@ -74,3 +74,30 @@ def run_schedule(chunks, batches, seq_len, micro_batch_size, forward_only=False,
         model=chunks, num_microbatches=len(batches), seq_length=seq_len,
         micro_batch_size=micro_batch_size, forward_only=forward_only)
     return [d["loss"].item() for d in losses], logits_out
+
+
+def lora_model(config, args, model_dir: str, settings):
+    """This rank's chunks with the HF weights of model_dir loaded and LoRA (settings) on."""
+    from bridge import load_hf_weights
+    from megatron_grpo.model import build_model
+    from megatron_grpo.model.lora import apply_lora
+
+    chunks = build_model(config, args)
+    load_hf_weights(chunks, config, args, model_dir)
+    apply_lora(chunks, config, args, settings)
+    return chunks
+
+
+def randomize_lora_b(chunks, generator: torch.Generator, scale: float = 0.1) -> None:
+    """Every adapter's B (zero after apply_lora, which would hide A from every check) drawn
+    from `generator`: the language model's and the vision tower's. A generator seeded alike
+    on every rank gives replicated factors equal on all of them."""
+    from megatron_grpo.model.lora import adapters, tower_adapters
+
+    with torch.no_grad():
+        for _, _, adapter in adapters(chunks):
+            for b in adapter.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=generator) * scale)
+        for _, layer in tower_adapters(chunks):
+            b = layer.lora_B["default"].weight
+            b.copy_(torch.randn(b.shape, generator=generator) * scale)

@@ -23,6 +23,7 @@ import torch
 from megatron_grpo.data import load_prompt_dataset
 from megatron_grpo.data.vision import VisionProcessor, png_base64, resolve_max_pixels
 from tests.harness import rollout_server, run_distributed
+from tests.mcore_utils import lora_model, randomize_lora_b
 from tests.test_vl_tiny_model import ATOL, TEMPERATURE, hf_logits, needs_vllm
 from tools.make_tiny_vl_model import make_tiny_vl_model
 from tools.make_vl_count_data import main as make_count_data
@@ -325,26 +326,15 @@ def _adapter_only_sync(engine, model_dir, root):
     for the HF reference."""
     import types
 
-    from bridge import load_hf_weights
-    from megatron_grpo.model import build_model, build_transformer_config
-    from megatron_grpo.model.lora import (LoraSettings, adapters, apply_lora, lora_settings,
-                                          tower_adapters)
+    from megatron_grpo.model import build_transformer_config
+    from megatron_grpo.model.lora import LoraSettings, lora_settings
     from megatron_grpo.model.lora_peft import gather_adapters, save_peft_adapter
     from megatron_grpo.rollout.sync import WeightSync
 
     config, args = build_transformer_config(model_dir)      # the export's world: TP=1
-    chunks = build_model(config, args)
-    load_hf_weights(chunks, config, args, model_dir)
-    apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0, tower=True,
-                                                  aligner=True))
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for _, _, adapter in adapters(chunks):
-            for b in adapter.lora_B.values():
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-        for _, layer in tower_adapters(chunks):
-            b = layer.lora_B["default"].weight
-            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    chunks = lora_model(config, args, model_dir, LoraSettings(rank=4, alpha=8, dropout=0.0,
+                                                               tower=True, aligner=True))
+    randomize_lora_b(chunks, torch.Generator().manual_seed(7))
     save_peft_adapter(os.path.join(root, "adapter"), gather_adapters(chunks),
                       lora_settings(chunks), base_model=model_dir)
     opts = types.SimpleNamespace(vllm_mode="colocate", sleep_level=0, move_model_batches=None,

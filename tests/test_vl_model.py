@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from tests.mcore_utils import lora_model, randomize_lora_b
 from tests.test_vl_tiny_model import IMAGES, PROMPTS, encode, hf_logits
 from tests.vl_compat import load_processor
 from tools.make_tiny_vl_model import make_tiny_vl_model
@@ -210,18 +211,15 @@ def _lora_phase(world_size, model_dir, batch, root):
     and with random B, the merged stream a sync sends, and the PEFT adapter rank 0 writes."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from bridge import export_hf_weights, load_hf_weights
-    from megatron_grpo.model import build_model, build_transformer_config
-    from megatron_grpo.model.lora import LoraSettings, adapters, apply_lora, lora_settings
-    from megatron_grpo.model.lora_peft import (gather_adapters, load_peft_adapter, merged_stream,
-                                               save_peft_adapter)
+    from bridge import export_hf_weights
+    from megatron_grpo.model import build_transformer_config
+    from megatron_grpo.model.lora import LoraSettings, lora_settings
+    from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter
     from megatron_grpo.platform import ParallelDims, init_parallel
 
     init_parallel(ParallelDims(world_size=world_size, tp=2), seed=1)
     config, args = build_transformer_config(model_dir, tp=2)
-    chunks = build_model(config, args)
-    load_hf_weights(chunks, config, args, model_dir)
-    apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0))
+    chunks = lora_model(config, args, model_dir, LoraSettings(rank=4, alpha=8, dropout=0.0))
     chunks[0].eval()
 
     def logits():
@@ -231,11 +229,7 @@ def _lora_phase(world_size, model_dir, batch, root):
         return gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size].clone()
 
     base = logits()
-    g = torch.Generator().manual_seed(7)     # replicated B (row-parallel) equal on both ranks
-    with torch.no_grad():
-        for _, _, adapter in adapters(chunks):
-            for b in adapter.lora_B.values():
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    randomize_lora_b(chunks, torch.Generator().manual_seed(7))   # equal on both ranks
     trainable = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
     factors = gather_adapters(chunks)
     merged = {n: t.clone() for bucket in merged_stream(chunks, export_hf_weights(
@@ -259,10 +253,10 @@ def _tower_lora_phase(config, args, model_dir, batch, root):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from bridge import export_hf_weights, load_hf_weights
+    from bridge import export_hf_weights
     from megatron_grpo.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_grpo.model import build_model, wrap_ddp
-    from megatron_grpo.model.lora import (LoraSettings, adapters, adapters_disabled, apply_lora,
+    from megatron_grpo.model import wrap_ddp
+    from megatron_grpo.model.lora import (LoraSettings, adapters, adapters_disabled,
                                           lora_settings, tower_adapters)
     from megatron_grpo.model.lora_peft import (gather_adapters, load_peft_adapter, merged_stream,
                                                save_peft_adapter)
@@ -271,22 +265,13 @@ def _tower_lora_phase(config, args, model_dir, batch, root):
     # the lora_llm phase's `megatron export` left its own parallel state
     init_parallel(ParallelDims(world_size=torch.distributed.get_world_size(), tp=2), seed=1)
 
+    settings = LoraSettings(rank=4, alpha=8, dropout=0.0, tower=True, aligner=True)
+
     def build():
-        chunks = build_model(config, args)
-        load_hf_weights(chunks, config, args, model_dir)
-        apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0,
-                                                      tower=True, aligner=True))
-        return chunks
+        return lora_model(config, args, model_dir, settings)
 
     chunks = build()
-    g = torch.Generator().manual_seed(13)          # equal on both ranks (replicated tower)
-    with torch.no_grad():
-        for _, _, adapter in adapters(chunks):
-            for b in adapter.lora_B.values():
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-        for _, layer in tower_adapters(chunks):
-            b = layer.lora_B["default"].weight
-            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    randomize_lora_b(chunks, torch.Generator().manual_seed(13))   # equal on both ranks
     trainable = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
     stream = {n: t.clone() for bucket in merged_stream(chunks, export_hf_weights(
         chunks, config, args, bucket_size_bytes=64 << 10)) for n, t in bucket
@@ -358,27 +343,22 @@ def _lora_llm_phase(config, args, model_dir, batch, root):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from bridge import export_hf_weights, load_hf_weights
+    from bridge import export_hf_weights
     from megatron_grpo.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_grpo.model import build_model, wrap_ddp
-    from megatron_grpo.model.lora import (LoraSettings, adapters, adapters_disabled, apply_lora,
-                                          lora_settings)
+    from megatron_grpo.model import wrap_ddp
+    from megatron_grpo.model.lora import LoraSettings, adapters, adapters_disabled, lora_settings
     from megatron_grpo.model.lora_peft import (gather_adapters, merged_stream, save_peft_adapter,
                                                vision_state)
 
+    settings = LoraSettings(rank=4, alpha=8, dropout=0.0, train_vision=True)
+
     def build():
-        chunks = build_model(config, args)
-        load_hf_weights(chunks, config, args, model_dir)
-        apply_lora(chunks, config, args, LoraSettings(rank=4, alpha=8, dropout=0.0,
-                                                      train_vision=True))
-        return chunks
+        return lora_model(config, args, model_dir, settings)
 
     chunks = build()
     g = torch.Generator().manual_seed(11)          # equal on both ranks (replicated tower)
+    randomize_lora_b(chunks, g)
     with torch.no_grad():
-        for _, _, adapter in adapters(chunks):
-            for b in adapter.lora_B.values():
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
         for n, p in chunks[0].named_parameters():
             if n.startswith("visual."):
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
