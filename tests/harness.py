@@ -114,6 +114,41 @@ def _entry(fn, rank, world_size, port, args, env, queue, stack_file, timeout):
 
 def _worker(env, tasks, queue, stack_file):
     """A pooled rank: runs one world's body per task until told to stop or retired."""
+    _serve(env, tasks, queue, stack_file)
+    _exit_now(queue)
+
+
+def _children() -> list[str] | None:
+    """This process's child processes (Linux /proc), None if they cannot be listed."""
+    try:
+        me = f"/proc/{os.getpid()}/task"
+        pids = []
+        for task in os.listdir(me):
+            with open(f"{me}/{task}/children") as f:
+                pids += f.read().split()
+        return pids
+    except OSError:
+        return None
+
+
+def _exit_now(queue) -> None:
+    """End a worker that is done without the interpreter's clean-up, which costs 1-2 s of
+    CPU once torch and Megatron are loaded (5 s and more of wall on a busy 2-core machine,
+    where close_pool gave up waiting after its 5 s grace), paid by every stop of the pool.
+    What it put on the result queue is flushed first. A worker that ran vLLM, or has child
+    processes (e.g. multiprocessing's resource tracker), exits the normal way: their
+    clean-up matters (vLLM's CPU communicator unlinks its shared-memory segments, whose
+    names are the same in the next engine's TP group, at exit: skipped, that engine fails
+    with "create shm in SHMManager failed. errno: 17")."""
+    queue.close()
+    queue.join_thread()
+    if "vllm" not in sys.modules and _children() == []:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _serve(env, tasks, queue, stack_file):
     os.environ.update(env)
     stacks = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
