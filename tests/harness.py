@@ -231,6 +231,12 @@ class _Pool:
         self.workers: list[tuple[Any, Any, str]] = []  # (process, task queue, stack file)
         self.jobs = 0
         self.reruns = 0  # worlds run again after a failed process-group start (run())
+        # Retired workers, maybe still exiting: one that ran vLLM needs seconds of clean-up
+        # at exit (3.8-7.3 s measured), which so overlaps the test's own work after its
+        # world. They are waited for (30 s, then killed) before the next world starts and
+        # in close(): vLLM unlinks shared memory at exit under names that the next
+        # engine's TP group reuses, and no task may go to a process on its way out.
+        self.exiting: list[Any] = []
 
     def _spawn(self, index):
         tasks = self.ctx.Queue()
@@ -252,7 +258,13 @@ class _Pool:
             self.reruns += 1
             return self._run(fn, world_size, args, timeout)
 
+    def _reap(self):
+        for p in self.exiting:
+            _stop(p, grace=30)
+        self.exiting = []
+
     def _run(self, fn, world_size, args, timeout):
+        self._reap()
         for i in range(world_size):
             if i == len(self.workers):
                 self.workers.append(self._spawn(i))
@@ -269,10 +281,11 @@ class _Pool:
             return _collect([p for p, _, _ in ranks], self.queue, self.jobs,
                             [f for _, _, f in ranks], timeout, exiting, pooled=True)
         finally:
-            for r in exiting:  # so that no task goes to a process on its way out
-                _stop(self.workers[r][0], grace=30)
+            # Not joined here (see self.exiting); the next world replaces them.
+            self.exiting += [self.workers[r][0] for r in exiting]
 
     def close(self):
+        self._reap()
         for p, tasks, _ in self.workers:
             if p.is_alive():
                 tasks.put(None)
