@@ -114,6 +114,41 @@ def _entry(fn, rank, world_size, port, args, env, queue, stack_file, timeout):
 
 def _worker(env, tasks, queue, stack_file):
     """A pooled rank: runs one world's body per task until told to stop or retired."""
+    _serve(env, tasks, queue, stack_file)
+    _exit_now(queue)
+
+
+def _children() -> list[str] | None:
+    """This process's child processes (Linux /proc), None if they cannot be listed."""
+    try:
+        me = f"/proc/{os.getpid()}/task"
+        pids = []
+        for task in os.listdir(me):
+            with open(f"{me}/{task}/children") as f:
+                pids += f.read().split()
+        return pids
+    except OSError:
+        return None
+
+
+def _exit_now(queue) -> None:
+    """End a worker that is done without the interpreter's clean-up, which costs 1-2 s of
+    CPU once torch and Megatron are loaded (5 s and more of wall on a busy 2-core machine,
+    where close_pool gave up waiting after its 5 s grace), paid by every stop of the pool.
+    What it put on the result queue is flushed first. A worker that ran vLLM, or has child
+    processes (e.g. multiprocessing's resource tracker), exits the normal way: their
+    clean-up matters (vLLM's CPU communicator unlinks its shared-memory segments, whose
+    names are the same in the next engine's TP group, at exit: skipped, that engine fails
+    with "create shm in SHMManager failed. errno: 17")."""
+    queue.close()
+    queue.join_thread()
+    if "vllm" not in sys.modules and _children() == []:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _serve(env, tasks, queue, stack_file):
     os.environ.update(env)
     stacks = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -196,6 +231,12 @@ class _Pool:
         self.workers: list[tuple[Any, Any, str]] = []  # (process, task queue, stack file)
         self.jobs = 0
         self.reruns = 0  # worlds run again after a failed process-group start (run())
+        # Retired workers, maybe still exiting: one that ran vLLM needs seconds of clean-up
+        # at exit (3.8-7.3 s measured), which so overlaps the test's own work after its
+        # world. They are waited for (30 s, then killed) before the next world starts and
+        # in close(): vLLM unlinks shared memory at exit under names that the next
+        # engine's TP group reuses, and no task may go to a process on its way out.
+        self.exiting: list[Any] = []
 
     def _spawn(self, index):
         tasks = self.ctx.Queue()
@@ -217,7 +258,13 @@ class _Pool:
             self.reruns += 1
             return self._run(fn, world_size, args, timeout)
 
+    def _reap(self):
+        for p in self.exiting:
+            _stop(p, grace=30)
+        self.exiting = []
+
     def _run(self, fn, world_size, args, timeout):
+        self._reap()
         for i in range(world_size):
             if i == len(self.workers):
                 self.workers.append(self._spawn(i))
@@ -234,10 +281,11 @@ class _Pool:
             return _collect([p for p, _, _ in ranks], self.queue, self.jobs,
                             [f for _, _, f in ranks], timeout, exiting, pooled=True)
         finally:
-            for r in exiting:  # so that no task goes to a process on its way out
-                _stop(self.workers[r][0], grace=30)
+            # Not joined here (see self.exiting); the next world replaces them.
+            self.exiting += [self.workers[r][0] for r in exiting]
 
     def close(self):
+        self._reap()
         for p, tasks, _ in self.workers:
             if p.is_alive():
                 tasks.put(None)

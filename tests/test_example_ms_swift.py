@@ -1,13 +1,18 @@
 """examples/ms_swift_dense_{colocate,server}.sh, ms-swift's dense GRPO scripts adapted:
-their flags pass every check (`--dry_run true`, nothing started), and each runs its
-2 optimizer steps end to end (real vLLM: colocated engines, or `megatron rollout`
-started by the script) and writes the trained model."""
+their flags pass every check (`--dry_run true`, nothing started), and each runs end to
+end (real vLLM: colocated engines, or `megatron rollout` started by the script) and
+writes the trained model. The server script's run also carries the evaluation checks of
+server mode (flags appended, which the script passes on: the last value wins), so that
+one server start and one trainer start serve both."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tests.test_trainer_e2e import _check_metrics, _metrics
+from tests.test_trainer_eval_e2e import ARITHMETIC, _check_eval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,14 +23,15 @@ def model(tiny_model):
     return str(tiny_model(family="qwen2", hidden_size=128))
 
 
-def _env(model, out):
+def _env(model, out, **extra):
     return dict(os.environ, MODEL=model, OUTPUT_DIR=str(out), OMP_NUM_THREADS="1",
-                MEGATRON=f"{sys.executable} -m megatron_grpo.cli", NNODES="1")
+                MEGATRON=f"{sys.executable} -m megatron_grpo.cli", NNODES="1", **extra)
 
 
-def _run(script, model, out, *args, timeout=300):
-    return subprocess.run(["bash", f"examples/{script}", *args], cwd=ROOT, env=_env(model, out),
-                          capture_output=True, text=True, timeout=timeout)
+def _run(script, model, out, *args, timeout=300, **env):
+    return subprocess.run(["bash", f"examples/{script}", *args], cwd=ROOT,
+                          env=_env(model, out, **env), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 DRY_RUNS = {"ms_swift_dense_colocate.sh": "colocate: 2 engines",
@@ -68,15 +74,56 @@ def test_example_dry_run(dry_runs, script, engine):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("script", ["ms_swift_dense_colocate.sh", "ms_swift_dense_server.sh"])
-def test_example_runs_two_steps(model, tmp_path, script):
+def test_example_colocate_runs_two_steps(model, tmp_path):
     out = tmp_path / "out"
-    r = _run(script, model, out, timeout=900)
+    r = _run("ms_swift_dense_colocate.sh", model, out, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [s for s in steps if "loss" in s]
     assert [s["step"] for s in train] == [1, 2], steps
     assert all(s["completions/mean_length"] > 0 for s in train), train
     assert (out / "final_hf" / "config.json").is_file()
-    if "server" in script:     # the script's server came up and was stopped with it
-        assert "the rollout server is up" in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_example_server_runs_tp2_dp2_with_val_dataset_eval_iters(model, tmp_path):
+    """The server script as shipped (its server started and stopped by it), on 4 processes
+    at TP=2 (DP=2), with these flags appended: the trainer streams its weights to the
+    server after each step; it evaluates a --val_dataset with --eval_iters 1 every 2 steps
+    and after the last (3 steps): one batch of global_batch_size completions
+    (8 / num_generations_eval 4 = 2 prompts), the validation file walked on from one
+    evaluation to the next. The digits reward (and its dataset) replaces the script's
+    countdown ones, so that the test can re-score the logged eval completions (the
+    colocate script runs those rewards). --overlong_filter false: the tiny model never
+    ends a completion early, so the script's filter masks every one of them and the loss
+    and clip metrics that the test checks would be empty (the colocate script runs the
+    filter); 8 tokens per completion instead of 64. No --check_weight_sync: the script's server
+    runs vLLM's default dtype (bfloat16 on CPU), not the trainer's float32; the
+    fingerprints of a TP=2 trainer's stream in a server are checked by
+    tests/test_vl_data_rollout.py (server run) and tests/test_rollout_server.py."""
+    val = tmp_path / "val.jsonl"
+    with open(ARITHMETIC) as f:
+        rows = [json.loads(line) for line in f][:3]
+    val.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    r = _run("ms_swift_dense_server.sh", model, out, "--tensor_model_parallel_size", "2",
+             "--dataset", ARITHMETIC, "--reward_funcs", "digits", "--external_plugins",
+             os.path.join(ROOT, "examples/plugins/digits_reward.py"), "--val_dataset", str(val), "--eval_steps", "2", "--eval_iters", "1",
+             "--num_generations_eval", "4", "--train_iters", "3", "--overlong_filter", "false",
+             "--max_completion_length", "8", timeout=900,
+             NPROC_PER_NODE="4")
+    server_log = out / "rollout_server.log"
+    assert r.returncode == 0, ((r.stdout + r.stderr)[-6000:] + "\nserver log:\n"
+                               + server_log.read_text(errors="replace")[-2000:])
+    assert "the rollout server is up" in r.stdout, r.stdout   # the script's server, stopped with it
+    steps = _metrics(str(out))
+    train = [s for s in steps if "loss" in s]
+    assert [s["step"] for s in train] == [1, 2, 3], steps
+    assert all(s["completions/mean_length"] > 0 for s in train), train
+    _check_metrics(steps, 3, steps_per_generation=2)
+    assert (out / "final_hf" / "config.json").is_file()
+    _, completions = _check_eval(str(out), [2, 3], 2, 4)
+    by_step = {s: sorted({c["prompt_index"] for c in completions if c["step"] == s})
+               for s in (2, 3)}
+    assert by_step == {2: [0, 1], 3: [0, 2]}       # prompts 0 1, then 2 0 (3 in the file)

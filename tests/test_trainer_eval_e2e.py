@@ -1,7 +1,8 @@
 """End to end: `megatron rlhf` with evaluation on held-out prompts (2 CPU processes, a tiny
 Qwen2, real vLLM). What a user looks at: the eval/* keys of metrics.jsonl at the steps
 ms-swift evaluates, and eval_completions.jsonl, whose completions the reward function
-re-scores to the logged eval reward."""
+re-scores to the logged eval reward. Server mode (TP=2, --val_dataset, --eval_iters) runs in
+tests/test_example_ms_swift.py, on the example server script's run, with these checks."""
 import json
 import math
 import os
@@ -78,33 +79,3 @@ def test_colocate_split_eval_every_step_with_sleep_and_offload(tiny, tmp_path):
         assert c["solution"] == held.columns["solution"][c["prompt_index"]]
     trained = _rows(os.path.join(out, "completions.jsonl"))
     assert trained and not any(q in t["prompt"] for t in trained for q in held_texts)
-
-
-def test_server_mode_tp2_val_dataset_eval_iters(tiny, tmp_path):
-    """Server mode: `megatron rollout` in a subprocess (tests/harness.py); the trainer (TP=2)
-    samples from it over HTTP and streams its weights to it after each step, verified by
-    fingerprints (--check_weight_sync). It evaluates a --val_dataset with --eval_iters 1:
-    every 2 steps and after the last, one batch of global_batch_size completions
-    (8 / num_generations_eval 4 = 2 prompts), the validation file walked on from one
-    evaluation to the next. (Server mode at DP=2: tests/test_example_ms_swift.py.)"""
-    from tests.harness import rollout_server
-
-    val = tmp_path / "val.jsonl"
-    with open(ARITHMETIC) as f:
-        rows = [json.loads(line) for line in f][:3]
-    val.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    out = str(tmp_path / "run")
-    with rollout_server(tiny, tmp_path / "server.log", "--vllm_max_model_len", "128",
-                        "--vllm_enforce_eager", "true", "--vllm_engine_kwargs",
-                        '{"dtype": "float32"}', "--seed", "0") as server:
-        r = _run(_argv(tiny, out, tensor_model_parallel_size=2, vllm_mode="server",
-                       vllm_server_host="127.0.0.1", vllm_server_port=server.port,
-                       vllm_server_timeout=300, check_weight_sync="true", val_dataset=str(val),
-                       eval_steps=2, eval_iters=1, num_generations_eval=4, train_iters=3,
-                       log_completions="true"))
-        assert r.returncode == 0, r.stderr[-4000:] + "\nserver log:\n" + server.log_tail(2000)
-    _check_metrics(_metrics(out), 3)
-    _, completions = _check_eval(out, [2, 3], 2, 4)
-    by_step = {s: sorted({c["prompt_index"] for c in completions if c["step"] == s})
-               for s in (2, 3)}
-    assert by_step == {2: [0, 1], 3: [0, 2]}       # prompts 0 1, then 2 0 (3 in the file)
