@@ -10,6 +10,7 @@ before any process is launched: every problem of the command line in one message
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -62,6 +63,12 @@ def _rlhf(argv: list[str]) -> int:
     problems.raise_if_any()
     if spec.world_size > 1 and not launch.in_torchrun():
         return launch.relaunch("rlhf", argv, spec)
+    if launch.in_torchrun():
+        # Start-up makes ~680,000 objects that live as long as the process (the modules of
+        # torch, Megatron and vLLM, the models), and the cyclic collector's passes over them
+        # free nothing: ~2 CPU s per rank of the ~10 before the first rollout (quickstart,
+        # docs/benchmarks.md). Off until the run is built (trainer.train).
+        gc.disable()
     from .platform.compat.megatron import import_core
 
     import_core(hide=() if "wandb" in (cfg.logging.report_to or ()) else ("wandb",))

@@ -14,6 +14,7 @@ dp-th completion of each optimizer step (train/batch.py `dp_shard`).
 """
 from __future__ import annotations
 
+import gc
 import time
 
 from .train.rollout_step import rollout_phase
@@ -25,6 +26,9 @@ def train(cfg, close_engine: bool = True) -> None:
     """The run of `cfg`; `close_engine=False` leaves the vLLM engine open at the end, for a
     process that exits right after (cli.py)."""
     run = build_run(cfg)
+    if not gc.isenabled():   # a launched worker's start-up is over (cli.py): what it made
+        gc.freeze()          # is set aside, and collection resumes for the steps
+        gc.enable()
     g = cfg.grpo
     # Each generation batch trains num_iterations passes of steps_per_generation steps.
     schedule = [(it, k) for it in range(g.num_iterations) for k in range(g.steps_per_generation)]

@@ -161,8 +161,13 @@ def _syncs(engine, model_dir, copy_dirs, left_out, changed):
 def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
     from megatron_grpo.rollout.engine import RolloutEngine
 
+    import gc
+
     seen = {}
+    gc.unfreeze()
     engine = ColocateEngine(model_dir, **engine_kwargs())
+    # The objects alive before vLLM's start-up (and its gc.collect() calls) were set aside.
+    seen["frozen_objects"] = gc.get_freeze_count()
     seen["is_rollout_engine"] = isinstance(engine, RolloutEngine) and engine.tp_size == 1
     seen["generate"] = [c.__dict__ for c in engine.generate(PROMPTS)]
     seen["texts"] = [engine.tokenizer.decode(c["token_ids"]) for c in seen["generate"]]
@@ -223,6 +228,7 @@ def test_colocated_engine_samples_syncs_and_verifies(models):
 
     assert seen["is_rollout_engine"]   # the Protocol the trainer uses (test_rollout_engine.py)
     assert seen["compiled_frames"] == 0, "torch.compile ran inside an enforce_eager engine"
+    assert seen["frozen_objects"] > 10_000, seen["frozen_objects"]
     assert seen["norm_priority"] == [["mg_cpu_c", "native"]] * 2
     # generate: n samples per prompt, in prompt order, with every field filled in.
     gen = seen["generate"]
