@@ -692,38 +692,47 @@ def _check_multi_turn(cfg: "GRPOConfig", p: Problems) -> None:
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def _adapter_config(t) -> Optional[dict]:
+    """The first --adapters folder's adapter_config.json (PEFT's); None without --adapters or
+    when it is not a readable JSON object (reported by _check_lora)."""
+    if not t.adapters:
+        return None
+    try:
+        with open(os.path.join(t.adapters[0], "adapter_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def _adapter_rank(t) -> Optional[int]:
     """The LoRA rank the run trains: --adapters' r when one is given, else --lora_rank."""
-    for folder in t.adapters:
-        try:
-            with open(os.path.join(folder, "adapter_config.json")) as f:
-                return int(json.load(f)["r"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None                       # reported by _check_lora
-    return t.lora_rank
+    if not t.adapters:
+        return t.lora_rank
+    try:
+        return int(_adapter_config(t)["r"])
+    except (KeyError, TypeError, ValueError):
+        return None                       # reported by _check_lora
 
 
 def _adapter_modules_to_save(t) -> list:
-    """--adapters' modules_to_save (PEFT's adapter_config.json), [] when none or unreadable."""
-    for folder in t.adapters:
-        try:
-            with open(os.path.join(folder, "adapter_config.json")) as f:
-                return list(json.load(f).get("modules_to_save") or [])
-        except (OSError, ValueError, TypeError, AttributeError):
-            return []
-    return []
+    """--adapters' modules_to_save, [] when none or unreadable."""
+    try:
+        return list((_adapter_config(t) or {}).get("modules_to_save") or [])
+    except TypeError:
+        return []
 
 
 def _adapter_tower_targets(t) -> Optional[tuple]:
     """(vision tower, merger): whether --adapters' target_modules cover their linears
     (model/lora_peft.py writes a regex for them); None when no adapter is readable."""
-    for folder in t.adapters:
-        try:
-            with open(os.path.join(folder, "adapter_config.json")) as f:
-                return adapter_covers_tower(json.load(f).get("target_modules"))
-        except (OSError, ValueError, TypeError, AttributeError, re.error):
-            return None
-    return None
+    config = _adapter_config(t)
+    if config is None:
+        return None
+    try:
+        return adapter_covers_tower(config.get("target_modules"))
+    except re.error:
+        return None
 
 
 def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:

@@ -108,14 +108,25 @@ def tower_key(name: str, factor: str) -> str:
     return f"{VISION_KEY}{name}.{factor}.weight"
 
 
+def _tower_linear(key: str) -> str | None:
+    """The tower linear whose lora_A `key` names (tower_key's inverse); None for others."""
+    end = ".lora_A.weight"
+    return key[len(VISION_KEY):-len(end)] if key.startswith(VISION_KEY) and key.endswith(end) \
+        else None
+
+
+def _tower_params(chunks) -> list[tuple[str, torch.Tensor]]:
+    """(PEFT key, factor parameter) of this rank's tower adapters (replicated over TP)."""
+    return [(tower_key(name, factor), getattr(layer, factor)["default"].weight)
+            for name, layer in tower_adapters(chunks) for factor in ("lora_A", "lora_B")]
+
+
 def _tower_factors(chunks, source) -> dict[str, torch.Tensor]:
     """{PEFT key: tensor} of this rank's tower adapters (replicated: no gather)."""
     out = {}
-    for name, layer in tower_adapters(chunks):
-        for factor in ("lora_A", "lora_B"):
-            p = getattr(layer, factor)["default"].weight
-            t = source(p)
-            out[tower_key(name, factor)] = (torch.zeros_like(p) if t is None else t).cpu()
+    for key, p in _tower_params(chunks):
+        t = source(p)
+        out[key] = (torch.zeros_like(p) if t is None else t).cpu()
     return out
 
 
@@ -218,10 +229,7 @@ def load_peft_adapter(chunks, adapter_dir: str) -> None:
         key, vocab = SAVED_KEYS[name], param.lora_saved[1]
         expected[key] = (vocab, param.shape[1])
         saved.append((key, param))
-    tower = _vision_params(chunks)
-    for name, layer in tower_adapters(chunks):   # the tower's own adapters (replicated)
-        for factor in ("lora_A", "lora_B"):
-            tower.append((tower_key(name, factor), getattr(layer, factor)["default"].weight))
+    tower = _vision_params(chunks) + _tower_params(chunks)
     expected.update({k: tuple(p.shape) for k, p in tower})
     with safe_open(path, framework="pt") as f:
         found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -306,8 +314,9 @@ def merge_lora_stream(stream, factors: dict[str, torch.Tensor], settings: LoraSe
     (in the bucket's own slot; float32 product, cast to the stream's dtype)."""
     by_name = {}   # HF weight name -> its lora_A key
     for key in factors:
-        if key.startswith(VISION_KEY) and key.endswith(".lora_A.weight"):   # a tower linear
-            by_name["visual." + key[len(VISION_KEY):-len(".lora_A.weight")] + ".weight"] = key
+        linear = _tower_linear(key)
+        if linear is not None:
+            by_name[f"visual.{linear}.weight"] = key
         elif key.endswith("lora_A.weight"):
             parts = key.split(".")                  # base_model.model.model.layers.N.mod.proj...
             by_name[hf_weight_name(int(parts[4]), parts[6])] = key
@@ -396,8 +405,7 @@ def save_peft_adapter(out_dir: str, factors: dict[str, torch.Tensor], settings: 
     os.makedirs(out_dir, exist_ok=True)
     config = peft_config(settings, base_model)
     if settings.vision:     # the language model (and the tower's wrapped linears)
-        tower = sorted({k[len(VISION_KEY):-len(".lora_A.weight")] for k in factors
-                        if k.startswith(VISION_KEY) and k.endswith(".lora_A.weight")})
+        tower = sorted(n for n in map(_tower_linear, factors) if n is not None)
         config["target_modules"] = _vl_targets_regex(settings.targets, tuple(tower))
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)

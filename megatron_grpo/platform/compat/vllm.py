@@ -577,6 +577,7 @@ def cpu_norm_kernels() -> Dict[str, Any]:
         # The IR checks each implementation's schema against native's (names, types).
         rms_norm.__signature__ = inspect.signature(norm.impls["native"].impl_fn)
         fused_add_rms_norm.__signature__ = inspect.signature(add_norm.impls["native"].impl_fn)
+
         def norm_fits(x, weight, epsilon, variance_size=None):
             return fits(x, weight, variance_size)
 
