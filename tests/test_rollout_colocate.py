@@ -173,6 +173,8 @@ def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
     seen["texts"] = [engine.tokenizer.decode(c["token_ids"]) for c in seen["generate"]]
     # A budget no completion can finish in: every completion truncated.
     seen["short"] = [c.__dict__ for c in engine.generate(PROMPTS[:1], max_completion_length=2)]
+    # Without log-probs (the trainer's default: nothing reads them, train/setup.py).
+    seen["no_logprobs"] = [c.__dict__ for c in engine.generate(PROMPTS[:1], logprobs=False)]
     # generate decodes the text itself (vLLM samples with detokenize=False): the same
     # samples (per-request seed) once through vLLM's own detokenizer, once ours.
     seen["text_pairs"] = _vllm_and_our_texts(engine)
@@ -244,6 +246,8 @@ def test_colocated_engine_samples_syncs_and_verifies(models):
         assert c["truncated"] == (c["finish_reason"] == "length")
         assert len(c["token_ids"]) == 6 if c["truncated"] else c["finish_reason"] == "stop"
     assert [len(c["token_ids"]) <= 2 for c in seen["short"]] == [True, True]
+    assert [c["logprobs"] for c in seen["no_logprobs"]] == [None, None]
+    assert all(1 <= len(c["token_ids"]) <= 6 and c["text"] for c in seen["no_logprobs"])
     # Our decoding is vLLM's text exactly (vLLM itself decoded nothing: text "").
     assert seen["own_text"]
     pairs = seen["text_pairs"]

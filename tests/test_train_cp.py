@@ -196,7 +196,8 @@ def test_e2e_rlhf_cp2(tiny, tmp_path):
 
     out = str(tmp_path / "run")
     r = _run(_argv(tiny, out, context_parallel_size=2, beta=0.04, generation_batch_size=16,
-                   global_batch_size=8, train_iters=2, log_entropy="true"))
+                   global_batch_size=8, train_iters=2, log_entropy="true",
+                   log_rollout_offpolicy_metrics="true"))
     assert r.returncode == 0, r.stderr[-4000:]
     rows = _metrics(out)
     assert [row["step"] for row in rows] == [1, 2]

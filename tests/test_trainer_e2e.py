@@ -139,6 +139,10 @@ def test_tp2_colocate_on_two_nodes(tiny, tmp_path):
     assert "dropped 12 prompts longer than --max_length 40" in r.stdout
     rows = _metrics(out)
     _check_metrics(rows, 2, extra=("kl",))
+    # As in ms-swift, rollout_correction/* only with --log_rollout_offpolicy_metrics or
+    # --rollout_importance_sampling_mode (tests/test_train_cp.py): vLLM sampled without
+    # per-token log-probs.
+    assert not [k for row in rows for k in row if k.startswith("rollout_correction/")]
     assert rows[0]["kl"] == 0.0          # step 1 samples from the reference weights
     assert rows[1]["kl"] != 0.0          # step 2 from the updated policy
     with open(os.path.join(out, "completions.jsonl")) as f:

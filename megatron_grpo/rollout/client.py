@@ -56,7 +56,8 @@ class RolloutClient:
                  api_key: Optional[str] = None, request_timeout: float = 1800.0,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  repetition_penalty: float = 1.0, max_completion_length: int = 512,
-                 num_generations: int = 1, seed: Optional[int] = None) -> None:
+                 num_generations: int = 1, seed: Optional[int] = None,
+                 logprobs: bool = True) -> None:
         if vllm_server_base_url:
             if not vllm_server_base_url.startswith(("http://", "https://")):
                 raise ValueError(f"vllm_server_base_url={vllm_server_base_url!r} must start "
@@ -72,7 +73,7 @@ class RolloutClient:
         self.request_timeout = float(request_timeout)
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self.sampling = SamplingOptions(temperature, top_p, top_k, repetition_penalty,
-                                        max_completion_length, num_generations)
+                                        max_completion_length, num_generations, logprobs)
         self.seed = seed
         self._model: Optional[str] = None
         self.lora_name: Optional[str] = None  # the synced adapter (adapter-only LoRA sync)
@@ -169,7 +170,8 @@ class RolloutClient:
             for c in entry["completions"]:
                 result.append(Completion(
                     prompt_index=i, token_ids=list(c["token_ids"]), text=c["text"],
-                    truncated=c["finish_reason"] == "length", logprobs=list(c["logprobs"]),
+                    truncated=c["finish_reason"] == "length",
+                    logprobs=list(c["logprobs"]) if opts.logprobs else None,
                     finish_reason=c["finish_reason"],
                     prompt_token_ids=list(entry["prompt_token_ids"]) if imgs else None))
         return result
@@ -180,7 +182,8 @@ class RolloutClient:
         payload = dict(model=self.lora_name or self.model, prompt=prompts, n=opts.num_generations,
                        max_tokens=opts.max_completion_length, temperature=opts.temperature,
                        top_p=opts.top_p, top_k=opts.top_k,
-                       repetition_penalty=opts.repetition_penalty, logprobs=0,
+                       repetition_penalty=opts.repetition_penalty,
+                       logprobs=0 if opts.logprobs else None,
                        return_token_ids=True, skip_special_tokens=True)
         if seed is not None:
             payload["seed"] = seed
@@ -190,7 +193,8 @@ class RolloutClient:
         result = []
         for choice in choices:
             token_ids = list(choice["token_ids"])
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            logprobs = ([float(x) for x in choice["logprobs"]["token_logprobs"]]
+                        if opts.logprobs else None)
             result.append(Completion(
                 prompt_index=choice["index"] // opts.num_generations, token_ids=token_ids,
                 text=choice["text"], truncated=choice["finish_reason"] == "length",
@@ -209,7 +213,9 @@ class RolloutClient:
         Seeds: with a client seed, each request gets its own, drawn from (seed, rank, call,
         chain, turn): the chains of a group often share their prompt, and one seed for all
         would sample them alike."""
-        opts = SamplingOptions(**{**self.sampling.__dict__, **overrides, "num_generations": 1})
+        # A trajectory carries its turns' log-probs (trajectory.py): always asked for.
+        opts = SamplingOptions(**{**self.sampling.__dict__, **overrides, "num_generations": 1,
+                                  "logprobs": True})
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         if not prompts:
             return

@@ -85,7 +85,9 @@ class Completion:
     token_ids: List[int]        # sampled tokens, eos included when generation stopped there
     text: str
     truncated: bool             # stopped by max_completion_length (finish_reason == "length")
-    logprobs: List[float]       # rollout log-prob of each sampled token (see module doc)
+    # Rollout log-prob of each sampled token (see module doc); None when the sampling
+    # options asked for none (SamplingOptions.logprobs).
+    logprobs: Optional[List[float]]
     finish_reason: Optional[str] = None
     # Router replay R3 (routing.py): the experts each MoE layer routed every token the
     # model read to, [len(prompt) + len(token_ids) - 1, moe layers, top-k] uint8 (int16 > 256 experts).
@@ -127,6 +129,9 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     max_completion_length: int = 512
     num_generations: int = 1
+    # Return each sampled token's log-prob (Completion.logprobs; None without). Off, vLLM
+    # skips the log-softmax over the vocabulary and the per-token bookkeeping of every step.
+    logprobs: bool = True
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -167,6 +172,7 @@ class EngineSettings:
     repetition_penalty: float = 1.0
     max_completion_length: int = 512
     num_generations: int = 1
+    logprobs: bool = True
     seed: int = 42
     dtype: str = "auto"
     sleep_level: int = 0
@@ -190,7 +196,7 @@ class EngineSettings:
 
     def sampling(self) -> SamplingOptions:
         return SamplingOptions(self.temperature, self.top_p, self.top_k, self.repetition_penalty,
-                               self.max_completion_length, self.num_generations)
+                               self.max_completion_length, self.num_generations, self.logprobs)
 
 
 class ColocateEngine:
@@ -351,8 +357,8 @@ class ColocateEngine:
         return SamplingParams(
             n=opts.num_generations, temperature=opts.temperature, top_p=opts.top_p,
             top_k=opts.top_k, repetition_penalty=opts.repetition_penalty,
-            max_tokens=opts.max_completion_length, logprobs=0, flat_logprobs=True,
-            detokenize=detokenize)
+            max_tokens=opts.max_completion_length, logprobs=0 if opts.logprobs else None,
+            flat_logprobs=True, detokenize=detokenize)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
                  images: Optional[Sequence[Sequence[Any]]] = None, **overrides) -> List[Completion]:
@@ -438,7 +444,8 @@ class ColocateEngine:
         a chain's `next_turn` runs on the rank that owns it. They stop together: the
         engines are identical, so "nothing gathered and nothing unfinished" is too.
         """
-        params = self._sampling_params(**{**overrides, "num_generations": 1})
+        # A trajectory carries its turns' log-probs (trajectory.py): always asked for.
+        params = self._sampling_params(**{**overrides, "num_generations": 1, "logprobs": True})
         compat.final_output_only(params)
         engine = self.llm.llm_engine
         member = self.rank - self.group_ranks[0]
@@ -595,10 +602,10 @@ def _completion(prompt_index: int, c, text: Optional[str] = None) -> Completion:
     vLLM's)."""
     token_ids = list(c.token_ids)
     logprobs = compat.flat_sampled_logprobs(c.logprobs, token_ids)
-    if logprobs is None:
+    if logprobs is None and c.logprobs is not None:
         # logprobs=0: each entry holds the sampled token (plus nothing else).
-        logprobs = [float(entry[tok].logprob) for tok, entry in zip(token_ids, c.logprobs or [])]
-    if len(logprobs) != len(token_ids):
+        logprobs = [float(entry[tok].logprob) for tok, entry in zip(token_ids, c.logprobs)]
+    if logprobs is not None and len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens")
     return Completion(prompt_index=prompt_index, token_ids=token_ids,
                       text=c.text if text is None else text,

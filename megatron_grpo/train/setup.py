@@ -201,10 +201,23 @@ def build_sampler(cfg):
                                vllm_server_timeout=r.vllm_server_timeout,
                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                max_completion_length=g.max_completion_length,
-                               num_generations=g.num_generations, seed=cfg.training.seed)
+                               num_generations=g.num_generations, seed=cfg.training.seed,
+                               logprobs=rollout_logprobs_needed(cfg))
         client.wait_until_ready()
         return client
     return ColocateEngine(cfg.model.model, engine_settings(cfg))
+
+
+def rollout_logprobs_needed(cfg) -> bool:
+    """Whether anything reads the sampler's per-token log-probs: rollout importance
+    sampling, the off-policy sequence mask (its behaviour policy), the rollout_correction/*
+    metrics (ms-swift logs them only with one of --rollout_importance_sampling_mode,
+    --log_rollout_offpolicy_metrics) and multi-turn trajectories. Otherwise the engine
+    samples without them (on CPU ~10% of a tiny model's generate)."""
+    g = cfg.grpo
+    return (g.rollout_importance_sampling_mode is not None or g.log_rollout_offpolicy_metrics
+            or g.off_policy_sequence_mask_delta is not None
+            or cfg.rollout.multi_turn_scheduler is not None)
 
 
 def engine_settings(cfg):
@@ -219,6 +232,7 @@ def engine_settings(cfg):
         mm_processor_kwargs={"max_pixels": max_pixels} if max_pixels is not None else None,
         seed=cfg.training.seed, dtype="bfloat16" if cfg.training.bf16 else "float32",
         return_routed_experts=cfg.model.router_replay_mode == "R3",
+        logprobs=rollout_logprobs_needed(cfg),
         sequences_in_flight=sequences_per_engine(g.generation_batch_size, g.num_generations, world,
                                                  r.vllm_tensor_parallel_size, r.vllm_max_num_seqs))
     named = {f.name: getattr(r if hasattr(r, f.name) else g, f.name)
