@@ -1,5 +1,5 @@
 """Tests for tools/make_tiny_model.py: the checkpoints it writes load in HF transformers
-(and vLLM), mean what their config.json says, and are reproducible.
+(vLLM: tests/test_rollout_colocate.py), mean what their config.json says, and are reproducible.
 
 The forward check compares HF's fp32 logits with a float64 reference written here from
 the architectures' formulas (RMSNorm, RoPE with rotate-half, GQA, causal softmax, SwiGLU,
@@ -8,15 +8,9 @@ safetensors files, so a checkpoint whose config and weights disagree fails.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import pathlib
-import subprocess
-import sys
-import textwrap
-import time
 
 import pytest
 import torch
@@ -286,56 +280,6 @@ def test_bad_arguments(kwargs, message, tmp_path):
         make_tiny_model(tmp_path / "m", **kwargs)
 
 
-# The vLLM engine check runs in a child process: vLLM's CPU worker binds threads
-# and sets global state that must not leak into the rest of the test session.
-_VLLM_SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-    from megatron_grpo.rollout.kv_cache import kv_cache_engine_kwargs
-
-    model_dir, prompt_ids = sys.argv[1], json.loads(sys.argv[2])
-    kv = kv_cache_engine_kwargs(model_dir, on_cpu=True, sequences=1, max_model_len=256,
-                                dtype="float32")  # bytes, not a fraction of the NUMA node
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-              **kv)
-    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=0)
-    out = llm.generate([{"prompt_token_ids": prompt_ids}], params)[0]
-    # prompt_logprobs[i] maps the prompt token at i to its log-prob given tokens < i.
-    prompt_logprobs = [None] + [lp[tid].logprob for lp, tid in zip(out.prompt_logprobs[1:], prompt_ids[1:])]
-    print("RESULT " + json.dumps({"token_ids": list(out.outputs[0].token_ids),
-                                  "prompt_logprobs": prompt_logprobs}))
-""")
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_vllm_loads_tiny_qwen2(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # vLLM's CPU attention supports head_dim in {32, 64, 80, ...}: hidden 128 / 4 heads.
-    model_dir = make_tiny_model(tmp_path / "m", family="qwen2", hidden_size=128, vocab_size=999)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    ids = tok(prompt, add_special_tokens=False)["input_ids"]
-
-    start = time.time()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _VLLM_SCRIPT, str(model_dir), json.dumps(ids)],
-                          capture_output=True, text=True, timeout=540, env=env)
-    elapsed = time.time() - start
-    result_lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and result_lines, (
-        f"vLLM run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    result = json.loads(result_lines[-1][len("RESULT "):])
-    print(f"vLLM load + generate took {elapsed:.1f} s")
-
-    # vLLM scored the prompt with the same weights HF reads from the folder.
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)  # [T, vocab]
-    hf = [logprobs[i - 1, ids[i]].item() for i in range(1, len(ids))]
-    assert max(abs(a - b) for a, b in zip(result["prompt_logprobs"][1:], hf)) < 1e-4
-    # Greedy generation continues with HF's argmax.
-    assert len(result["token_ids"]) >= 1
-    assert result["token_ids"][0] == logprobs[-1].argmax().item()
+# vLLM loading a tiny Qwen2 of this tool (hidden 128, vocab 999) with HF's log-probs is
+# tests/test_rollout_colocate.py's first check (sampled and prompt log-probs against HF
+# transformers); every vLLM test loads one of this tool's checkpoints.
