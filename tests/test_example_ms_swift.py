@@ -75,8 +75,12 @@ def test_example_dry_run(dry_runs, script, engine):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_example_colocate_runs_two_steps(model, tmp_path):
+    """The colocate script as shipped, plus --vllm_enforce_eager true: its engines would
+    torch.compile the model (~22 s of the test's 60 on 2 cores). A compiled engine that
+    samples after weight syncs is the server script's run below."""
     out = tmp_path / "out"
-    r = _run("ms_swift_dense_colocate.sh", model, out, timeout=900)
+    r = _run("ms_swift_dense_colocate.sh", model, out, "--vllm_enforce_eager", "true",
+             timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [s for s in steps if "loss" in s]
