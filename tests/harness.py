@@ -64,6 +64,26 @@ def free_port() -> int:
 _IGNORED_WARNINGS = ".*(Apex|Transformer Engine|TransformerEngine|cuda_graph_scope|apex).*"
 
 
+def run_together(commands: dict, timeout: float = 300, **popen) -> dict:
+    """name -> CompletedProcess (text output) of every `(argv, env)` in `commands`, all
+    started at once: for single-threaded CLI processes (dry runs), which on 2 cores take
+    about the time of one each pair. A process still running at `timeout` is killed."""
+    procs = {name: subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, **popen)
+             for name, (argv, env) in commands.items()}
+    results = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
 def _torchrun_env(rank, world_size, port):
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",

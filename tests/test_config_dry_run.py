@@ -1,10 +1,11 @@
 """`megatron rlhf --dry_run true`: every check without starting a process, then the plan."""
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+
+from tests.harness import run_together
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTDOWN = os.path.join(ROOT, "megatron_grpo", "data", "builtin", "countdown.jsonl")
@@ -16,13 +17,39 @@ def model(tiny_model):
     return str(tiny_model(family="qwen2", hidden_size=128))   # head size 32: vLLM-CPU takes it
 
 
-def _dry_run(model, out, *extra, nproc=4, nnodes=1):
+def _dry_run_argv(model, out, *extra, nproc=4, nnodes=1):
     argv = ["--rlhf_type", "grpo", "--dry_run", "true", "--model", model,
             "--dataset", f"{COUNTDOWN}#100", "--reward_funcs", "countdown", "--output_dir", out,
             *extra]
     env = dict(os.environ, NPROC_PER_NODE=str(nproc), NNODES=str(nnodes), NODE_RANK="0")
-    return subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    return [sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv], env
+
+
+# Each dry run is one single-threaded process (no ranks, no engine) that imports torch and
+# Megatron (~8 s): the module's runs start together, so on 2 cores four take about two.
+DRY_RUNS = {
+    "plan": (("--tensor_model_parallel_size", "2", "--num_generations", "4",
+              "--global_batch_size", "8", "--micro_batch_size", "2",
+              "--steps_per_generation", "2", "--num_iterations", "2", "--train_iters", "20",
+              "--report_to", "none"), dict(nproc=2, nnodes=2)),
+    "pp4": (("--pipeline_model_parallel_size", "4", "--num_generations", "4"), {}),
+    "epochs": (("--num_generations", "4", "--global_batch_size", "8", "--micro_batch_size", "2",
+                "--steps_per_generation", "2", "--num_iterations", "2",
+                "--num_train_epochs", "1", "--report_to", "none"), dict(nproc=2)),
+    "eval": (("--num_generations", "4", "--global_batch_size", "8", "--train_iters", "10",
+              "--eval_steps", "4", "--split_dataset_ratio", "0.1", "--report_to", "none"),
+             dict(nproc=1)),
+}
+
+
+@pytest.fixture(scope="module")
+def dry_runs(model, tmp_path_factory):
+    """name -> (CompletedProcess, its --output_dir) of every DRY_RUNS entry."""
+    root = tmp_path_factory.mktemp("dry_runs")
+    outs = {name: str(root / name) for name in DRY_RUNS}
+    results = run_together({name: _dry_run_argv(model, outs[name], *extra, **kw)
+                            for name, (extra, kw) in DRY_RUNS.items()}, cwd=ROOT)
+    return {name: (r, outs[name]) for name, r in results.items()}
 
 
 def _line(stdout, key):
@@ -30,12 +57,8 @@ def _line(stdout, key):
 
 
 @pytest.mark.slow  # a CLI process each
-def test_dry_run_prints_the_plan_and_starts_nothing(model, tmp_path):
-    out = str(tmp_path / "run")
-    r = _dry_run(model, out, "--tensor_model_parallel_size", "2", "--num_generations", "4",
-                 "--global_batch_size", "8", "--micro_batch_size", "2",
-                 "--steps_per_generation", "2", "--num_iterations", "2", "--train_iters", "20",
-                 "--report_to", "none", nproc=2, nnodes=2)
+def test_dry_run_prints_the_plan_and_starts_nothing(dry_runs):
+    r, out = dry_runs["plan"]
     assert r.returncode == 0, r.stderr
     assert not os.path.exists(out)               # nothing ran: no output folder
     # world 2 x 2 = 4; DP = 4 / TP 2 = 2; rollout = 8 x 2 = 16 completions = 4 prompts of 4;
@@ -58,22 +81,30 @@ def test_dry_run_prints_the_plan_and_starts_nothing(model, tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_checks_the_model_against_the_parallel_sizes(model, tmp_path):
+def test_dry_run_checks_the_model_against_the_parallel_sizes(dry_runs):
     # 2 layers cannot be split into 4 pipeline stages; the error names the option.
-    r = _dry_run(model, str(tmp_path / "run"), "--pipeline_model_parallel_size", "4",
-                 "--num_generations", "4")
+    r, _ = dry_runs["pp4"]
     assert r.returncode == 2, r.stdout
     assert "--pipeline_model_parallel_size 4" in r.stderr and "2 layers" in r.stderr
     assert "Traceback" not in r.stderr and "dry_run: every check passed" not in r.stdout
 
 
 @pytest.mark.slow  # a CLI process (dry run)
-def test_epochs_count_every_pass_of_num_iterations(model, tmp_path):
+def test_epochs_count_every_pass_of_num_iterations(dry_runs):
     """num_train_epochs covers every prompt once per epoch: 100 prompts / 4 per rollout = 25
     rollouts, each trained num_iterations 2 x steps_per_generation 2 = 4 steps -> 100."""
-    r = _dry_run(model, str(tmp_path / "run"), "--num_generations", "4", "--global_batch_size", "8",
-                 "--micro_batch_size", "2", "--steps_per_generation", "2", "--num_iterations", "2",
-                 "--num_train_epochs", "1", "--report_to", "none", nproc=2)
+    r, _ = dry_runs["epochs"]
     assert r.returncode == 0, r.stderr
     assert "4 optimizer steps per rollout" in _line(r.stdout, "schedule"), r.stdout
     assert "100 optimizer steps in all (1 epochs)" in _line(r.stdout, "schedule"), r.stdout
+
+
+@pytest.mark.slow  # a CLI process (dry run)
+def test_dry_run_mentions_the_evaluation(dry_runs):
+    r, _ = dry_runs["eval"]
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = {line.split()[0]: line for line in r.stdout.splitlines()[1:] if line.strip()}
+    assert "90 prompts from 1 file (10 more held out for evaluation)" in lines["dataset"]
+    assert ("every 4 optimizer steps and after the last (3 evaluations): all 10 validation "
+            "prompts (held out of --dataset by --split_dataset_ratio 0.1, never trained on) x 4 "
+            "completions") in lines["eval"], lines["eval"]

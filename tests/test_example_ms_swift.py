@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.harness import run_together
 from tests.test_trainer_e2e import _check_metrics, _metrics
 from tests.test_trainer_eval_e2e import ARITHMETIC, _check_eval
 
@@ -43,21 +44,9 @@ def dry_runs(model, tmp_path_factory):
     """Both scripts' dry runs, started together: each is one single-threaded process (no
     ranks, no engine), so on 2 cores they take the time of one."""
     root = tmp_path_factory.mktemp("dry_runs")
-    procs = {s: (subprocess.Popen(["bash", f"examples/{s}", "--dry_run", "true"], cwd=ROOT,
-                                  env=_env(model, root / s / "out"), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True), root / s / "out")
-             for s in DRY_RUNS}
-    results = {}
-    for script, (proc, out) in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        results[script] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout,
-                                                       stderr), out)
-    return results
+    results = run_together({s: (["bash", f"examples/{s}", "--dry_run", "true"],
+                                _env(model, root / s / "out")) for s in DRY_RUNS}, cwd=ROOT)
+    return {s: (r, root / s / "out") for s, r in results.items()}
 
 
 @pytest.mark.slow  # the example scripts run the CLI (dry run)

@@ -4,8 +4,6 @@ import json
 import logging
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -203,20 +201,3 @@ def test_eval_problems_collected_in_one_message(model_dir, tmp_path):
 def test_eval_problem_lines(model_dir, extra, expected):
     assert expected in error_of(args(model_dir, *extra))
 
-
-@pytest.mark.slow  # a CLI process (dry run: imports, model and data checks)
-def test_dry_run_mentions_the_evaluation(tmp_path, tiny_model):
-    model = str(tiny_model(family="qwen2", hidden_size=128))
-    argv = ["--dry_run", "true", "--model", model, "--dataset", f"{COUNTDOWN}#100",
-            "--reward_funcs", "countdown", "--num_generations", "4", "--global_batch_size", "8",
-            "--train_iters", "10", "--eval_steps", "4", "--split_dataset_ratio", "0.1",
-            "--report_to", "none", "--output_dir", str(tmp_path / "out")]
-    env = dict(os.environ, NPROC_PER_NODE="1", NNODES="1")
-    r = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    lines = {line.split()[0]: line for line in r.stdout.splitlines()[1:] if line.strip()}
-    assert "90 prompts from 1 file (10 more held out for evaluation)" in lines["dataset"]
-    assert ("every 4 optimizer steps and after the last (3 evaluations): all 10 validation "
-            "prompts (held out of --dataset by --split_dataset_ratio 0.1, never trained on) x 4 "
-            "completions") in lines["eval"], lines["eval"]
