@@ -32,7 +32,8 @@ setup(
         # wandb: a --report_to sink, tested offline (the test reads its record file, hence
         # the version range). swanlab is not here: it pins protobuf < 7, which breaks
         # sentencepiece's protobuf 7 code in this stack (its test skips without it).
-        "dev": ["pytest", "pytest-timeout", "tensorboard", "wandb>=0.31,<0.32", "peft"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "wandb>=0.31,<0.32",
+                "peft"],
     },
     entry_points={"console_scripts": ["megatron=megatron_grpo.cli:main"]},
 )
