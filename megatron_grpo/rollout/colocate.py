@@ -393,7 +393,8 @@ class ColocateEngine:
             result = []
             for i, (out, (_, imgs)) in enumerate(zip(outs, all_items)):
                 group = [_completion(i, c, detokenize(self.tokenizer, out.prompt_token_ids, c)
-                                     if own_text else None) for c in out.outputs]
+                                     if own_text else None, params.logprobs is not None)
+                         for c in out.outputs]
                 if imgs:
                     for c in group:
                         c.prompt_token_ids = list(out.prompt_token_ids)
@@ -597,14 +598,18 @@ class ColocateEngine:
         return [[p for part in gathered for p in part]]
 
 
-def _completion(prompt_index: int, c, text: Optional[str] = None) -> Completion:
+def _completion(prompt_index: int, c, text: Optional[str] = None,
+                with_logprobs: bool = True) -> Completion:
     """A Completion of vLLM's CompletionOutput `c`; `text`: decoded by the caller (else
-    vLLM's)."""
+    vLLM's); `with_logprobs`: whether the sampling asked for log-probs (else None)."""
     token_ids = list(c.token_ids)
-    logprobs = compat.flat_sampled_logprobs(c.logprobs, token_ids)
-    if logprobs is None and c.logprobs is not None:
-        # logprobs=0: each entry holds the sampled token (plus nothing else).
-        logprobs = [float(entry[tok].logprob) for tok, entry in zip(token_ids, c.logprobs)]
+    logprobs = None
+    if with_logprobs:
+        logprobs = compat.flat_sampled_logprobs(c.logprobs, token_ids)
+        if logprobs is None:
+            # logprobs=0: each entry holds the sampled token (plus nothing else).
+            logprobs = [float(entry[tok].logprob)
+                        for tok, entry in zip(token_ids, c.logprobs or [])]
     if logprobs is not None and len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens")
     return Completion(prompt_index=prompt_index, token_ids=token_ids,
