@@ -63,18 +63,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multiprocess)
         if item.get_closest_marker("multiprocess") or item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.slow)
-    # Files with a vLLM test run first, then those that start ranks, then the rest; each
-    # file's tests stay together (module fixtures are built once). Every vLLM test stops
-    # the pooled ranks, so a world after it pays new rank processes (torch and Megatron
-    # imported again, ~7 CPU s each): grouped, the pool restarts once instead of once per
-    # such file. Heaviest first also balances scripts/test.sh's xdist workers, which take
-    # whole files in this order: the many short single-process files fill the end.
-    def weight(marker):
-        return {item.module.__name__ for item in items if item.get_closest_marker(marker)}
-
-    with_vllm, with_ranks = weight("vllm"), weight("multiprocess")
-    items.sort(key=lambda item: (item.module.__name__ not in with_vllm,
-                                 item.module.__name__ not in with_ranks))
+    # Files with a vLLM test run last, each file's tests still together (module fixtures
+    # are built once): every vLLM test stops the pooled ranks, so a world after it pays
+    # new rank processes (torch and Megatron imported again, ~7 CPU s each); grouped at
+    # the end the pool is restarted a few times instead of once per such file.
+    with_vllm = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
+    items.sort(key=lambda item: item.module.__name__ in with_vllm)
 
 
 @pytest.fixture(autouse=True)
