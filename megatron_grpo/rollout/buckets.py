@@ -112,7 +112,9 @@ def perturb_buckets(buckets, scale: float = 0.05, seed: int = 1
         for name, x in bucket:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             noise = torch.randn(x.shape, generator=gen, dtype=torch.float32)
-            delta = scale * x.float().abs().mean() * noise
+            # The mean in float64, rounded to float32: the same bits whatever the number of
+            # threads (a float32 sum over threads depends on how it is split).
+            delta = scale * x.double().abs().mean().float() * noise
             out.append((name, (x.float() + delta).to(x.dtype)))
         yield out
 
