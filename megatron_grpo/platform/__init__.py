@@ -66,8 +66,10 @@ def init_parallel(dims: ParallelDims, seed: int = 1234) -> ParallelDims:
         cpu.install()
     from megatron.core import parallel_state, tensor_parallel
 
+    from .compat import megatron as compat
+
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        compat.destroy_model_parallel()    # and its process groups (compat/megatron.py)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
@@ -81,8 +83,8 @@ def init_parallel(dims: ParallelDims, seed: int = 1234) -> ParallelDims:
 
 
 def destroy_parallel() -> None:
-    from megatron.core import parallel_state
+    from .compat import megatron as compat
 
-    parallel_state.destroy_model_parallel()
+    compat.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
