@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.parallel import ParallelDims
+from .compat import megatron as megatron_compat
 
 
 def has_cuda() -> bool:
@@ -66,10 +67,8 @@ def init_parallel(dims: ParallelDims, seed: int = 1234) -> ParallelDims:
         cpu.install()
     from megatron.core import parallel_state, tensor_parallel
 
-    from .compat import megatron as compat
-
     if parallel_state.model_parallel_is_initialized():
-        compat.destroy_model_parallel()    # and its process groups (compat/megatron.py)
+        megatron_compat.destroy_model_parallel()    # and its process groups (compat/megatron.py)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
@@ -83,8 +82,6 @@ def init_parallel(dims: ParallelDims, seed: int = 1234) -> ParallelDims:
 
 
 def destroy_parallel() -> None:
-    from .compat import megatron as compat
-
-    compat.destroy_model_parallel()
+    megatron_compat.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
