@@ -102,6 +102,39 @@ def test_cpu_layer():
     assert run_distributed(_cpu_layer_probe, 1, fresh=True) == [True]  # needs a new process
 
 
+def _gloo_threads() -> int:
+    """This process's gloo TCP loop threads: one per live gloo process group."""
+    tasks = "/proc/self/task"
+    return sum(open(f"{tasks}/{t}/comm").read().strip() == "gloo_tcp_loop"
+               for t in os.listdir(tasks))
+
+
+def _relayout(rank, world):
+    from megatron_grpo.model import wrap_ddp
+    from tests.mcore_utils import setup
+
+    counts = []
+    for tp in (2, 1, 2, 1, 2):
+        config, _, chunks = setup(world, tp=tp)
+        wrap_ddp(config, chunks)       # models hold their groups (DDP) in reference cycles
+        counts.append(_gloo_threads())
+        del config, chunks             # garbage, as a finished test's models are
+    return counts
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_parallel_state_set_up_again_frees_the_old_groups():
+    """init_parallel over an initialised state destroys the groups of the old layout: each
+    gloo group keeps threads until destroyed, and a world running layout after layout
+    piled up thousands (compat.megatron.destroy_model_parallel)."""
+    from tests.harness import run_distributed
+
+    for counts in run_distributed(_relayout, 2):
+        assert counts[0] > 5                              # Megatron's groups: gloo each
+        assert counts[2] <= counts[0] + 1 and counts[4] <= counts[0] + 1, counts
+        assert counts[3] <= counts[1] + 1, counts
+
+
 def _megatron(*args, env=None, timeout=60, python_flags=()):
     e = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, *python_flags, "-m", "megatron_grpo.cli", *args], cwd=ROOT,

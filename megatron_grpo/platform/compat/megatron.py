@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import queue
 import sys
 from typing import Callable, List
@@ -143,6 +144,10 @@ def destroy_model_parallel() -> None:
                   if g is not None}.values():
         dist.destroy_process_group(group)
     parallel_state.destroy_model_parallel()
+    # A group's threads end with its last reference. Models built under the old layout
+    # hold theirs (DDP, optimizers) in reference cycles: collected now, not whenever the
+    # collector next runs (a test world's second layout otherwise kept 16 of 21 alive).
+    gc.collect()
 
 
 def in_process_save_results() -> None:
