@@ -140,9 +140,9 @@ def destroy_model_parallel() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    for group in {id(g): g for g in parallel_state._global_process_group_list or []
-                  if g is not None}.values():
-        dist.destroy_process_group(group)
+    for group in parallel_state._global_process_group_list or []:   # each group once
+        if group is not None:
+            dist.destroy_process_group(group)
     parallel_state.destroy_model_parallel()
     # A group's threads end with its last reference. Models built under the old layout
     # hold theirs (DDP, optimizers) in reference cycles: collected now, not whenever the
