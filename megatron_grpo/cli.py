@@ -62,7 +62,13 @@ def _rlhf(argv: list[str]) -> int:
         return _dry_run(cfg, spec, dataset, val_dataset, problems)
     problems.raise_if_any()
     if spec.world_size > 1 and not launch.in_torchrun():
-        return launch.relaunch("rlhf", argv, spec)
+        code = launch.relaunch("rlhf", argv, spec, preload=lambda: _import_rank_modules(cfg),
+                               fork_main=main)
+        if "megatron.core" in sys.modules:
+            # The workers were forks of this process, which imported their modules first
+            # (launch.fork_workers): no teardown of them here either (see _exit_worker).
+            _exit_worker(code)
+        return code
     if launch.in_torchrun():
         # Start-up makes ~680,000 objects that live as long as the process (the modules of
         # torch, Megatron and vLLM, the models), and the cyclic collector's passes over them
@@ -77,15 +83,38 @@ def _rlhf(argv: list[str]) -> int:
     worker = launch.in_torchrun()
     # A worker ends with os._exit right after (_exit_worker): vLLM's engine teardown (a
     # gc pass over the whole heap, its process groups; ~1 CPU s per rank, measured with
-    # tools/profile_startup.py) would free nothing that the exit does not.
-    train(cfg, close_engine=not worker)
+    # tools/profile_startup.py) would free nothing that the exit does not. The run stays
+    # referenced until then: releasing it (models, vLLM engine) took ~2 s in a worker
+    # forked by the launcher (measured at the quickstart's end; docs/benchmarks.md).
+    run = train(cfg, close_engine=not worker)
     if worker:
         _exit_worker()
+    del run
     return 0
 
 
-def _exit_worker() -> None:
-    """End a torchrun worker whose run has finished, without the interpreter's teardown.
+def _import_rank_modules(cfg) -> None:
+    """What a rank of this run imports before its first step, for a launcher that forks its
+    workers (launch.fork_workers) to import once: Megatron (as the rank does: wandb hidden
+    unless reported to), the trainer, transformers and, for a colocated engine, vLLM's LLM
+    (its version checked first, as the engine does). Together ~8 of a rank's ~10 CPU s
+    before its first rollout on the quickstart (tools/profile_startup.py)."""
+    from .platform.compat.megatron import import_core
+
+    import_core(hide=() if "wandb" in (cfg.logging.report_to or ()) else ("wandb",))
+    import transformers  # noqa: F401
+    from . import trainer  # noqa: F401
+
+    if cfg.rollout.vllm_mode != "server":
+        from .platform.compat import vllm as vllm_compat
+
+        vllm_compat.check_version()
+        from vllm import LLM  # noqa: F401
+
+
+def _exit_worker(code: int = 0) -> None:
+    """End a torchrun worker whose run has finished (or a launcher whose forked workers
+    have), with `code`, without the interpreter's teardown.
 
     By then everything is on disk (checkpoints and final_hf/ written and renamed,
     metrics flushed, the logger and the vLLM engine closed). What is left is the
@@ -100,7 +129,7 @@ def _exit_worker() -> None:
         child.join(5)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _dry_run(cfg, spec, dataset, val_dataset, problems) -> int:

@@ -4,20 +4,31 @@
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NPROC_PER_NODE=8 megatron ...
 
 When NPROC_PER_NODE (or `--nproc_per_node N`) asks for more than one process and we
-are not already a worker, the command re-executes itself as N workers with the same
-arguments: on one node it starts them itself, on several through
-`torch.distributed.run` (torchrun). Each worker sees what torchrun gives its workers:
-RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+are not already a worker, the command runs again as N workers with the same arguments:
+on one node it starts them itself, on several through `torch.distributed.run`
+(torchrun). Each worker sees what torchrun gives its workers: RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+
+On one node the workers of `megatron rlhf` are forks of the launcher, made after it
+imported what they use (torch, Megatron, transformers, vLLM: once instead of once per
+worker), where that is safe: a CPU-only build of torch and one OpenMP thread per worker
+(`fork_problem`). Otherwise, a GPU build of torch above all, each worker is a new
+interpreter (`python -u -m megatron_grpo.cli ...`), as torchrun starts them.
 """
 from __future__ import annotations
 
+import ast
+import gc
+import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -104,7 +115,9 @@ def current_world_size(spec: LaunchSpec, env=None) -> int:
     return spec.world_size
 
 
-def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec) -> int:
+def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec,
+             preload: Callable[[], None] | None = None,
+             fork_main: Callable[[list[str]], int] | None = None) -> int:
     """Run `megatron <subcommand> argv` as the `spec.world_size` workers of `spec`; returns
     the exit code (0, or the first failing worker's).
 
@@ -112,7 +125,10 @@ def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec) -> int:
     workers (`worker_env`). torchrun's agent would first import torch (1.2-1.7 CPU
     seconds, 2-6 s of wall time measured on the critical path before any worker starts,
     docs/benchmarks.md) for rendezvous and restarts that a single node does not use.
-    Several nodes: torchrun, whose rendezvous joins them."""
+    Given `preload` and `fork_main`, and where `fork_problem()` finds none, they are forks
+    of this process made after `preload()` imported what each would import
+    (`fork_workers`); otherwise new interpreters. Several nodes: torchrun, whose
+    rendezvous joins them."""
     if spec.nnodes > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run",
                f"--nproc_per_node={spec.nproc_per_node}", f"--nnodes={spec.nnodes}",
@@ -122,9 +138,159 @@ def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec) -> int:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         return subprocess.call(cmd, env=env)
+    if preload is not None and fork_main is not None and fork_problem() is None:
+        print(f"[megatron] starting {spec.nproc_per_node} workers {FORK_NOTE} (their "
+              "modules imported once, here)", flush=True)
+        return fork_workers(spec, preload, lambda: fork_main([subcommand, *argv]))
     # -u: unbuffered output, as torchrun starts its workers (a log piped to `tee` stays live).
     cmd = [sys.executable, "-u", "-m", "megatron_grpo.cli", subcommand, *argv]
     return run_workers([(cmd, worker_env(spec, r)) for r in range(spec.nproc_per_node)])
+
+
+FORK_NOTE = "as forks of this process"     # what the launcher prints when it forks
+
+
+def torch_accelerator_builds() -> list[str] | None:
+    """The accelerators the installed torch is built for ("cuda", "hip", "xpu"; [] for a
+    CPU-only build), read from torch/version.py without importing torch; None when that
+    file cannot be read as expected."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        values = {}
+        for node in tree.body:
+            target = node.target if isinstance(node, ast.AnnAssign) else \
+                node.targets[0] if isinstance(node, ast.Assign) else None
+            if isinstance(target, ast.Name) and node.value is not None:
+                values[target.id] = ast.literal_eval(node.value)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    names = ("cuda", "hip", "xpu")
+    if not all(name in values for name in names):
+        return None
+    return [name for name in names if values[name] is not None]
+
+
+def fork_problem(env=None) -> str | None:
+    """Why this node's workers may not be forks of the launcher (None: they may).
+
+    A fork carries over what the launcher imported, and nothing else: no thread, and no
+    device state. So only where torch is a CPU-only build (no CUDA, ROCm or XPU driver a
+    forked child could inherit half-initialised; a GPU build starts new interpreters, as
+    torchrun does) and each worker runs one OpenMP thread (GNU OpenMP's thread pool does
+    not survive a fork; with one thread there is none)."""
+    env = os.environ if env is None else env
+    if not hasattr(os, "fork"):
+        return "this platform has no fork()"
+    threads = env.get("OMP_NUM_THREADS", "1")
+    if threads != "1":
+        return f"OMP_NUM_THREADS={threads}: an OpenMP thread pool does not survive a fork"
+    builds = torch_accelerator_builds()
+    if builds is None:
+        return "torch/version.py could not be read"
+    if builds:
+        return f"torch is built for {', '.join(builds)}"
+    return None
+
+
+def fork_workers(spec: LaunchSpec, preload: Callable[[], None], main: Callable[[], int],
+                 poll_s: float = 0.1, grace_s: float = 10.0) -> int:
+    """Start this node's workers as forks of this process, after `preload()` imported the
+    modules every worker needs; each fork runs `main()` with its `worker_env` and exits
+    with its code. Supervised as `run_workers` does.
+
+    Each worker of a `megatron rlhf` run imports torch, Megatron, transformers and vLLM:
+    ~8 CPU s each before its first step (tools/profile_startup.py), paid once here
+    instead of once per worker, and their pages are shared until written. The objects
+    made so far are frozen (`gc.freeze`): a worker's collector never walks them (nor
+    copies their pages by touching them)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")    # what worker_env gives, before torch loads
+    enabled = gc.isenabled()
+    gc.disable()                # collections during the imports free nothing
+    try:
+        preload()
+    finally:
+        if enabled:
+            gc.enable()
+    gc.freeze()
+    procs: list = []
+    try:
+        for local_rank in range(spec.nproc_per_node):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _forked_worker(main, worker_env(spec, local_rank))     # never returns
+            procs.append(_Forked(pid))
+    except BaseException:
+        _stop(procs, grace_s)
+        raise
+    return _supervise(procs, poll_s, grace_s)
+
+
+def _forked_worker(main: Callable[[], int], env: dict) -> None:
+    """The body of a forked worker: torchrun's environment, unbuffered output (as `python
+    -u`), `main()`, then os._exit with its code: the launcher's own stack below the fork
+    (and its atexit handlers) must not run in the worker."""
+    code = 1
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(write_through=True)
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
+
+
+class _Forked:
+    """A forked worker, with the part of subprocess.Popen's interface `_supervise` uses."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)   # -N: killed by N
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"worker pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def _signal(self, signum: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
 
 
 def worker_env(spec: LaunchSpec, local_rank: int, env=None) -> dict:
@@ -147,33 +313,38 @@ def run_workers(workers: list, poll_s: float = 0.1, grace_s: float = 10.0) -> in
     one fails, the others (waiting in a collective for it, as likely as not) are stopped
     (SIGTERM, SIGKILL after grace_s) and its exit code is returned. A SIGTERM to this
     process stops them as well; Ctrl-C reaches them through the terminal's process group."""
-    procs = [subprocess.Popen(argv, env=env) for argv, env in workers]
+    return _supervise([subprocess.Popen(argv, env=env) for argv, env in workers], poll_s, grace_s)
 
-    def stop(*_):
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + grace_s
-        for p in procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
-    previous = signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(128 + signal.SIGTERM)))
+def _stop(procs: list, grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _supervise(procs: list, poll_s: float, grace_s: float) -> int:
+    """Wait for started workers (Popen or _Forked): see run_workers."""
+    previous = signal.signal(signal.SIGTERM,
+                             lambda *_: (_stop(procs, grace_s), sys.exit(128 + signal.SIGTERM)))
     try:
         while True:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
-                stop()
+                _stop(procs, grace_s)
                 return failed[0] if failed[0] > 0 else 128 - failed[0]   # -N: killed by N
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(poll_s)
     except KeyboardInterrupt:
-        stop()
+        _stop(procs, grace_s)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

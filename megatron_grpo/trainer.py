@@ -22,9 +22,9 @@ from .train.run import build_run, finish, log_and_save
 from .train.step import optimizer_step
 
 
-def train(cfg, close_engine: bool = True) -> None:
-    """The run of `cfg`; `close_engine=False` leaves the vLLM engine open at the end, for a
-    process that exits right after (cli.py)."""
+def train(cfg, close_engine: bool = True):
+    """The run of `cfg`, returned when done; `close_engine=False` leaves the vLLM engine
+    open at the end, for a process that exits right after (cli.py)."""
     run = build_run(cfg)
     if not gc.isenabled():   # a launched worker's start-up is over (cli.py): what it made
         gc.freeze()          # is set aside, and collection resumes for the steps
@@ -52,3 +52,4 @@ def train(cfg, close_engine: bool = True) -> None:
             metrics["timing/step"], t_last = now - t_last, now
             log_and_save(run, batch, metrics, first_of_batch=n == 0)
     finish(run, close_engine=close_engine)
+    return run

@@ -64,9 +64,10 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("multiprocess") or item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.slow)
     # Files with a vLLM test run last, each file's tests still together (module fixtures
-    # are built once): every vLLM test stops the pooled ranks, so a world after it pays
-    # new rank processes (torch and Megatron imported again, ~7 CPU s each); grouped at
-    # the end the pool is restarted a few times instead of once per such file.
+    # are built once): every vLLM test stops the pooled ranks, so a world after it needs
+    # new rank processes (forks of the harness's preloaded fork server: cheap, but the
+    # pool's per-world set-up starts again); grouped at the end the pool is restarted a
+    # few times instead of once per such file.
     with_vllm = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
     items.sort(key=lambda item: item.module.__name__ in with_vllm)
 

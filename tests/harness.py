@@ -9,21 +9,25 @@
     def test_x():
         results = run_distributed(_body, world_size=2, args=(3,), timeout=120)
 
-Each rank runs in a fresh `spawn`ed process with torchrun's environment variables
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and OMP_NUM_THREADS=1, so
-code under test initialises exactly as it does under torchrun. A rank that raises
+Each rank runs in its own process with torchrun's environment variables (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and OMP_NUM_THREADS=1, so code under
+test initialises exactly as it does under torchrun. The processes are forks of
+multiprocessing's fork server, which imported torch, Megatron, transformers and vLLM
+once (tests/rank_preload.py) and nothing else: no thread, no process group, no engine. A rank that raises
 fails the test with its traceback; if the ranks do not all finish within `timeout`
 seconds (a hung collective), every live rank dumps its Python stack (faulthandler on
 SIGUSR1) and the test fails with those stacks instead of hanging CI.
 
-Worlds reuse their processes. Starting a rank costs far more than most bodies (the torch
-and Megatron imports, ~8 s per rank on a loaded 2-core machine), so the ranks are a pool
+Worlds reuse their processes. Starting a rank cost far more than most bodies (the torch
+and Megatron imports, ~8 s per rank on a loaded 2-core machine, before the fork server
+took them over; a fork still costs its gloo and module set-up), so the ranks are a pool
 of long-lived workers: a world of N runs on workers 0..N-1, each with a new process group
 on a new port, torchrun's variables set for the call, the environment, torch's default
 RNG seed, default dtype and grad mode restored afterwards, and Megatron's parallel state
 and the process group torn down. A worker is retired (its process exits) after a call
 in which any rank failed or hung (its peers then see closed sockets, as with fresh
-processes), and after a call that imported vLLM (engine state is process-wide). Pass
+processes), and after a call that used vLLM beyond the preloaded import (an engine
+start imports more of it; engine state is process-wide). Pass
 `fresh=True` for a body that needs a process nothing ran in before (e.g. one that
 checks process-wide state such as the CPU layer's install), or set
 MGRPO_TEST_FRESH_WORLDS=1 to run every world in fresh processes (to rule the pool out
@@ -109,7 +113,7 @@ def _run_rank(fn, rank, world_size, args):
 
 def _entry(fn, rank, world_size, port, args, env, queue, stack_file, timeout):
     """A fresh process for one rank of one world (fresh=True)."""
-    # Environment first: torch reads OMP_NUM_THREADS at import.
+    # Environment first (the fork server loaded torch with OMP_NUM_THREADS=1 already).
     os.environ.update(env)
     os.environ.update(_torchrun_env(rank, world_size, port))
     stacks = open(stack_file, "w")
@@ -134,8 +138,9 @@ def _entry(fn, rank, world_size, port, args, env, queue, stack_file, timeout):
 
 def _worker(env, tasks, queue, stack_file):
     """A pooled rank: runs one world's body per task until told to stop or retired."""
-    _serve(env, tasks, queue, stack_file)
-    _exit_now(queue)
+    preloaded = frozenset(sys.modules)
+    _serve(env, tasks, queue, stack_file, preloaded)
+    _exit_now(queue, preloaded)
 
 
 def _children() -> list[str] | None:
@@ -151,7 +156,22 @@ def _children() -> list[str] | None:
         return None
 
 
-def _exit_now(queue) -> None:
+def _context():
+    """multiprocessing's fork server, preloaded with what ranks import (module docstring).
+    The server starts with this process's environment at its first use: OMP_NUM_THREADS=1
+    there (tests/rank_preload.py), since torch reads it when it loads."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.rank_preload"])
+    return ctx
+
+
+def _ran_vllm(preloaded: frozenset) -> bool:
+    """Whether this process used vLLM beyond the preloaded import: starting an engine
+    imports vLLM modules the preload did not (its worker, model runner, model class)."""
+    return any(name.startswith("vllm") and name not in preloaded for name in sys.modules)
+
+
+def _exit_now(queue, preloaded: frozenset) -> None:
     """End a worker that is done without the interpreter's clean-up, which costs 1-2 s of
     CPU once torch and Megatron are loaded (5 s and more of wall on a busy 2-core machine,
     where close_pool gave up waiting after its 5 s grace), paid by every stop of the pool.
@@ -162,13 +182,13 @@ def _exit_now(queue) -> None:
     with "create shm in SHMManager failed. errno: 17")."""
     queue.close()
     queue.join_thread()
-    if "vllm" not in sys.modules and _children() == []:
+    if not _ran_vllm(preloaded) and _children() == []:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
 
 
-def _serve(env, tasks, queue, stack_file):
+def _serve(env, tasks, queue, stack_file, preloaded: frozenset):
     os.environ.update(env)
     stacks = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -200,7 +220,7 @@ def _serve(env, tasks, queue, stack_file):
             queue.put((job, rank, status, traceback.format_exc()))
             return  # retired: peers blocked on this rank see its sockets close
         # An engine's state is process-wide: after vLLM the next world gets a new process.
-        retire = "vllm" in sys.modules
+        retire = _ran_vllm(preloaded)
         queue.put((job, rank, "ok, exiting" if retire else "ok", pickle.dumps(result)))
         if retire:
             return
@@ -242,7 +262,7 @@ class _Pool:
 
     def __init__(self, env: dict[str, str]):
         self.env = env
-        self.ctx = mp.get_context("spawn")
+        self.ctx = _context()
         self.queue = self.ctx.Queue()
         # After multiprocessing's own exit hook (registered when the queue imported its
         # util module), so that this one runs first: that hook joins live children.
@@ -420,7 +440,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
             _POOL = _Pool(child_env)
         return _POOL.run(fn, world_size, args, timeout)
 
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="mgrpo_ranks_")

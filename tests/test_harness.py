@@ -105,3 +105,33 @@ def test_failed_start_stops_the_waiting_peer_early(tmp_path, monkeypatch):
         harness._collect(procs, reports, 7, stacks, timeout=600, pooled=True)
     assert err.value.init_only                  # run again by _Pool.run
     assert not any(p.is_alive() for p in procs)
+
+
+def _preloaded_and_vllm(rank, world, start_engine_part):
+    import sys
+
+    preloaded = all(m in sys.modules for m in ("torch", "megatron.core", "transformers", "vllm"))
+    from vllm import SamplingParams  # noqa: F401 - preloaded: no engine, no retirement
+
+    if start_engine_part:
+        import vllm.v1.worker.cpu_worker  # noqa: F401 - what an engine start imports
+    return os.getpid(), preloaded
+
+
+def test_ranks_are_forks_with_the_heavy_imports_done_and_vllm_use_retires_them():
+    """The ranks come from the preloaded fork server (tests/rank_preload.py): torch,
+    Megatron, transformers and vLLM are imported before a body runs. Using only what was
+    preloaded keeps a pooled worker; importing more of vLLM (as an engine start does)
+    retires it, since an engine's state is process-wide."""
+    for _ in range(3):
+        reruns = pool_reruns()
+        (pid0, preloaded), = run_distributed(_preloaded_and_vllm, 1, args=(False,))
+        (pid1, _), = run_distributed(_preloaded_and_vllm, 1, args=(True,))
+        (pid2, _), = run_distributed(_preloaded_and_vllm, 1, args=(False,))
+        if pool_reruns() == reruns:
+            break
+    assert preloaded
+    assert pid0 == pid1 != pid2
+    (fresh_pid, fresh_preloaded), = run_distributed(_preloaded_and_vllm, 1, args=(False,),
+                                                     fresh=True)
+    assert fresh_preloaded and fresh_pid not in (pid0, pid2)

@@ -18,6 +18,8 @@ import time
 import pytest
 import torch
 
+from megatron_grpo import launch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -57,13 +59,15 @@ def _argv(model, out, **over):
     return argv
 
 
-def _run(argv, nproc=2, timeout=600, nnodes=1):
+def _run(argv, nproc=2, timeout=600, nnodes=1, omp_threads=1):
     """`megatron rlhf ARGV` on `nproc` processes, or on `nnodes` "nodes" of `nproc` each, all
     on this machine: ms-swift's variables (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT)
     re-launch each command under torchrun and the nodes meet at MASTER_ADDR:MASTER_PORT.
-    Several nodes: node 0's output, or that of the first node that failed."""
+    Several nodes: node 0's output, or that of the first node that failed. One node with
+    one OpenMP thread per worker: the workers are forks of the launcher (launch.py);
+    omp_threads > 1 makes them new interpreters, as on a GPU build of torch."""
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv]
-    env = dict(os.environ, NPROC_PER_NODE=str(nproc), OMP_NUM_THREADS="1",
+    env = dict(os.environ, NPROC_PER_NODE=str(nproc), OMP_NUM_THREADS=str(omp_threads),
                MASTER_PORT=str(_free_port()))
     if nnodes == 1:
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -174,12 +178,16 @@ def test_tp2_colocate_on_two_nodes(tiny, tmp_path):
 
 
 def test_pp2_with_reference_and_two_steps_per_generation(tiny, tmp_path):
+    """Also the launcher's other way to start one node's workers: OMP_NUM_THREADS=2 rules a
+    fork out (launch.fork_problem), so the two ranks are new interpreters, as a GPU build
+    of torch has them."""
     out = str(tmp_path / "run")
     r = _run(_argv(tiny, out, pipeline_model_parallel_size=2, beta=0.04,
                    generation_batch_size=16,
                    global_batch_size=8, train_iters=2, log_entropy="true",
-                   top_entropy_quantile=0.5))
+                   top_entropy_quantile=0.5), omp_threads=2)
     assert r.returncode == 0, r.stderr[-4000:]
+    assert launch.FORK_NOTE not in r.stdout
     _check_metrics(_metrics(out), 2, extra=("kl", "entropy/entropy_mean", "entropy/entropy_threshold"),
                    steps_per_generation=2)
 
@@ -256,6 +264,7 @@ def test_dp2_offload_sleep_dynamic_sample_two_iterations(tiny, tmp_path):
                    # advantage was clipped in the second pass (an exactly zero gradient)
                    lr=1e-4))
     assert r.returncode == 0, r.stderr[-4000:]
+    assert launch.FORK_NOTE in r.stdout     # the workers were forks of the launcher
     rows = _metrics(out)
     _check_metrics(rows, 2, extra=("dynamic_sample/resample_rounds",), num_iterations=2)
     assert rows[0]["grad_norm"] > 0 and rows[1]["grad_norm"] > 0

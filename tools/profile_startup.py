@@ -69,12 +69,29 @@ _WRAP = {  # module -> functions (Class.method) whose calls are timed
 }
 _seen = set()
 _out = None
+_forked_at = None     # a forked worker (launch.fork_workers): when, until its first event
+
+
+def _cmd():
+    with open("/proc/self/cmdline", "rb") as f:
+        cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    return " ".join(cmd[1:4])[:100]
+
+
+def _after_fork():
+    global _out, _forked_at
+    _out, _forked_at = None, time.time()
 
 
 def _event(name, **kw):
-    global _out
+    global _out, _forked_at
     if _out is None:
         _out = open(os.path.join(_LOG, f"{os.getpid()}.jsonl"), "a", buffering=1)
+        if _forked_at is not None:     # its "up": the fork (its environment is set by now)
+            up = dict(name="up", start=_forked_at, t=_forked_at, cpu=0.0, forked=True,
+                      rank=os.environ.get("RANK"), cmd=_cmd())
+            _out.write(json.dumps(up) + "\n")
+            _forked_at = None
     kw.update(name=name, t=time.time(), cpu=time.process_time())
     _out.write(json.dumps(kw) + "\n")
 
@@ -142,11 +159,10 @@ if _LOG:
         ticks = int(f.read().rsplit(")", 1)[1].split()[19])
     with open("/proc/uptime") as f:
         boot = time.time() - float(f.read().split()[0])
-    with open("/proc/self/cmdline", "rb") as f:
-        cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     _event("up", start=boot + ticks / os.sysconf("SC_CLK_TCK"), rank=os.environ.get("RANK"),
-           cmd=" ".join(cmd[1:4])[:100])
+           cmd=_cmd())
     sys.meta_path.insert(0, _Finder())
+    os.register_at_fork(after_in_child=_after_fork)
 '''
 
 
@@ -193,7 +209,8 @@ def print_timeline(events: dict, t0: float, parent: int) -> dict:
                 continue
             took = r["t"] - begins[r["name"]]["t"] if r["name"] in begins else \
                 r["t"] - r["start"] if r["name"] == "up" else float("nan")
-            label = r["name"] if r["name"] != "up" else "interpreter up (start -> site)"
+            label = r["name"] if r["name"] != "up" else \
+                "forked from the launcher" if r.get("forked") else "interpreter up (start -> site)"
             print(f"{label:44s} {r['t'] - t0:7.2f} {took:7.2f} {r['cpu']:7.2f}")
     return by_role
 
