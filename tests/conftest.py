@@ -67,7 +67,9 @@ def pytest_collection_modifyitems(config, items):
     # are built once): every vLLM test stops the pooled ranks, so a world after it needs
     # new rank processes (forks of the harness's preloaded fork server: cheap, but the
     # pool's per-world set-up starts again); grouped at the end the pool is restarted a
-    # few times instead of once per such file.
+    # few times instead of once per such file. This order holds in one process (-n 0);
+    # pytest-xdist's --dist loadfile hands out files by their number of tests, most first
+    # (simulated with measured durations: within 0.2 % of longest-first, session 11).
     with_vllm = {item.module.__name__ for item in items if item.get_closest_marker("vllm")}
     items.sort(key=lambda item: item.module.__name__ in with_vllm)
 
