@@ -6,6 +6,18 @@ import pytest
 from megatron_grpo.launch import launch_spec
 
 
+def _assert_gone(pid: int, message: str) -> None:
+    """The process `pid` has ended: gone, or a zombie nobody reaped."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().split(")")[-1].split()[0] == "Z", message
+    except (ProcessLookupError, FileNotFoundError):
+        pass
+
+
 def test_single_node_without_master_port_picks_a_free_port():
     # Hold 29500 (torchrun's default) so that a fixed default would clash.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
@@ -54,12 +66,7 @@ def test_finished_worker_exits_at_once_without_leaving_children(tmp_path):
                        timeout=120)
     assert r.returncode == 0 and r.stdout == "written" and "to stderr" in r.stderr, r
     child = int(pid_file.read_text())
-    try:
-        os.kill(child, 0)
-        with open(f"/proc/{child}/stat") as f:      # gone, or a zombie nobody reaped
-            assert f.read().split(")")[-1].split()[0] == "Z", "the child outlived the worker"
-    except (ProcessLookupError, FileNotFoundError):
-        pass
+    _assert_gone(child, "the child outlived the worker")
 
 
 def test_single_node_workers_get_torchruns_environment():
@@ -91,12 +98,7 @@ def test_a_failing_worker_stops_the_others_and_its_code_is_returned(tmp_path):
     assert run_workers([([sys.executable, "-c", failer], env),
                         ([sys.executable, "-c", sleeper], env)]) == 3
     sleeper_pid = int(pid_file.read_text())
-    try:
-        os.kill(sleeper_pid, 0)
-        with open(f"/proc/{sleeper_pid}/stat") as f:
-            assert f.read().split(")")[-1].split()[0] == "Z", "worker 1 outlived the run"
-    except (ProcessLookupError, FileNotFoundError):
-        pass
+    _assert_gone(sleeper_pid, "worker 1 outlived the run")
     ok = [sys.executable, "-c", "pass"]
     assert run_workers([(ok, env), (ok, env)]) == 0
 
@@ -212,17 +214,11 @@ def test_forked_workers_share_one_preload_and_get_torchruns_environment(tmp_path
 
 def test_a_failing_forked_worker_stops_the_other_and_its_code_is_returned(tmp_path):
     import json
-    import os
 
     r = _fork_launch(tmp_path, "fail")
     assert "launcher code 3" in r.stdout, r
     sleeper = json.loads((tmp_path / "rank1.json").read_text())["pid"]
-    try:
-        os.kill(sleeper, 0)
-        with open(f"/proc/{sleeper}/stat") as f:
-            assert f.read().split(")")[-1].split()[0] == "Z", "worker 1 outlived the run"
-    except (ProcessLookupError, FileNotFoundError):
-        pass
+    _assert_gone(sleeper, "worker 1 outlived the run")
 
 
 @pytest.mark.parametrize("mode,says", [("raise", "RuntimeError: rank 0 broke"),
