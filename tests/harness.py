@@ -13,10 +13,10 @@ Each rank runs in its own process with torchrun's environment variables (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and OMP_NUM_THREADS=1, so code under
 test initialises exactly as it does under torchrun. The processes are forks of
 multiprocessing's fork server, which imported torch, Megatron, transformers and vLLM
-once (tests/rank_preload.py) and nothing else: no thread, no process group, no engine. A rank that raises
-fails the test with its traceback; if the ranks do not all finish within `timeout`
-seconds (a hung collective), every live rank dumps its Python stack (faulthandler on
-SIGUSR1) and the test fails with those stacks instead of hanging CI.
+once (tests/rank_preload.py) and nothing else: no thread, no process group, no engine.
+A rank that raises fails the test with its traceback; if the ranks do not all finish
+within `timeout` seconds (a hung collective), every live rank dumps its Python stack
+(faulthandler on SIGUSR1) and the test fails with those stacks instead of hanging CI.
 
 Worlds reuse their processes. Starting a rank cost far more than most bodies (the torch
 and Megatron imports, ~8 s per rank on a loaded 2-core machine, before the fork server
