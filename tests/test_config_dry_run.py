@@ -1,10 +1,10 @@
 """`megatron rlhf --dry_run true`: every check without starting a process, then the plan."""
 import os
 import re
-import sys
 
 import pytest
 
+from tests import cli_zygote
 from tests.harness import run_together
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,12 +21,13 @@ def _dry_run_argv(model, out, *extra, nproc=4, nnodes=1):
     argv = ["--rlhf_type", "grpo", "--dry_run", "true", "--model", model,
             "--dataset", f"{COUNTDOWN}#100", "--reward_funcs", "countdown", "--output_dir", out,
             *extra]
-    env = dict(os.environ, NPROC_PER_NODE=str(nproc), NNODES=str(nnodes), NODE_RANK="0")
-    return [sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv], env
+    env = cli_zygote.env(NPROC_PER_NODE=str(nproc), NNODES=str(nnodes), NODE_RANK="0")
+    return cli_zygote.command("rlhf", *argv), env
 
 
-# Each dry run is one single-threaded process (no ranks, no engine) that imports torch and
-# Megatron (~8 s): the module's runs start together, so on 2 cores four take about two.
+# Each dry run is one single-threaded process (no ranks, no engine). In a new interpreter it
+# imports torch and Megatron (~7 s), through the CLI zygote it finds them imported (~0.5 s);
+# the module's runs start together either way.
 DRY_RUNS = {
     "plan": (("--tensor_model_parallel_size", "2", "--num_generations", "4",
               "--global_batch_size", "8", "--micro_batch_size", "2",

@@ -7,10 +7,10 @@ one server start and one trainer start serve both."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
+from tests import cli_zygote
 from tests.harness import run_together
 from tests.test_trainer_e2e import _check_metrics, _metrics
 from tests.test_trainer_eval_e2e import ARITHMETIC, _check_eval
@@ -25,8 +25,10 @@ def model(tiny_model):
 
 
 def _env(model, out, **extra):
-    return dict(os.environ, MODEL=model, OUTPUT_DIR=str(out), OMP_NUM_THREADS="1",
-                MEGATRON=f"{sys.executable} -m megatron_grpo.cli", NNODES="1", **extra)
+    """The scripts' environment; their `megatron` commands run through the tests' CLI
+    zygote (tests/cli_zygote.py)."""
+    return cli_zygote.env(MODEL=model, OUTPUT_DIR=str(out), OMP_NUM_THREADS="1",
+                          MEGATRON=" ".join(cli_zygote.command()), NNODES="1", **extra)
 
 
 def _run(script, model, out, *args, timeout=300, **env):

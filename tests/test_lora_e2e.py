@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from tests import cli_zygote
 from tests.test_trainer_e2e import _argv, _metrics, _run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -85,7 +86,6 @@ def test_lora_run_sync_resume_and_adapter(tiny, tmp_path):
     # TP=2; converted at TP=1 on the base the run trained on): the PEFT adapter equals the
     # run's final_hf/, and with --merge_lora true the merged model equals peft's merge.
     import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
@@ -98,11 +98,11 @@ def test_lora_run_sync_resume_and_adapter(tiny, tmp_path):
 
     def export(dst, port, *extra):    # one process each: the two run side by side
         with open(f"{dst}.log", "w") as log:
-            return subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "export",
-                                     "--to_hf", "true", "--mcore_model", out, "--output_dir", dst,
-                                     *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                    env=dict(os.environ, OMP_NUM_THREADS="1",
-                                             MASTER_PORT=str(port)))
+            return subprocess.Popen(cli_zygote.command("export", "--to_hf", "true",
+                                                       "--mcore_model", out, "--output_dir", dst,
+                                                       *extra),
+                                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                    env=cli_zygote.env(OMP_NUM_THREADS="1", MASTER_PORT=str(port)))
 
     exports = [export(str(tmp_path / "adapter"), ports[0]),
                export(str(tmp_path / "merged"), ports[1], "--merge_lora", "true")]

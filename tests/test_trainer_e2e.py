@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_grpo import launch
+from tests import cli_zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -64,12 +65,15 @@ def _run(argv, nproc=2, timeout=600, nnodes=1, omp_threads=1):
     on this machine: ms-swift's variables (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT)
     re-launch each command under torchrun and the nodes meet at MASTER_ADDR:MASTER_PORT.
     Several nodes: node 0's output, or that of the first node that failed. One node with
-    one OpenMP thread per worker: the workers are forks of the launcher (launch.py);
-    omp_threads > 1 makes them new interpreters, as on a GPU build of torch."""
+    one OpenMP thread per worker: the workers are forks of the launcher (launch.py), and
+    the launcher a fork of the tests' CLI zygote (tests/cli_zygote.py); omp_threads > 1
+    makes all of them new interpreters, as on a GPU build of torch."""
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "rlhf", *argv]
     env = dict(os.environ, NPROC_PER_NODE=str(nproc), OMP_NUM_THREADS=str(omp_threads),
                MASTER_PORT=str(_free_port()))
     if nnodes == 1:
+        if omp_threads == 1:
+            cmd, env = cli_zygote.command("rlhf", *argv), cli_zygote.env(env)
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=timeout)
     procs, files = [], []
@@ -161,9 +165,9 @@ def test_tp2_colocate_on_two_nodes(tiny, tmp_path):
     from tests.test_bridge_roundtrip import _hf_tensors
 
     hf_out = str(tmp_path / "exported")
-    r = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "export", "--to_hf", "true",
-                        "--mcore_model", out, "--output_dir", hf_out], cwd=ROOT,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port())),
+    r = subprocess.run(cli_zygote.command("export", "--to_hf", "true", "--mcore_model", out,
+                                          "--output_dir", hf_out), cwd=ROOT,
+                       env=cli_zygote.env(OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port())),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "checkpoint-2" in r.stdout
