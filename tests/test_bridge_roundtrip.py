@@ -1,9 +1,9 @@
 """HF -> Megatron -> HF through the bridge, bit-exact, and HF-parity of the loaded model.
 
-One 4-rank gloo world (for every family: importing Megatron in 4 processes is the
-slow part on a 2-core machine) runs every parallel layout in turn (TP in {1, 2}, PP in
-{1, 2}, PP=2 x VPP=2; ranks left over are data-parallel replicas, which must receive the
-same stream) on two checkpoints:
+One 4-rank gloo world runs every parallel layout in turn (TP in {1, 2}, PP in {1, 2},
+PP=2 x VPP=2; ranks left over are data-parallel replicas, which must receive the same
+stream), its process groups set up once per layout (Megatron's set-up of a layout is most
+of a round trip's cost here), on two checkpoints of each family:
 - untied embeddings, 2 kv heads, sharded safetensors (with an index);
 - tied embeddings, 1 kv head (fewer kv heads than TP: replicated on load, de-duplicated
   on export).
@@ -36,7 +36,10 @@ def _hf_tensors(path) -> dict[str, torch.Tensor]:
 
 
 def _world(rank, world_size, all_paths, ids):
+    """Every layout in turn (its process groups set up once), and under each every
+    checkpoint of every family: family -> (roundtrips, logits)."""
     from bridge.hf_checkpoint import HFCheckpoint
+    from megatron_grpo.platform import ParallelDims, init_parallel
 
     bytes_read = []
     original_read = HFCheckpoint.read
@@ -47,53 +50,58 @@ def _world(rank, world_size, all_paths, ids):
         return t
 
     HFCheckpoint.read = counting_read
-    return {family: _family(rank, world_size, paths, ids, bytes_read)
-            for family, paths in all_paths.items()}
+    refs = {path: _hf_tensors(path) for paths in all_paths.values() for path in paths.values()}
+    out = {family: ([], {}) for family in all_paths}
+    for tp, pp, vpp in LAYOUTS:
+        init_parallel(ParallelDims(world_size=world_size, tp=tp, pp=pp, vpp=vpp))
+        for family, paths in all_paths.items():
+            roundtrips, logits = out[family]
+            for kind, path in paths.items():
+                roundtrip, logit = _roundtrip(path, refs[path], (tp, pp, vpp), ids, bytes_read)
+                roundtrips.append(dict(roundtrip, kind=kind))
+                if logit is not None:
+                    logits[kind, (tp, pp)] = logit
+    return out
 
 
-def _family(rank, world_size, paths, ids, bytes_read):
+def _roundtrip(path, ref, layout, ids, bytes_read):
+    """Load `path` into a model of `layout` (the process groups already set up), export
+    it, and compare with `ref`; Megatron's logits for LOGIT_LAYOUTS, else None."""
     from bridge import export_hf_weights, load_hf_weights
-    from megatron_grpo.convert import megatron_logits
     from bridge.params import global_params
     from megatron.core import parallel_state as ps
+    from megatron_grpo.convert import megatron_logits
     from megatron_grpo.model import build_model, build_transformer_config
-    from megatron_grpo.platform import ParallelDims, init_parallel
 
-    roundtrips, logits = [], {}
-    for kind, path in paths.items():
-        ref = _hf_tensors(path)
-        for tp, pp, vpp in LAYOUTS:
-            init_parallel(ParallelDims(world_size=world_size, tp=tp, pp=pp, vpp=vpp))
-            config, args = build_transformer_config(path, tp=tp, pp=pp, vpp=vpp)
-            chunks = build_model(config, args)
-            for chunk in chunks:  # garbage first, so that a tensor the bridge skips shows
-                for p in chunk.parameters():
-                    p.data.fill_(float("nan"))
-            bytes_read.clear()
-            load_hf_weights(chunks, config, args, path)
-            local_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
-            no_nan = not any(torch.isnan(p).any() for c in chunks for p in c.parameters())
-            pad_zero = True  # vocab rows past the HF vocab: zero
-            for name, p in global_params(chunks):
-                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    first_row = ps.get_tensor_model_parallel_rank() * p.shape[0]
-                    pad_zero &= bool((p[max(0, VOCAB - first_row):] == 0).all())
-            names, wrong = [], []
-            for bucket in export_hf_weights(chunks, config, args, bucket_size_bytes=48 << 10,
-                                            offload_bridge=vpp is not None):
-                for name, tensor in bucket:
-                    names.append(name)
-                    if name not in ref or tensor.dtype != ref[name].dtype \
-                            or not torch.equal(tensor, ref[name]):
-                        wrong.append(name)
-                del bucket
-            roundtrips.append(dict(kind=kind, layout=(tp, pp, vpp), names=names, wrong=wrong,
-                                   expected=sorted(ref), no_nan=no_nan, pad_zero=pad_zero,
-                                   read=sum(bytes_read), local=local_bytes,
-                                   total=sum(t.numel() * t.element_size() for t in ref.values())))
-            if (tp, pp, vpp) in LOGIT_LAYOUTS:
-                logits[kind, (tp, pp)] = megatron_logits(chunks, config, args, ids).cpu()
-    return roundtrips, logits
+    tp, pp, vpp = layout
+    config, args = build_transformer_config(path, tp=tp, pp=pp, vpp=vpp)
+    chunks = build_model(config, args)
+    for chunk in chunks:  # garbage first, so that a tensor the bridge skips shows
+        for p in chunk.parameters():
+            p.data.fill_(float("nan"))
+    bytes_read.clear()
+    load_hf_weights(chunks, config, args, path)
+    local_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+    no_nan = not any(torch.isnan(p).any() for c in chunks for p in c.parameters())
+    pad_zero = True  # vocab rows past the HF vocab: zero
+    for name, p in global_params(chunks):
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            first_row = ps.get_tensor_model_parallel_rank() * p.shape[0]
+            pad_zero &= bool((p[max(0, VOCAB - first_row):] == 0).all())
+    names, wrong = [], []
+    for bucket in export_hf_weights(chunks, config, args, bucket_size_bytes=48 << 10,
+                                    offload_bridge=vpp is not None):
+        for name, tensor in bucket:
+            names.append(name)
+            if name not in ref or tensor.dtype != ref[name].dtype \
+                    or not torch.equal(tensor, ref[name]):
+                wrong.append(name)
+        del bucket
+    roundtrip = dict(layout=layout, names=names, wrong=wrong, expected=sorted(ref),
+                     no_nan=no_nan, pad_zero=pad_zero, read=sum(bytes_read), local=local_bytes,
+                     total=sum(t.numel() * t.element_size() for t in ref.values()))
+    logits = megatron_logits(chunks, config, args, ids).cpu() if layout in LOGIT_LAYOUTS else None
+    return roundtrip, logits
 
 
 @pytest.fixture(scope="module")
