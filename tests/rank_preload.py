@@ -15,3 +15,11 @@ from megatron_grpo.platform.compat.megatron import import_core  # noqa: E402
 import_core()
 import transformers  # noqa: E402,F401
 from vllm import LLM  # noqa: E402,F401
+
+import gc  # noqa: E402
+
+# The ranks are forks of this process: its modules' objects (hundreds of thousands) live as
+# long as every rank, and the cyclic collector's passes over them free nothing; frozen, a
+# rank's collections skip them (and do not copy their pages by touching them).
+gc.collect()
+gc.freeze()
