@@ -45,6 +45,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA", "NCCL_",
                 "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "VLLM_", "TRITON_",
                 "PYTHON", "LD_", "MALLOC_", "WANDB_", "MEGATRON_", "NVTE_")
+# ... except these, which are read when used (vLLM's envs module reads its variables on
+# access), and PYTHONPATH when the zygote's sys.path has its entries already.
+_READ_WHEN_USED = ("VLLM_ENABLE_V1_MULTIPROCESSING",)
 _HEADER = struct.Struct("!I")
 
 
@@ -238,8 +241,15 @@ def _start_command(conn, base_env, set_by_imports, inherited) -> int | None:
     request = json.loads(body)
     env = request["env"]
     request["env"] = dict(env, **set_by_imports)
-    keys = {k for k in set(env) | set(base_env) if k.startswith(_IMPORT_TIME)}
-    differ = sorted(k for k in keys if env.get(k) != base_env.get(k))
+    keys = {k for k in set(env) | set(base_env)
+            if k.startswith(_IMPORT_TIME) and k not in _READ_WHEN_USED}
+    if all(os.path.abspath(p) in sys.path for p in env.get("PYTHONPATH", "").split(os.pathsep)
+           if p):
+        keys.discard("PYTHONPATH")
+    # A value as the zygote had it before its imports, or as they left it (a test process
+    # that imported vLLM has opencv's LD_LIBRARY_PATH, as the zygote has after its imports).
+    differ = sorted(k for k in keys if env.get(k) not in
+                    (base_env.get(k), set_by_imports.get(k, base_env.get(k))))
     if differ:
         print(f"new interpreter for {request['module']} {request['argv'][:1]}: "
               f"{', '.join(differ)} differ", flush=True)

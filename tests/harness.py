@@ -533,10 +533,15 @@ def rollout_server(model, log_path, *flags: str, wait: bool = True, timeout: flo
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     # A free port can be taken between free_port() and the server's bind (other tests'
     # ranks and servers pick ports too): with wait=True such a start is retried.
+    from tests import cli_zygote
+
+    env = cli_zygote.env(env)
     for attempt in range(3):
         port = free_port()
-        cmd = [sys.executable, "-m", "megatron_grpo.rollout.server", "--model", str(model),
-               "--port", str(port), *flags]
+        # Through the tests' CLI zygote (tests/cli_zygote.py): the API server process is a
+        # fork of it (a new interpreter if an import-time variable differs).
+        cmd = cli_zygote.command("--model", str(model), "--port", str(port), *flags,
+                                 module="megatron_grpo.rollout.server")
         log = open(log_path, "w")
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
