@@ -227,6 +227,21 @@ def _kill_group(pid: int, sig: int) -> None:
         pass
 
 
+def import_time_differences(env: dict, base_env: dict, set_by_imports: dict,
+                            path: list[str]) -> list[str]:
+    """The import-time variables whose value in a command's `env` is neither the zygote's
+    before its imports (`base_env`) nor as its imports left it (`set_by_imports`: a test
+    process that imported vLLM has opencv's LD_LIBRARY_PATH, as the zygote after its
+    imports). PYTHONPATH counts only with an entry missing from the zygote's sys.path
+    (`path`)."""
+    keys = {k for k in set(env) | set(base_env)
+            if k.startswith(_IMPORT_TIME) and k not in _READ_WHEN_USED}
+    if all(os.path.abspath(p) in path for p in env.get("PYTHONPATH", "").split(os.pathsep) if p):
+        keys.discard("PYTHONPATH")
+    return sorted(k for k in keys
+                  if env.get(k) not in (base_env.get(k), set_by_imports.get(k, base_env.get(k))))
+
+
 def _start_command(conn, base_env, set_by_imports, inherited) -> int | None:
     """Read one request from `conn` and fork its command; the fork's pid, or None after
     replying "exec" (an import-time variable differs: the client runs it itself)."""
@@ -241,15 +256,7 @@ def _start_command(conn, base_env, set_by_imports, inherited) -> int | None:
     request = json.loads(body)
     env = request["env"]
     request["env"] = dict(env, **set_by_imports)
-    keys = {k for k in set(env) | set(base_env)
-            if k.startswith(_IMPORT_TIME) and k not in _READ_WHEN_USED}
-    if all(os.path.abspath(p) in sys.path for p in env.get("PYTHONPATH", "").split(os.pathsep)
-           if p):
-        keys.discard("PYTHONPATH")
-    # A value as the zygote had it before its imports, or as they left it (a test process
-    # that imported vLLM has opencv's LD_LIBRARY_PATH, as the zygote has after its imports).
-    differ = sorted(k for k in keys if env.get(k) not in
-                    (base_env.get(k), set_by_imports.get(k, base_env.get(k))))
+    differ = import_time_differences(env, base_env, set_by_imports, sys.path)
     if differ:
         print(f"new interpreter for {request['module']} {request['argv'][:1]}: "
               f"{', '.join(differ)} differ", flush=True)

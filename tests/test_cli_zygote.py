@@ -66,6 +66,27 @@ def test_an_import_time_variable_that_differs_runs_a_new_interpreter():
     assert lines["socket_var"] == "None"
 
 
+def test_which_variables_send_a_command_to_a_new_interpreter():
+    base = {"OMP_NUM_THREADS": "1", "HOME": "/root", "PYTHONPATH": "/repo"}
+    after = {"LD_LIBRARY_PATH": "/cv2/lib64"}      # what the zygote's imports set
+    path = ["/repo", "/lib"]
+
+    def differ(**env):
+        return cli_zygote.import_time_differences(dict(base, **env), base, after, path)
+
+    assert differ() == []
+    assert differ(HOME="/elsewhere", NPROC_PER_NODE="4", MASTER_PORT="1234") == []
+    assert differ(OMP_NUM_THREADS="2") == ["OMP_NUM_THREADS"]
+    assert differ(HF_HUB_OFFLINE="1", TORCHINDUCTOR_CACHE_DIR="/x") == \
+        ["HF_HUB_OFFLINE", "TORCHINDUCTOR_CACHE_DIR"]
+    assert differ(LD_LIBRARY_PATH="/cv2/lib64") == []      # as after the imports
+    assert differ(LD_LIBRARY_PATH="/other") == ["LD_LIBRARY_PATH"]
+    assert differ(PYTHONPATH="/lib" + os.pathsep + "/repo") == []
+    assert differ(PYTHONPATH="/not/on/the/path") == ["PYTHONPATH"]
+    assert differ(VLLM_ENABLE_V1_MULTIPROCESSING="0") == []      # read when used
+    assert differ(VLLM_CPU_KVCACHE_SPACE="1") == ["VLLM_CPU_KVCACHE_SPACE"]
+
+
 def test_a_command_killed_by_a_signal_kills_its_client_with_it():
     cmd, env = _probe("die")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
