@@ -502,7 +502,9 @@ class RolloutServerProcess:
             time.sleep(0.5)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the whole process group (the API server and its engine processes)."""
+        """Signal the whole process group (the API server and its engine processes): the
+        client's group, whose signal the zygote passes on to the server's (SIGKILL: the
+        zygote kills it when the client dies), or the server's own in a new interpreter."""
         os.killpg(self.proc.pid, sig)
 
     def stop(self) -> None:
@@ -520,8 +522,10 @@ class RolloutServerProcess:
 def rollout_server(model, log_path, *flags: str, wait: bool = True, timeout: float = 400,
                    unset_env: Sequence[str] = ()) -> Iterator[RolloutServerProcess]:
     """`python -m megatron_grpo.rollout.server --model MODEL --port P *flags` (what
-    `megatron rollout` runs) on a free port, output to `log_path`, in its own session so
-    that the server and its engine processes are stopped as one group on exit.
+    `megatron rollout` runs) on a free port, output to `log_path`, through the tests' CLI
+    zygote (tests/cli_zygote.py: the API server is a fork of it, in a session of its own,
+    unless an import-time variable differs), so that the server and its engine processes
+    are stopped as one group on exit.
 
     wait=False returns at once (the caller starts other work while the engine loads,
     and waits with `wait_until_ready`). The child gets OMP_NUM_THREADS=1, this checkout
@@ -531,15 +535,13 @@ def rollout_server(model, log_path, *flags: str, wait: bool = True, timeout: flo
     drop = {"VLLM_ENABLE_V1_MULTIPROCESSING", *unset_env}
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    # A free port can be taken between free_port() and the server's bind (other tests'
-    # ranks and servers pick ports too): with wait=True such a start is retried.
     from tests import cli_zygote
 
     env = cli_zygote.env(env)
+    # A free port can be taken between free_port() and the server's bind (other tests'
+    # ranks and servers pick ports too): with wait=True such a start is retried.
     for attempt in range(3):
         port = free_port()
-        # Through the tests' CLI zygote (tests/cli_zygote.py): the API server process is a
-        # fork of it (a new interpreter if an import-time variable differs).
         cmd = cli_zygote.command("--model", str(model), "--port", str(port), *flags,
                                  module="megatron_grpo.rollout.server")
         log = open(log_path, "w")
