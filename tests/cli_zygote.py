@@ -1,7 +1,7 @@
 """`megatron` commands for the tests, started as forks of one process that imported the
 CLI's heavy modules once (a "zygote"), instead of new interpreters.
 
-    cmd = cli_zygote.command("rlhf", *argv)       # [python, -S, this file, "rlhf", ...]
+    cmd = cli_zygote.command("rlhf", *argv)   # [python, -S, this file, megatron_grpo.cli, rlhf, ...]
     subprocess.run(cmd, env=cli_zygote.env(...), ...)
 
 A new `python -m megatron_grpo.cli` imports torch, Megatron, transformers and vLLM before
@@ -9,8 +9,8 @@ it forks its workers: ~7 CPU s per launch here, ~40 launches in the suite, on 2 
 that were busy anyway (session 12, docs/benchmarks.md). The command above runs a small
 client of this file instead (standard library only, no site packages: ~30 ms). It hands
 its argv, environment, working directory and its stdin/stdout/stderr file descriptors to
-the zygote over a Unix socket; the zygote forks, and the fork runs `megatron_grpo.cli.main`
-with exactly those, in a session of its own. The client waits and exits as the fork did:
+the zygote over a Unix socket; the zygote forks, and the fork runs the module as
+`python -m` does (runpy) with exactly those, in a session of its own. The client waits and exits as the fork did:
 the same code, or the same signal. A SIGTERM, SIGINT or SIGHUP to the client is passed on
 to the fork's process group; if the client dies (a test's timeout kills it) the zygote
 kills that group. So a test sees the command as a real process: its exit code, its output
@@ -19,8 +19,10 @@ on its own pipes, files written, signals obeyed.
 What differs from a new interpreter: the modules were imported before the command parsed
 its options, with the zygote's environment. So the zygote runs a command only when the
 variables read at import time (torch's threads, HF, vLLM, Python's own: `_IMPORT_TIME`)
-are the ones it was started with; otherwise the client runs the real
-`python -m megatron_grpo.cli` in its place (exec). Tests of the start-up itself (import
+are the ones it was started with, or as its own imports left them
+(`import_time_differences`); otherwise the client runs the real `python -m MODULE` in its
+place (exec). `module=` runs another module the same way (tests.harness.rollout_server:
+`megatron_grpo.rollout.server`). Tests of the start-up itself (import
 order, `-X importtime`, several nodes, OpenMP threads > 1, a SIGKILL of the whole
 group) call the real command directly.
 
@@ -98,16 +100,21 @@ def _start(timeout: float = 300) -> None:
                                    + f.read()[-4000:])
         time.sleep(0.05)
     _zygote = (proc, path)
-    atexit.register(_stop, proc)
+    atexit.register(_stop, proc, os.path.dirname(path))
 
 
-def _stop(proc) -> None:
+def _stop(proc, folder: str) -> None:
+    import shutil
+    import subprocess
+
     if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(10)
-        except Exception:
+        except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the client
