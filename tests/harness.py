@@ -44,6 +44,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import random
 import signal
 import socket
 import subprocess
@@ -60,6 +61,25 @@ class DistributedTestError(AssertionError):
 
 
 def free_port() -> int:
+    """A TCP port that nothing on this machine is bound to now, picked at random below the
+    kernel's ephemeral range: the kernel never gives such a port to an outgoing connection
+    (a test's HTTP client, vLLM's sockets), which took a port picked by bind(0) between
+    the pick and a trainer's bind (EADDRINUSE, session 12). The kernel's own pick where
+    the range leaves no room below it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.SystemRandom()
+    for _ in range(200 if low >= 12_000 else 0):
+        port = rng.randrange(10_000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,5 +1,6 @@
 """tests/harness.py: pooled worlds reuse their processes and still report failures and hangs."""
 import os
+import socket
 import queue
 import subprocess
 import time
@@ -140,3 +141,18 @@ def test_ranks_are_forks_with_the_heavy_imports_done_and_vllm_use_retires_them()
     (fresh_pid, fresh_preloaded), = run_distributed(_preloaded_and_vllm, 1, args=(False,),
                                                      fresh=True)
     assert fresh_preloaded and fresh_pid not in (pid0, pid2)
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable():
+    """Outgoing connections take ephemeral ports: a port picked there could be taken
+    between the pick and a trainer's bind (it happened to a CI run, session 12)."""
+    from tests.harness import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 10                     # random, not one fixed port
+    for port in ports:
+        assert 1024 < port < low
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))
