@@ -1,20 +1,20 @@
 """`megatron` commands for the tests, started as forks of one process that imported the
 CLI's heavy modules once (a "zygote"), instead of new interpreters.
 
-    cmd = cli_zygote.command("rlhf", *argv)   # [python, -S, this file, megatron_grpo.cli, rlhf, ...]
+    cmd = cli_zygote.command("rlhf", *argv)   # python -S THIS_FILE megatron_grpo.cli rlhf ...
     subprocess.run(cmd, env=cli_zygote.env(...), ...)
 
 A new `python -m megatron_grpo.cli` imports torch, Megatron, transformers and vLLM before
-it forks its workers: ~7 CPU s per launch here, ~40 launches in the suite, on 2 cores
-that were busy anyway (session 12, docs/benchmarks.md). The command above runs a small
-client of this file instead (standard library only, no site packages: ~30 ms). It hands
-its argv, environment, working directory and its stdin/stdout/stderr file descriptors to
-the zygote over a Unix socket; the zygote forks, and the fork runs the module as
-`python -m` does (runpy) with exactly those, in a session of its own. The client waits and exits as the fork did:
-the same code, or the same signal. A SIGTERM, SIGINT or SIGHUP to the client is passed on
-to the fork's process group; if the client dies (a test's timeout kills it) the zygote
-kills that group. So a test sees the command as a real process: its exit code, its output
-on its own pipes, files written, signals obeyed.
+it forks its workers: ~7 CPU s per launch here, ~40 launches in the suite, on 2 cores that
+were busy anyway (session 12, docs/benchmarks.md). The command above runs a small client
+of this file instead (standard library only, no site packages: ~30 ms). It hands its argv,
+environment, working directory and its stdin/stdout/stderr file descriptors to the zygote
+over a Unix socket; the zygote forks, and the fork runs the module as `python -m` does
+(runpy) with exactly those, in a session of its own. The client waits and exits as the
+fork did: the same code, or the same signal. A SIGTERM, SIGINT or SIGHUP to the client is
+passed on to the fork's process group; if the client dies (a test's timeout kills it) the
+zygote kills that group. So a test sees the command as a real process: its exit code, its
+output on its own pipes, files written, signals obeyed.
 
 What differs from a new interpreter: the modules were imported before the command parsed
 its options, with the zygote's environment. So the zygote runs a command only when the
@@ -32,6 +32,7 @@ interpreter instead (`python -m MODULE ARGV`), to rule the zygote out when a tes
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -190,7 +191,8 @@ def _serve(path: str) -> None:
         for key, _ in sel.select(timeout=0.05):
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                pid = _start_command(conn, base_env, set_by_imports, [sel, listener, *children.values()])
+                pid = _start_command(conn, base_env, set_by_imports,
+                                     [sel, listener, *children.values()])
                 if pid is None:
                     conn.close()
                 else:
@@ -218,7 +220,7 @@ def _serve(path: str) -> None:
                 conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
             except OSError:
                 pass
-            if conn in (k.fileobj for k in sel.get_map().values()):
+            with contextlib.suppress(KeyError):    # unregistered if its client died
                 sel.unregister(conn)
             conn.close()
     for pid in children:

@@ -60,6 +60,15 @@ class DistributedTestError(AssertionError):
     """One or more ranks failed or hung."""
 
 
+def process_running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie that nobody reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def free_port() -> int:
     """A TCP port that nothing on this machine is bound to now, picked at random below the
     kernel's ephemeral range: the kernel never gives such a port to an outgoing connection

@@ -13,26 +13,19 @@ import time
 import pytest
 
 from tests import cli_zygote
+from tests.harness import process_running
 
 # The zygote's start (torch, Megatron, transformers, vLLM imported) is ~9 s of the first test.
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.environ.get(cli_zygote.NEW_INTERPRETERS_VAR) == "1",
-                                 reason="the CLI zygote is off (MGRPO_TEST_CLI_NEW_INTERPRETERS=1)")]
+                                 reason="the CLI zygote is off "
+                                        "(MGRPO_TEST_CLI_NEW_INTERPRETERS=1)")]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = "tests.test_cli_zygote"
 
 
 def _probe(*argv, **env):
     return cli_zygote.command(*argv, module=PROBE), cli_zygote.env(**env)
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for its reaper counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_command_sees_its_argv_cwd_environment_and_stdin_and_exits_with_its_code(tmp_path):
@@ -106,13 +99,13 @@ def test_a_killed_client_takes_the_command_and_its_children_with_it():
     cmd, env = _probe("sleep_with_child")
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     pids = [int(x) for x in p.stdout.readline().split()]     # the command, its child
-    assert all(_alive(pid) for pid in pids)
+    assert all(process_running(pid) for pid in pids)
     p.kill()
     p.wait()
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_running(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("argv", [("rlhf", "--no_such_flag", "1"), ("export", "--help")])

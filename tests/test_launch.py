@@ -8,14 +8,9 @@ from megatron_grpo.launch import launch_spec
 
 def _assert_gone(pid: int, message: str) -> None:
     """The process `pid` has ended: gone, or a zombie nobody reaped."""
-    import os
+    from tests.harness import process_running
 
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:
-            assert f.read().split(")")[-1].split()[0] == "Z", message
-    except (ProcessLookupError, FileNotFoundError):
-        pass
+    assert not process_running(pid), message
 
 
 def test_single_node_without_master_port_picks_a_free_port():

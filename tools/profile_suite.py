@@ -133,7 +133,8 @@ def _report(procs: dict, folder: str, wall: float, top: int) -> None:
             kinds[test.split("::")[0]][_kind(e)] += cpu
     cores = os.cpu_count() or 1
     print(f"profile_suite wall_s={wall:.1f} busy_cpu_s={total:.0f} "
-          f"capacity_cpu_s={wall * cores:.0f} ({100 * total / (wall * cores):.0f} % of {cores} cores)")
+          f"capacity_cpu_s={wall * cores:.0f} "
+          f"({100 * total / (wall * cores):.0f} % of {cores} cores)")
     print(f"\nfiles by CPU s (of {sum(per_file.values()):.0f} charged to tests):")
     for name, cpu in per_file.most_common(top):
         largest = ", ".join(f"{k} {v:.0f}" for k, v in kinds[name].most_common(3))
