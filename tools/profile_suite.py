@@ -21,6 +21,7 @@ import collections
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -146,7 +147,7 @@ def _report(procs: dict, folder: str, wall: float, top: int) -> None:
 
 def main(argv: list[str]) -> int:
     top = 25
-    args = argv or ["-n", "2", "--dist", "loadfile"]
+    args = argv
     if not any(a == "-n" or a.startswith("-n") and a[2:].isdigit() for a in args):
         args = ["-n", "2", "--dist", "loadfile", *args]
     folder = tempfile.mkdtemp(prefix="profile_suite-")
@@ -163,6 +164,7 @@ def main(argv: list[str]) -> int:
     stop.set()
     sampler.join()
     _report(procs, folder, wall, top)
+    shutil.rmtree(folder, ignore_errors=True)
     return code
 
 
