@@ -77,6 +77,9 @@ def test_trl_config_small_shape(model_dir):
     diff = dict(line.split(": ", 1) for line in bp.settings_differ(
         bp.ours_settings(flat, 2, 1), bp.trl_settings(c, threads=2)))
     assert diff["padding"].startswith("ours packed micro-batches (padding_free")
+    # bfloat16 on both sides (TRL's GRPOConfig default): ours Megatron's, TRL's autocast.
+    assert flat["bf16"] is True and c["bf16"] is True
+    assert diff["dtype"] == "ours bfloat16 | trl bfloat16 autocast"
 
 
 # --------------------------------------------------------------------------- settings

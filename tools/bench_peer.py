@@ -14,7 +14,11 @@ Shapes (SHAPES below):
     quickstart  tiny Qwen2 (2 layers, hidden 128), 4 prompts x 8 generations, 24 tokens,
                 dapo, beta 0, lr 3e-3, 30 steps; ours as shipped (configs/quickstart_cpu.yaml)
     small       Qwen2 hidden 512, 8 layers, 16 prompts x 8 generations, 128-token
-                completions, 6 steps; ours TP=1 / DP=2 (a 17M-parameter model needs no TP)
+                completions, 6 steps; ours TP=1 / DP=2 (a 17M-parameter model needs no TP),
+                packed micro-batches; bfloat16 on both sides (`--bf16 true`, which the TRL
+                side follows: TRL's own GRPOConfig default; ours in Megatron's bf16 with
+                fp32 main weights, TRL in autocast). `--ours-args="--bf16 false"` runs
+                both sides in float32 (the shape's setting until session 13)
 
 TRL lives in its own virtual environment, never in ours: on first use the tool creates
 it (`--trl-venv`, default ~/.cache/megatron-grpo/peer-venv) and pip-installs
@@ -88,9 +92,11 @@ SHAPES = {
              intermediate_size=1024),
         ("--generation_batch_size", "128", "--global_batch_size", "128",
          "--micro_batch_size", "16", "--max_completion_length", "128", "--train_iters", "6",
-         "--tensor_model_parallel_size", "1", "--save_steps", "6", "--padding_free", "true"),
+         "--tensor_model_parallel_size", "1", "--save_steps", "6", "--padding_free", "true",
+         "--bf16", "true"),
         2, "quickstart config, 16 prompts x 8, 128 tokens, 6 steps, TP=1 / DP=2, "
-           "padding_free (trains on the real tokens only, as a user of this shape would)"),
+           "padding_free (trains on the real tokens only, as a user of this shape would), "
+           "bf16 on both sides (TRL's GRPOConfig default)"),
 }
 PHASES = ("generate", "score", "train", "sync", "other")
 
