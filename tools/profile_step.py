@@ -31,8 +31,8 @@ Usage:
     python tools/profile_step.py [--shape quickstart] [--step 3] [--mode cprofile]
         [--rank 0] [--top 15] [--nproc 2] [--out DIR] [-- RLHF FLAGS...]
 e.g. `-- --tensor_model_parallel_size 1` (DP=2), `-- --num_iterations 2` (old log-probs
-for real). On this machine (vLLM's KV cache sizing, until fixed) set
-VLLM_CPU_KVCACHE_SPACE=1 in the environment.
+for real). Leave VLLM_CPU_KVCACHE_SPACE unset: it overrides the KV cache the run sizes for
+itself (rollout/kv_cache.py), and a larger cache makes the sync's prefix-cache reset longer.
 """
 from __future__ import annotations
 
