@@ -102,6 +102,22 @@ def test_settings_differ_lists_only_what_differs(model_dir):
         assert ours[key] == trl[key], key
 
 
+def test_settings_name_what_sizes_the_kv_cache(model_dir):
+    """VLLM_CPU_KVCACHE_SPACE or kv_cache_memory_bytes replace the run's KV cache sizing
+    (rollout/kv_cache.py, the same order); the generation setting says which one held."""
+    flat, spg = resolved("quickstart", model_dir)
+
+    def kv(flat, environ):
+        return bp.ours_settings(flat, 2, spg, environ=environ)["generation"]
+
+    assert "KV cache sized from the run" in kv(flat, {})
+    assert "KV cache sized from the run" in kv(flat, {"VLLM_CPU_KVCACHE_SPACE": ""})
+    assert "VLLM_CPU_KVCACHE_SPACE=1 GiB per engine" in kv(flat, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert "--vllm_kv_cache_memory 64MiB" in kv(dict(flat, vllm_kv_cache_memory="64MiB"), {})
+    engine = dict(flat, vllm_engine_kwargs={"kv_cache_memory_bytes": 1 << 26})
+    assert "kv_cache_memory_bytes" in kv(engine, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
 def test_settings_differ_shows_a_layout_and_a_setting_change(model_dir):
     flat, spg = resolved("quickstart", model_dir, "--tensor_model_parallel_size", "1")
     trl_args = dict(bp.trl_config(flat, "/out"), gradient_checkpointing=True, top_k=50)

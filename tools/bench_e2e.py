@@ -126,6 +126,9 @@ def main() -> None:
     total = sum(table["step"])
     print(f"\n{len(rows)} steps in {wall:.1f} s (start-up included); figures over steps "
           f"{a.warmup + 1}..{len(rows)}; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE", "") != "":   # see rollout/kv_cache.py
+        print(f"note: VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']} in the "
+              "environment replaced the KV cache the run sizes (a larger cache lengthens the sync)")
     print(f"{'phase':<10} {'median s':>9} {'mean s':>9} {'share':>7}")
     for name, vals in table.items():
         share = sum(vals) / total if total > 0 else float("nan")

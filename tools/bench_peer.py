@@ -226,8 +226,24 @@ def _recompute(flat: dict) -> str:
     return f"selective ({', '.join(flat.get('recompute_modules') or ['core_attn'])})"
 
 
-def ours_settings(flat: dict, nproc: int, steps_per_generation: int) -> dict:
-    """Our side's settings, in the words trl_settings uses for the same thing."""
+def _kv_cache(flat: dict, environ) -> str:
+    """Where our engines' KV cache size comes from: the run (rollout/kv_cache.py), unless
+    the user's conventions override it (they change what is measured: a larger cache
+    makes each sync's prefix-cache reset longer)."""
+    if (flat.get("vllm_engine_kwargs") or {}).get("kv_cache_memory_bytes") is not None:
+        return "KV cache from --vllm_engine_kwargs kv_cache_memory_bytes"
+    if environ.get("VLLM_CPU_KVCACHE_SPACE", "") != "":
+        return (f"KV cache VLLM_CPU_KVCACHE_SPACE={environ['VLLM_CPU_KVCACHE_SPACE']} GiB "
+                "per engine (environment, overrides the run's sizing)")
+    if flat.get("vllm_kv_cache_memory") is not None:
+        return f"KV cache --vllm_kv_cache_memory {flat['vllm_kv_cache_memory']}"
+    return "KV cache sized from the run"
+
+
+def ours_settings(flat: dict, nproc: int, steps_per_generation: int, environ=None) -> dict:
+    """Our side's settings, in the words trl_settings uses for the same thing; `environ`
+    (default os.environ) for the variables that change them."""
+    environ = os.environ if environ is None else environ
     tp, pp, cp = (flat["tensor_model_parallel_size"], flat["pipeline_model_parallel_size"],
                   flat["context_parallel_size"])
     dp = nproc // (tp * pp * cp)
@@ -242,7 +258,7 @@ def ours_settings(flat: dict, nproc: int, steps_per_generation: int) -> dict:
                        f"prefix caching {_onoff(flat['vllm_enable_prefix_caching'])}, "
                        f"max_num_seqs {flat['vllm_max_num_seqs'] or 'default'}, "
                        f"eager {_onoff(flat['vllm_enforce_eager'])}, "
-                       f"sleep_level {flat['sleep_level']})"),
+                       f"sleep_level {flat['sleep_level']}, {_kv_cache(flat, environ)})"),
         "weight sync": "bridge export -> vLLM in-place load after each generation batch",
         "optimizer": "Megatron-Core optimizer (Adam)",
         "dtype": "bfloat16" if flat["bf16"] else "float32",
