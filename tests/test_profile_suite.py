@@ -25,3 +25,34 @@ def test_profile_suite_charges_the_files_that_ran():
     charged = re.search(r"([\d.]+)  tests/test_algorithms_aggregation.py  \[(.*)\]", files)
     assert charged and float(charged[1]) > 0 and "pytest" in charged[2], files
     assert "tests/test_algorithms_aggregation.py::" in r.stdout.split("tests by CPU s")[1]
+
+
+def test_sampler_reads_the_command_line_after_exec():
+    """A child seen between fork and exec shows its parent's command line; the sampler
+    reads it again at every sweep, so the child is known by what it exec'd (the same pid
+    and start time)."""
+    import threading
+    import time
+
+    sys.path.insert(0, ROOT)
+    from tools import profile_suite
+
+    procs, stop = {}, threading.Event()
+    sampler = threading.Thread(target=profile_suite._sample, args=(procs, stop), daemon=True)
+    sampler.start()
+    pid = os.fork()
+    if pid == 0:                      # the child: seen for ~1.5 s before its exec
+        try:
+            time.sleep(1.5)
+            os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(2.5)",
+                                      "mg-exec-marker"])
+        finally:
+            os._exit(1)               # never back into pytest
+    try:
+        os.waitpid(pid, 0)
+    finally:
+        stop.set()
+        sampler.join(timeout=10)
+    seen = [e for e in procs.values() if e["pid"] == pid]
+    assert len(seen) == 1, seen
+    assert "mg-exec-marker" in seen[0]["cmd"], seen[0]["cmd"]

@@ -65,14 +65,18 @@ def _sample(procs: dict, stop: threading.Event) -> None:
             ppid, user, system, start = (int(fields[1]), int(fields[11]), int(fields[12]),
                                          int(fields[19]))
             e = procs.get((p, start))
+            # The command line is read at every sweep: a child caught between fork and exec
+            # still shows its parent's, and exec keeps the pid and the start time.
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:300]
+            except OSError:
+                cmd = ""
             if e is None:
-                try:
-                    with open(f"/proc/{p}/cmdline", "rb") as f:
-                        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:300]
-                except OSError:
-                    cmd = ""
-                e = procs[p, start] = dict(pid=int(p), ppid=ppid, comm=stat[stat.find("(") + 1:end],
-                                           cmd=cmd, cpu=user + system if first else 0, ticks=[])
+                e = procs[p, start] = dict(pid=int(p), ppid=ppid, cmd=cmd, ticks=[],
+                                           cpu=user + system if first else 0)
+            e["comm"] = stat[stat.find("(") + 1:end]
+            e["cmd"] = cmd or e["cmd"]
             if user + system > e["cpu"]:
                 e["ticks"].append((now, (user + system - e["cpu"]) / HZ))
                 e["cpu"] = user + system
