@@ -92,28 +92,45 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
     seq = max(max(lengths), pad_to_length or 0)
     seq = -(-seq // pad_to_multiple_of) * pad_to_multiple_of
     b = len(samples)
-    input_ids = torch.full((b, seq), pad_id, dtype=torch.long)
-    targets = torch.full((b, seq), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, seq), dtype=torch.bool)
-    per_token = {name: torch.zeros((b, seq), dtype=torch.float32) for name in PER_TOKEN_FIELDS
-                 if all(getattr(s, name) is not None for s in samples)}
+    # The rows are padded as Python lists and made tensors in one call each: a torch call
+    # per sample and field was most of a batch's collation time (and, on CPU, each goes
+    # through the CUDA->CPU mode).
+    rows = [list(s.prompt_ids) + list(s.completion_ids) for s in samples]
+    input_ids = torch.tensor([r[:-1] + [pad_id] * (seq + 1 - len(r)) for r in rows],
+                             dtype=torch.long).view(b, seq)
+    targets = torch.tensor([r[1:] + [pad_id] * (seq + 1 - len(r)) for r in rows],
+                           dtype=torch.long).view(b, seq)
+    # completion_mask: targets p-1 .. p+c-2 are the completion's tokens (all of them the
+    # model's unless a loss_mask says otherwise).
+    starts = torch.tensor([len(s.prompt_ids) - 1 for s in samples], dtype=torch.long)
+    ends = starts + torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.long)
+    cols = torch.arange(seq)
+    mask = (cols >= starts[:, None]) & (cols < ends[:, None])
+    model_tokens = []          # the model's tokens of each sample
     for i, s in enumerate(samples):
-        tokens = torch.tensor(list(s.prompt_ids) + list(s.completion_ids), dtype=torch.long)
-        n = tokens.numel() - 1
-        input_ids[i, :n] = tokens[:-1]
-        targets[i, :n] = tokens[1:]
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        model = torch.ones(c, dtype=torch.bool) if s.loss_mask is None else \
-            torch.as_tensor(s.loss_mask, dtype=torch.bool)
-        if model.numel() != c:
-            raise ValueError(f"loss_mask has {model.numel()} values for {c} completion tokens")
-        mask[i, p - 1:p - 1 + c] = model
-        for name, buf in per_token.items():
-            values = torch.as_tensor(getattr(s, name), dtype=torch.float32)
-            if values.numel() != int(model.sum()):
-                raise ValueError(f"{name} has {values.numel()} values for {int(model.sum())} "
-                                 "completion tokens of the model")
-            buf[i, p - 1:p - 1 + c][model] = values      # a view: writes into buf
+        c = len(s.completion_ids)
+        if s.loss_mask is None:
+            model_tokens.append(c)
+            continue
+        if len(s.loss_mask) != c:
+            raise ValueError(f"loss_mask has {len(s.loss_mask)} values for {c} completion tokens")
+        p = len(s.prompt_ids)
+        mask[i, p - 1:p - 1 + c] = torch.as_tensor(s.loss_mask, dtype=torch.bool)
+        model_tokens.append(sum(1 for m in s.loss_mask if m))
+    per_token = {}
+    for name in PER_TOKEN_FIELDS:
+        if not all(getattr(s, name) is not None for s in samples):
+            continue
+        values = [torch.as_tensor(getattr(s, name), dtype=torch.float32).reshape(-1)
+                  for s in samples]
+        for v, n in zip(values, model_tokens):
+            if v.numel() != n:
+                raise ValueError(f"{name} has {v.numel()} values for {n} completion tokens "
+                                 "of the model")
+        buf = per_token[name] = torch.zeros((b, seq), dtype=torch.float32)
+        # Row-major order of the mask is sample order, then token order: each sample's
+        # values land on its model tokens.
+        buf[mask] = torch.cat(values) if values else buf.new_empty(0)
     out = {
         "input_ids": input_ids,
         "position_ids": _position_ids(samples, seq),
