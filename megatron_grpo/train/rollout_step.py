@@ -8,8 +8,8 @@ model-parallel group train on identical data and advantages (which need whole
 groups, and batch statistics for scale_rewards=batch) are computed once, identically.
 
 Sampling is spread over the ranks: each takes a contiguous share of the prompts (a
-vLLM TP group pools its members' shares inside the engine); scoring likewise; both
-are then all-gathered.
+vLLM TP group pools its members' shares inside the engine) and scores the completions
+it sampled; completions and rewards are then all-gathered together, in one collective.
 
 Image prompts (vision-language models, `vision`: a data.vision.VisionProcessor): the
 rank that samples a prompt encodes it once with the model's processor; vLLM gets the
@@ -130,31 +130,25 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
                     t.logprobs, {"prompt": t.prompt_text, "loss_mask": t.loss_mask,
                                  "messages": t.messages, "rollout_infos": t.rollout_infos}, None)
                    for j, t in enumerate(trajectories)]
-    gathered = sorted((x for part in all_gather_objects(payload) for x in part),
-                      key=lambda x: x[0])                    # stable: keeps sample order
+    t1 = time.perf_counter()
+    # Each rank scores the completions it sampled, then completions and rewards are
+    # gathered together: one pickled all-gather per batch (each costs two collectives,
+    # ~1 ms apiece over gloo on a small CPU node).
+    rows = _score(reward_funcs, dataset, prompt_indices, payload)
+    t2 = time.perf_counter()
+    gathered = sorted((x for part in all_gather_objects(
+        [item + (row,) for item, row in zip(payload, rows.tolist())]) for x in part),
+        key=lambda x: x[0])                                  # stable: keeps sample order
     if len(gathered) != len(prompt_indices) * num_generations:
         raise RuntimeError(f"expected {len(prompt_indices) * num_generations} completions, "
                            f"gathered {len(gathered)}")
-    t1 = time.perf_counter()
-
-    # Score a 1/world share on each rank, then share the rows.
     texts = [g[3] for g in gathered]
-    columns = dataset.reward_columns(prompt_indices, num_generations)
-    # ms-swift's names, for plugins; lengths count the model's tokens
-    columns["completion_lengths"] = [sum(g[6]["loss_mask"]) if g[6] else len(g[2]) for g in gathered]
-    columns["response_token_ids"] = [list(g[2]) for g in gathered]
-    if multi_turn is not None:
-        columns["messages"] = [g[6]["messages"] for g in gathered]
-        columns["rollout_infos"] = [g[6]["rollout_infos"] for g in gathered]
-    n = len(texts)
-    share = range(rank * n // world, (rank + 1) * n // world)
-    rows = score(reward_funcs, [texts[i] for i in share],
-                 {k: [v[i] for i in share] for k, v in columns.items()})
-    rewards = torch.cat(all_gather_objects(rows), dim=0)              # [N, F]
-    t2 = time.perf_counter()
+    rewards = torch.tensor([g[8] for g in gathered], dtype=torch.float32).view(
+        len(gathered), len(reward_funcs))                                # [N, F]
+    t3 = time.perf_counter()
 
     samples, impossible = [], 0
-    for j, (pi, prompt_ids, tokens, text, truncated, logps, extra, routed) in enumerate(gathered):
+    for j, (pi, prompt_ids, tokens, text, truncated, logps, extra, routed, _) in enumerate(gathered):
         meta = {"prompt_index": prompt_indices[pi], "rewards": rewards[j].tolist()}
         if extra:
             meta.update(messages=extra["messages"],
@@ -176,7 +170,22 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     prompts = [g[6]["prompt"] if g[6] else rendered.setdefault(
         g[0], render(tokenizer, dataset.messages[prompt_indices[g[0]]])) for g in gathered]
     return GenerationBatch(samples, texts, prompts, rewards, {},
-                           {"timing/generate": t1 - t0, "timing/score": t2 - t1})
+                           {"timing/generate": (t1 - t0) + (t3 - t2), "timing/score": t2 - t1})
+
+
+def _score(reward_funcs, dataset, prompt_indices, payload) -> torch.Tensor:
+    """Rewards [n, F] of this rank's completions (`payload`, see `_single_turn`), each
+    with its prompt's dataset columns and ms-swift's extra ones; [0, F] without any."""
+    if not payload:
+        return torch.empty(0, len(reward_funcs), dtype=torch.float32)
+    columns = dataset.reward_columns([prompt_indices[x[0]] for x in payload], 1)
+    # ms-swift's names, for plugins; lengths count the model's tokens
+    columns["completion_lengths"] = [sum(x[6]["loss_mask"]) if x[6] else len(x[2]) for x in payload]
+    columns["response_token_ids"] = [list(x[2]) for x in payload]
+    if payload[0][6]:                                       # multi-turn trajectories
+        columns["messages"] = [x[6]["messages"] for x in payload]
+        columns["rollout_infos"] = [x[6]["rollout_infos"] for x in payload]
+    return score(reward_funcs, [x[3] for x in payload], columns)
 
 
 def _single_turn(engine, tokenizer, dataset, prompt_indices, render, max_prompt_length, lo, hi):
