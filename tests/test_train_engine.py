@@ -184,9 +184,12 @@ def _reduce(rank, world):
     return {op: {k: float(v) for k, v in d.items()} for op, d in out.items()}
 
 
-def test_reduce_partials_sum_min_max_over_ranks():
-    """min and max travel in one MAX all-reduce (min = -max(-x)): the same numbers as
-    three reductions, on every rank."""
-    out = run_distributed(_reduce, 2)
-    want = {"sum": {"loss": 4.0, "n": 2.0}, "min": {"a": -1.25, "b": 3.0}, "max": {"c": 0.0}}
-    assert out == [want, want]
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_partials_sum_min_max_over_ranks(world):
+    """sum, min and max travel in one all-gather (min = -max(-x)), reduced on each rank:
+    the same numbers as three reductions, on every rank."""
+    out = run_distributed(_reduce, world)
+    want = {"sum": {"loss": sum(1.5 + r for r in range(world)),
+                    "n": sum(2.0 * r for r in range(world))},
+            "min": {"a": -1.25, "b": 3.0}, "max": {"c": 0.0}}
+    assert out == [want] * world
