@@ -1,4 +1,4 @@
-"""The rollout phase of a step (DESIGN.md steps 1-5): generate -> gather -> score ->
+"""The rollout phase of a step (DESIGN.md steps 1-5): generate -> score -> gather ->
 old/ref log-probs -> advantages, one generation batch as training Samples
 (`rollout_phase`).
 
