@@ -30,6 +30,7 @@ from bridge.mappings.vision import HF_PREFIX as VISION_HF_PREFIX
 from ..model.lora import is_adapter_param, lora_settings
 from ..model.lora_peft import adapter_stream, merged_stream, peft_config
 from ..platform import device
+from ..platform.cpu import without_cuda_rewrite
 from .offload import offload_model, offload_optimizer, onload_model, onload_optimizer
 from .verify import AdapterFingerprints, StreamFingerprints, check_adapter_sync, check_weight_sync
 from .weights import load_adapter_stream, load_weight_stream, sleep, wake_up
@@ -83,10 +84,14 @@ class WeightSync:
         stream = merged_stream(policy.chunks, stream)
         expected = StreamFingerprints() if r.check_weight_sync else None
         aliases = get_mapping(policy.args.family).vllm_aliases    # vLLM's names, if its own
-        return self._deliver(stream, expected, lambda s: load_weight_stream(self.engine, s),
-                             lambda info: check_weight_sync(
-                                 self.engine, expected.result, aliases,
-                                 getattr(policy, "sync_include", None)))
+        # The bridge's export (a generator, run as it is consumed) names no CUDA device: on a
+        # CPU-only machine it runs without the CUDA->CPU mode, whose per-torch-call cost was
+        # ~10 % of a quickstart sync (docs/benchmarks.md). A no-op on GPU.
+        with without_cuda_rewrite():
+            return self._deliver(stream, expected, lambda s: load_weight_stream(self.engine, s),
+                                 lambda info: check_weight_sync(
+                                     self.engine, expected.result, aliases,
+                                     getattr(policy, "sync_include", None)))
 
     def _deliver(self, stream, expected, load, check) -> dict:
         """Feed `stream` to the engine through `load` (in server mode rank 0 alone uploads;
