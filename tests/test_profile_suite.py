@@ -34,7 +34,6 @@ def test_sampler_reads_the_command_line_after_exec():
     import threading
     import time
 
-    sys.path.insert(0, ROOT)
     from tools import profile_suite
 
     procs, stop = {}, threading.Event()

@@ -230,9 +230,12 @@ def _kv_cache(flat: dict, environ) -> str:
     """Where our engines' KV cache size comes from: the run (rollout/kv_cache.py), unless
     the user's conventions override it (they change what is measured: a larger cache
     makes each sync's prefix-cache reset longer)."""
-    if (flat.get("vllm_engine_kwargs") or {}).get("kv_cache_memory_bytes") is not None:
+    from megatron_grpo.rollout.kv_cache import kv_cache_override
+
+    override = kv_cache_override(flat.get("vllm_engine_kwargs"), environ)
+    if override == "kv_cache_memory_bytes":
         return "KV cache from --vllm_engine_kwargs kv_cache_memory_bytes"
-    if environ.get("VLLM_CPU_KVCACHE_SPACE", "") != "":
+    if override is not None:
         return (f"KV cache VLLM_CPU_KVCACHE_SPACE={environ['VLLM_CPU_KVCACHE_SPACE']} GiB "
                 "per engine (environment, overrides the run's sizing)")
     if flat.get("vllm_kv_cache_memory") is not None:

@@ -94,6 +94,19 @@ def sequences_per_engine(generation_batch_size: int, num_generations: int, world
     return min(seqs, max_num_seqs) if max_num_seqs else seqs
 
 
+def kv_cache_override(engine_kwargs: Optional[Mapping[str, Any]],
+                      environ: Mapping[str, str] = os.environ, *, on_cpu: bool = True) -> Optional[str]:
+    """The vLLM convention of the user's that sizes the KV cache instead of this module:
+    "kv_cache_memory_bytes" (the engine argument, in --vllm_engine_kwargs) or
+    "VLLM_CPU_KVCACHE_SPACE" (the environment, CPU; vLLM applies it in platforms/cpu.py),
+    in that order; None when neither is set."""
+    if (engine_kwargs or {}).get("kv_cache_memory_bytes") is not None:
+        return "kv_cache_memory_bytes"
+    if on_cpu and environ.get("VLLM_CPU_KVCACHE_SPACE", "") != "":
+        return "VLLM_CPU_KVCACHE_SPACE"
+    return None
+
+
 def kv_cache_engine_kwargs(model_dir: str, *, on_cpu: bool, size: Union[None, int, str] = None,
                            sequences: int, max_model_len: Optional[int] = None,
                            tensor_parallel_size: int = 1, dtype: str = "auto",
@@ -104,10 +117,8 @@ def kv_cache_engine_kwargs(model_dir: str, *, on_cpu: bool, size: Union[None, in
     `size`: --vllm_kv_cache_memory (bytes or a size string; None: computed on CPU).
     """
     engine_kwargs = engine_kwargs or {}
-    if engine_kwargs.get("kv_cache_memory_bytes") is not None:
-        return {}                                   # the user's vLLM argument wins
-    if on_cpu and environ.get("VLLM_CPU_KVCACHE_SPACE", "") != "":
-        return {}                                   # vLLM applies it (platforms/cpu.py)
+    if kv_cache_override(engine_kwargs, environ, on_cpu=on_cpu) is not None:
+        return {}                                   # vLLM applies the user's own setting
     nbytes = parse_size(size)
     if nbytes is None and on_cpu:
         nbytes = kv_cache_bytes(model_dir, sequences=sequences, max_model_len=max_model_len,

@@ -84,29 +84,31 @@ class WeightSync:
         stream = merged_stream(policy.chunks, stream)
         expected = StreamFingerprints() if r.check_weight_sync else None
         aliases = get_mapping(policy.args.family).vllm_aliases    # vLLM's names, if its own
-        # The bridge's export (a generator, run as it is consumed) names no CUDA device: on a
-        # CPU-only machine it runs without the CUDA->CPU mode, whose per-torch-call cost was
-        # ~10 % of a quickstart sync (docs/benchmarks.md). A no-op on GPU.
-        with without_cuda_rewrite():
-            return self._deliver(stream, expected, lambda s: load_weight_stream(self.engine, s),
-                                 lambda info: check_weight_sync(
-                                     self.engine, expected.result, aliases,
-                                     getattr(policy, "sync_include", None)))
+        return self._deliver(stream, expected, lambda s: load_weight_stream(self.engine, s),
+                             lambda info: check_weight_sync(
+                                 self.engine, expected.result, aliases,
+                                 getattr(policy, "sync_include", None)))
 
     def _deliver(self, stream, expected, load, check) -> dict:
         """Feed `stream` to the engine through `load` (in server mode rank 0 alone uploads;
         the other ranks iterate it to take part in its collectives), then, with
-        `expected` fingerprints, `check(info)` what the engine holds."""
+        `expected` fingerprints, `check(info)` what the engine holds.
+
+        The streams (the bridge's export, the adapters; generators, run as they are
+        consumed) name no CUDA device: on a CPU-only machine they run without the
+        CUDA->CPU mode, whose per-torch-call cost was ~10 % of a quickstart sync
+        (docs/benchmarks.md). A no-op on GPU."""
         if expected is not None:
             stream = expected.watch(stream)
-        if self.is_server and dist.get_rank() != 0:
-            for _ in stream:
-                pass
-            info = {}
-        else:
-            info = load(stream)
-            if expected is not None:
-                check(info)
+        with without_cuda_rewrite():
+            if self.is_server and dist.get_rank() != 0:
+                for _ in stream:
+                    pass
+                info = {}
+            else:
+                info = load(stream)
+                if expected is not None:
+                    check(info)
         if self.is_server:   # the other ranks sample from the server next: after the upload
             dist.barrier()
         # Colocated, each rank loaded its own engine (a vLLM TP group's ranks load theirs

@@ -97,9 +97,9 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
     # through the CUDA->CPU mode).
     rows = [list(s.prompt_ids) + list(s.completion_ids) for s in samples]
     input_ids = torch.tensor([r[:-1] + [pad_id] * (seq + 1 - len(r)) for r in rows],
-                             dtype=torch.long).view(b, seq)
+                             dtype=torch.long)                               # [B, S]
     targets = torch.tensor([r[1:] + [pad_id] * (seq + 1 - len(r)) for r in rows],
-                           dtype=torch.long).view(b, seq)
+                           dtype=torch.long)
     # completion_mask: targets p-1 .. p+c-2 are the completion's tokens (all of them the
     # model's unless a loss_mask says otherwise).
     starts = torch.tensor([len(s.prompt_ids) - 1 for s in samples], dtype=torch.long)

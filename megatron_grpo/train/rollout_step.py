@@ -143,8 +143,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
         raise RuntimeError(f"expected {len(prompt_indices) * num_generations} completions, "
                            f"gathered {len(gathered)}")
     texts = [g[3] for g in gathered]
-    rewards = torch.tensor([g[8] for g in gathered], dtype=torch.float32).view(
-        len(gathered), len(reward_funcs))                                # [N, F]
+    rewards = torch.tensor([g[8] for g in gathered], dtype=torch.float32)     # [N, F]
     t3 = time.perf_counter()
 
     samples, impossible = [], 0
