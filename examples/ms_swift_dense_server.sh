@@ -30,30 +30,42 @@ OUTPUT_DIR=${OUTPUT_DIR:-runs/ms_swift_dense_server}
 MEGATRON=${MEGATRON:-megatron}
 START_SERVER=${START_SERVER:-true}
 VLLM_SERVER_HOST=${VLLM_SERVER_HOST:-127.0.0.1}
-VLLM_SERVER_PORT=${VLLM_SERVER_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+PORT_GIVEN=${VLLM_SERVER_PORT:+true}
+VLLM_SERVER_PORT=${VLLM_SERVER_PORT:-$(free_port)}
 
 dry_run=false
 for a in "$@"; do [ "$a" = "--dry_run" ] && dry_run=true; done
 if [ "$START_SERVER" = true ] && [ "$dry_run" = false ]; then
   mkdir -p "$OUTPUT_DIR"
-  echo "[example] starting the rollout server on $VLLM_SERVER_HOST:$VLLM_SERVER_PORT (log: $OUTPUT_DIR/rollout_server.log)"
-  # Own process group (set -m), so that the server and its engine processes stop together.
-  set -m
-  $MEGATRON rollout \
-      --model "$MODEL" \
-      --vllm_data_parallel_size 1 \
-      --vllm_max_model_len 512 \
-      --host "$VLLM_SERVER_HOST" \
-      --port "$VLLM_SERVER_PORT" > "$OUTPUT_DIR/rollout_server.log" 2>&1 &
-  server_pid=$!
-  set +m
-  trap 'kill -TERM -- -$server_pid 2>/dev/null || true; wait $server_pid 2>/dev/null || true' EXIT
-  # Wait for /health; a server that dies (e.g. a bad option) stops the script with its log.
-  until python3 -c "import urllib.request as u; u.urlopen('http://$VLLM_SERVER_HOST:$VLLM_SERVER_PORT/health', timeout=2)" 2>/dev/null; do
-    if ! kill -0 "$server_pid" 2>/dev/null; then
-      echo "[example] the rollout server exited; its log:" >&2; tail -20 "$OUTPUT_DIR/rollout_server.log" >&2; exit 1
-    fi
-    sleep 2
+  # A port picked here is free when picked, not when the server binds it (its start-up
+  # takes seconds): if another process took it meanwhile, pick another and start again.
+  for attempt in 1 2 3; do
+    echo "[example] starting the rollout server on $VLLM_SERVER_HOST:$VLLM_SERVER_PORT (log: $OUTPUT_DIR/rollout_server.log)"
+    # Own process group (set -m), so that the server and its engine processes stop together.
+    set -m
+    $MEGATRON rollout \
+        --model "$MODEL" \
+        --vllm_data_parallel_size 1 \
+        --vllm_max_model_len 512 \
+        --host "$VLLM_SERVER_HOST" \
+        --port "$VLLM_SERVER_PORT" > "$OUTPUT_DIR/rollout_server.log" 2>&1 &
+    server_pid=$!
+    set +m
+    trap 'kill -TERM -- -$server_pid 2>/dev/null || true; wait $server_pid 2>/dev/null || true' EXIT
+    # Wait for /health; a server that dies (e.g. a bad option) stops the script with its log.
+    until python3 -c "import urllib.request as u; u.urlopen('http://$VLLM_SERVER_HOST:$VLLM_SERVER_PORT/health', timeout=2)" 2>/dev/null; do
+      if ! kill -0 "$server_pid" 2>/dev/null; then
+        if [ -z "$PORT_GIVEN" ] && [ "$attempt" -lt 3 ] && grep -q "Address already in use" "$OUTPUT_DIR/rollout_server.log"; then
+          echo "[example] port $VLLM_SERVER_PORT was taken before the server bound it; picking another"
+          VLLM_SERVER_PORT=$(free_port)
+          continue 2
+        fi
+        echo "[example] the rollout server exited; its log:" >&2; tail -20 "$OUTPUT_DIR/rollout_server.log" >&2; exit 1
+      fi
+      sleep 2
+    done
+    break
   done
   echo "[example] the rollout server is up"
 fi

@@ -122,3 +122,51 @@ def test_example_server_runs_tp2_dp2_with_val_dataset_eval_iters(model, tmp_path
     by_step = {s: sorted({c["prompt_index"] for c in completions if c["step"] == s})
                for s in (2, 3)}
     assert by_step == {2: [0, 1], 3: [0, 2]}       # prompts 0 1, then 2 0 (3 in the file)
+
+
+FAKE_MEGATRON = r'''#!/usr/bin/env python3
+"""Stands in for `megatron` (the server script's retry only): the first `rollout` fails as a
+server whose port was taken meanwhile; the next one serves /health; `rlhf` prints its argv."""
+import http.server, os, sys
+cmd, args = sys.argv[1], sys.argv[2:]
+if cmd == "rlhf":
+    print("RLHF", " ".join(args)); sys.exit(0)
+port = int(args[args.index("--port") + 1])
+marker = os.path.join(os.environ["OUTPUT_DIR"], "rollout_starts")
+with open(marker, "a") as f:
+    f.write(f"{port}\n")
+if sum(1 for _ in open(marker)) == 1:
+    print("OSError: [Errno 98] Address already in use", flush=True); sys.exit(1)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_server_script_picks_another_port_when_its_port_was_taken(tmp_path):
+    """The server script picks a free port, but the server binds it seconds later: if
+    another process took it meanwhile ("Address already in use"), the script picks another
+    and starts the server again, and the trainer gets the port that served. A port the
+    user set is never replaced (the failure stops the script with the server's log)."""
+    fake = tmp_path / "megatron"
+    fake.write_text(FAKE_MEGATRON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, MODEL="unused", OUTPUT_DIR=str(out), MEGATRON=str(fake))
+    r = subprocess.run(["bash", "examples/ms_swift_dense_server.sh"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first, second = (out / "rollout_starts").read_text().split()
+    assert first != second
+    assert f"port {first} was taken before the server bound it; picking another" in r.stdout
+    assert "the rollout server is up" in r.stdout
+    assert f"--vllm_server_port {second}" in r.stdout          # the trainer's port
+    out2 = tmp_path / "out2"
+    r = subprocess.run(["bash", "examples/ms_swift_dense_server.sh"], cwd=ROOT,
+                       env=dict(env, OUTPUT_DIR=str(out2), VLLM_SERVER_PORT="1"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "the rollout server exited; its log" in r.stderr
+    assert (out2 / "rollout_starts").read_text().split() == ["1"]
