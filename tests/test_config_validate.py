@@ -407,3 +407,21 @@ def test_vllm_lora_refused_for_moe(tmp_path):
     message = error_of(args(str(d), "--tuner_type", "lora", "--vllm_enable_lora", "true"))
     assert "--vllm_enable_lora true with the mixture-of-experts model" in message
     assert "--vllm_enable_lora false" in message
+
+
+@pytest.mark.parametrize("dtype_keys, flag, expected", [
+    ({"torch_dtype": "bfloat16"}, None, True),       # ms-swift: the dtype follows the checkpoint
+    ({"dtype": "bfloat16"}, None, True),             # transformers 5 writes `dtype`
+    ({"text_config": {"torch_dtype": "bfloat16"}}, None, True),   # a VL model's text part
+    ({"torch_dtype": "float16"}, None, True),        # fp16 is not trained: bf16 instead
+    ({"torch_dtype": "float32"}, None, False),
+    ({}, None, False),                               # no dtype named: float32
+    ({"torch_dtype": "bfloat16"}, "false", False),   # an explicit flag wins
+    ({"torch_dtype": "float32"}, "true", True),
+])
+def test_bf16_follows_the_model_dtype_unless_set(tmp_path, dtype_keys, flag, expected):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", **dtype_keys}))
+    extra = ("--bf16", flag) if flag is not None else ()
+    assert parse_rlhf_args(args(str(d), *extra)).training.bf16 is expected

@@ -200,8 +200,9 @@ class TrainingOptions(_Group):
     adam_beta1: float = opt(0.9, "Adam beta1.")
     adam_beta2: float = opt(0.95, "Adam beta2.")
     adam_eps: float = opt(1e-8, "Adam epsilon.")
-    bf16: Optional[bool] = opt(None, "Train in bfloat16. None: from the model's config.json "
-                                     "torch_dtype (float32 on CPU is decided by the trainer).")
+    bf16: Optional[bool] = opt(None, "Train in bfloat16 (and sample in it when vLLM is "
+                                     "colocated). None: from the model's config.json dtype, as "
+                                     "ms-swift: true for bfloat16 or float16, false for float32.")
     seed: int = opt(42, "Seed of python, numpy, torch, the data order and vLLM sampling.")
     recompute_granularity: Literal["selective", "full", "none"] = opt(
         "selective", "Megatron's activation recomputation: selective recomputes the "

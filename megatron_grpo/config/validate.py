@@ -295,6 +295,8 @@ def _check_recompute(t, p: Problems) -> None:
 
 def _check_model_options(cfg: "GRPOConfig", p: Problems) -> None:
     m = cfg.model
+    if cfg.training.bf16 is None:
+        cfg.training.bf16 = model_trains_in_bf16(m.model)
     p.require(m.load_safetensors is not False,
               "--load_safetensors false (start from a Megatron checkpoint, --mcore_model) is not "
               "supported yet: weights are read from --model's safetensors. Fix: drop it, and "
@@ -304,6 +306,19 @@ def _check_model_options(cfg: "GRPOConfig", p: Problems) -> None:
                   f"--attention_backend {m.attention_backend} needs Transformer Engine (GPU), "
                   "which is not installed here. Fix: --attention_backend auto (or local, "
                   "unfused): Megatron's local attention")
+
+
+def model_trains_in_bf16(model: Optional[str]) -> bool:
+    """What `--bf16` unset means, as in ms-swift (the dtype follows the checkpoint): True
+    for a model whose config.json (its text part for a vision-language one) names bfloat16
+    or float16 as its dtype (fp16 training is not supported; bf16 has fp16's precision
+    and fp32's range), False for float32 or none named."""
+    hf = _hf_config(model)
+    if hf is None:
+        return False
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    name = hf.get("torch_dtype") or hf.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    return str(name).replace("torch.", "") in ("bfloat16", "float16")
 
 
 def _hf_config(model: Optional[str]) -> Optional[dict]:
