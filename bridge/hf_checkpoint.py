@@ -78,13 +78,35 @@ class HFCheckpoint:
         return tensor_slice[index]
 
 
-def copy_hf_side_files(src: str, dst: str) -> None:
-    """config.json, tokenizer and generation files: everything but the weights."""
+def copy_hf_side_files(src: str, dst: str, dtype: torch.dtype | None = None) -> None:
+    """config.json, tokenizer and generation files: everything but the weights. `dtype`:
+    the dtype of the weights written beside them, which config.json then names (its
+    `torch_dtype` / `dtype`, a multimodal model's text_config's too), so that loaders
+    taking the checkpoint's dtype ("auto") get the weights as stored."""
     os.makedirs(dst, exist_ok=True)
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
         if os.path.isfile(path) and not name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(path, os.path.join(dst, name))
+    if dtype is not None and os.path.isfile(os.path.join(dst, "config.json")):
+        set_config_dtype(os.path.join(dst, "config.json"), dtype)
+
+
+def set_config_dtype(config_path: str, dtype: torch.dtype) -> None:
+    """Name `dtype` in an HF config.json: every dtype key it has (`torch_dtype`, the
+    `dtype` of transformers 5; at the top and in text_config), `torch_dtype` if none."""
+    with open(config_path) as f:
+        config = json.load(f)
+    name = str(dtype).replace("torch.", "")
+    parts = [config] + [config[k] for k in ("text_config",) if isinstance(config.get(k), dict)]
+    named = [(part, key) for part in parts for key in ("torch_dtype", "dtype") if key in part]
+    if named and all(part[key] == name for part, key in named):
+        return                        # already right: the file stays byte for byte
+    for part, key in named or [(config, "torch_dtype")]:
+        part[key] = name
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def write_hf_checkpoint(buckets, out_dir: str, max_shard_size: int, write: bool) -> list[str]:

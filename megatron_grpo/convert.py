@@ -269,7 +269,7 @@ def main(argv: list[str]) -> int:
                 chunks, config, args, bucket_size_bytes=512 << 20, dtype=getattr(torch, dtype)))
             write_hf_checkpoint(stream, tmp, a.max_shard_bytes, write=rank == 0)
             if rank == 0:
-                copy_hf_side_files(hf_src, tmp)
+                copy_hf_side_files(hf_src, tmp, dtype=getattr(torch, dtype))
         reference = tmp
     dist.barrier()
     if a.test_convert_precision:

@@ -247,7 +247,8 @@ def save_final_hf(policy: Policy, hf_source: str, out_dir: str, merge_lora: bool
         # 1 GiB shards: rank 0 holds one shard besides the bucket, as the export's own buffer.
         write_hf_checkpoint(stream, final + ".tmp", max_shard_size=1 << 30, write=rank0)
         if rank0:
-            copy_hf_side_files(hf_source, final + ".tmp")   # config, tokenizer; no weights
+            # config (naming the weights' dtype), tokenizer; no weights
+            copy_hf_side_files(hf_source, final + ".tmp", dtype=policy.config.params_dtype)
     if rank0:
         if os.path.isdir(final):
             shutil.rmtree(final)
