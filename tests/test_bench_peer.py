@@ -59,10 +59,14 @@ def test_trl_config_matches_the_quickstart(model_dir):
     assert c["top_k"] == 0                     # ours -1 (off) is TRL's 0 (off)
     assert c["epsilon_high"] == 0.2 and c["scale_rewards"] == "group"
     assert c["adam_beta2"] == 0.95             # ours, not torch's 0.999
-    assert c["bf16"] is False and c["gradient_checkpointing"] is False
+    # bfloat16 as shipped (configs/quickstart_cpu.yaml); TRL's GRPOConfig default too
+    assert c["bf16"] is True and c["gradient_checkpointing"] is False
     assert c["shuffle_dataset"] is False and c["max_steps"] == 30
     spec = bp.trl_spec(flat, spg, "/work", threads=2)
     assert spec["prompts_per_generation"] == 4 and spec["generation_batches"] == 31
+    # --ours-args="--bf16 false": TRL follows to float32
+    flat32, _ = resolved("quickstart", model_dir, "--bf16", "false")
+    assert bp.trl_config(flat32, "/out")["bf16"] is False
     assert all(os.path.isabs(p) for p in spec["external_plugins"])
 
 
@@ -94,11 +98,13 @@ def test_settings_differ_lists_only_what_differs(model_dir):
     diff = bp.settings_differ(ours, trl)
     # The quickstart is DP=2: accumulation differs per rank (32 / (8 x DP 2) against 4).
     assert _keys(diff) == ["processes", "parallel layout", "generation", "weight sync",
-                           "optimizer", "accumulation", "completions_log"]
+                           "optimizer", "dtype", "accumulation", "completions_log"]
     assert "TP=1 PP=1 CP=1 DP=2" in diff[1]
+    # both in bfloat16: Megatron's bf16 model against TRL's float32 model under autocast
+    assert diff[5] == "dtype: ours bfloat16 | trl bfloat16 autocast"
     # Every mapped algorithm setting agrees, so a mapping slip in trl_config would show.
     for key in ("lr", "lr_schedule", "loss_type", "beta", "adam", "top_k",
-                "checkpoints", "activation recompute", "dtype"):
+                "checkpoints", "activation recompute"):
         assert ours[key] == trl[key], key
 
 

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -100,13 +101,54 @@ def build_tiny(out_dir: str, name: str = "tiny-qwen2") -> str:
     return model_dir
 
 
-def config_model_name(config_path: str) -> str:
-    """The tiny model a shipped config trains: the folder name of its `model:` (flat or under
-    `model:`), tiny-qwen2 for a config that names none of TINY_MODELS."""
+# /proc/cpuinfo flags of a CPU that multiplies bfloat16 in hardware: x86's AVX512-BF16 and
+# AMX-BF16, Arm's BF16 extension. Without them torch and vLLM-CPU emulate bf16 matmuls
+# (slower than float32; docs/benchmarks.md, session 15).
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_has_bf16(cpuinfo: Optional[str] = None) -> bool:
+    """Whether this CPU has bfloat16 instructions (a flag of BF16_CPU_FLAGS in the `flags` or
+    `Features` lines of /proc/cpuinfo); False where there is no /proc/cpuinfo to read."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features") and set(value.split()) & set(BF16_CPU_FLAGS):
+            return True
+    return False
+
+
+def _config(config_path: str) -> dict:
     import yaml
 
     with open(config_path) as f:
-        cfg = yaml.safe_load(f) or {}
+        return yaml.safe_load(f) or {}
+
+
+def config_bf16(config_path: str) -> bool:
+    """The `bf16:` of a shipped config (flat or under `training:`), False when it sets none."""
+    cfg = _config(config_path)
+    training = cfg.get("training") if isinstance(cfg.get("training"), dict) else {}
+    return bool(cfg.get("bf16", training.get("bf16", False)))
+
+
+def dtype_args(config_path: str, cpuinfo: Optional[str] = None) -> list:
+    """Extra flags for this CPU: a config in bfloat16 runs in float32 (`--bf16 false`) on a
+    CPU without bfloat16 instructions, where bf16 would be the slower of the two."""
+    if config_bf16(config_path) and not cpu_has_bf16(cpuinfo):
+        return ["--bf16", "false"]
+    return []
+
+
+def config_model_name(config_path: str) -> str:
+    """The tiny model a shipped config trains: the folder name of its `model:` (flat or under
+    `model:`), tiny-qwen2 for a config that names none of TINY_MODELS."""
+    cfg = _config(config_path)
     model = cfg.get("model")
     if isinstance(model, dict):
         model = model.get("model")
@@ -157,11 +199,15 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(out)
-    step(f"GRPO on 2 CPU processes: NPROC_PER_NODE=2 megatron rlhf --config {cfg}")
+    extra = dtype_args(cfg)
+    if extra:
+        step("this CPU has no bfloat16 instructions (none of " + ", ".join(BF16_CPU_FLAGS) +
+             " in /proc/cpuinfo): training and sampling in float32 instead (--bf16 false)")
+    step(" ".join(["GRPO on 2 CPU processes: NPROC_PER_NODE=2 megatron rlhf --config", cfg, *extra]))
     env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
     t0 = time.time()
     rc = subprocess.call([sys.executable, "-m", "megatron_grpo.cli", "rlhf", "--config", cfg,
-                          "--model", model_dir, "--output_dir", out], env=env, cwd=ROOT)
+                          "--model", model_dir, "--output_dir", out, *extra], env=env, cwd=ROOT)
     if rc != 0:
         sys.exit(rc)
     report(out, time.time() - t0)
