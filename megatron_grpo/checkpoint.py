@@ -172,6 +172,23 @@ def read_metadata(path: str) -> dict:
         return json.load(f)
 
 
+def _params_dtype(chunks) -> Optional[str]:
+    first = next((p for c in chunks for p in c.parameters()), None)
+    return str(first.dtype).replace("torch.", "") if first is not None else None
+
+
+def check_resume_dtype(meta: dict, chunks, path: str) -> None:
+    """A run continues in the dtype it was saved in: its optimizer state (fp32 main copies
+    of bf16 weights, or none for fp32 ones) only loads into the same kind of optimizer."""
+    saved, now = meta.get("params_dtype"), _params_dtype(chunks)
+    if saved and now and saved != now:
+        flag = "true" if saved == "bfloat16" else "false"
+        raise ValueError(
+            f"{path} was saved by a run training in {saved}; this run trains in {now}. Fix: "
+            f"--bf16 {flag} to resume it (an unset --bf16 follows the dtype in --model's "
+            f"config.json), or --finetune true to start a new {now} run from its weights")
+
+
 # ---------------------------------------------------------------- file helpers
 def _fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -382,10 +399,8 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
 
             if hf_config_dir:
                 copy_hf_side_files(hf_config_dir, os.path.join(tmp, HF_CONFIG_DIR))
-            first = next((p for c in chunks for p in c.parameters()), None)
             meta = {"format_version": FORMAT_VERSION, "step": step, "time": time.time(),
-                    "params_dtype": str(first.dtype).replace("torch.", "") if first is not None
-                    else None,
+                    "params_dtype": _params_dtype(chunks),
                     "versions": {"torch": torch.__version__,
                                  "megatron_core": getattr(megatron.core, "__version__", "?")},
                     "save_seconds": round(time.time() - started, 3),
@@ -457,6 +472,8 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
                          "the weights only")
     if contents["optimizer"] == "fresh":
         optimizer = None  # saved before the first step: a new optimizer is that state
+    if optimizer is not None:
+        check_resume_dtype(meta, chunks, path)
     saved_ep, ep = meta["layout"].get("ep", 1), _layout()["ep"]
     if optimizer is not None and (saved_ep > 1) != (ep > 1) and \
             not is_distributed_optimizer(optimizer):

@@ -324,3 +324,21 @@ def test_no_save_optim_no_save_rng_and_finetune(tmp_path):
     ft = r["finetune"]
     assert ft["extra"] is None and ft["same_weights"] and ft["sched_steps"] == 0
     assert ft["adam_state"] == 0 and ft["rng_untouched"] and not ft["warnings"]
+
+
+def test_resume_refuses_another_dtype_with_the_flag_that_fixes_it():
+    """A float32 run's checkpoint continued by a bf16 run (e.g. an unset --bf16 that now
+    follows a bf16 --model) stops before loading, naming --bf16 and --finetune."""
+    import torch
+
+    from megatron_grpo.checkpoint import check_resume_dtype
+
+    fp32, bf16 = [torch.nn.Linear(2, 2)], [torch.nn.Linear(2, 2).to(torch.bfloat16)]
+    check_resume_dtype({"params_dtype": "float32"}, fp32, "ckpt")
+    check_resume_dtype({"params_dtype": None}, bf16, "ckpt")          # older metadata: no check
+    with pytest.raises(ValueError) as e:
+        check_resume_dtype({"params_dtype": "float32"}, bf16, "ckpt")
+    assert "ckpt was saved by a run training in float32" in str(e.value)
+    assert "--bf16 false to resume it" in str(e.value) and "--finetune true" in str(e.value)
+    with pytest.raises(ValueError, match="--bf16 true to resume it"):
+        check_resume_dtype({"params_dtype": "bfloat16"}, fp32, "ckpt")
