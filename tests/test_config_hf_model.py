@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megatron_grpo.config.errors import Problems
-from megatron_grpo.config.hf_model import VLLM_CPU_HEAD_SIZES, head_dim, model_max_len
+from megatron_grpo.config.hf_model import VLLM_CPU_HEAD_SIZES, cpu_has_bf16, head_dim, model_max_len
 from megatron_grpo.config.validate import check_vllm_model
 
 
@@ -58,3 +58,20 @@ def test_max_model_len_beyond_the_model_is_refused(tmp_path, monkeypatch):
     assert _problems(model, 512, monkeypatch=monkeypatch) == []
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")     # vLLM's own escape hatch
     assert _problems(model, 1024, monkeypatch=monkeypatch) == []
+
+
+ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+SAPPHIRE_RAPIDS = "flags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n"
+SKYLAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n"
+NEOVERSE_V1 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n"
+NEOVERSE_N1 = "processor\t: 0\nFeatures\t: fp asimd atomics\n"
+
+
+@pytest.mark.parametrize("cpuinfo, expected", [
+    (ZEN4, True), (SAPPHIRE_RAPIDS, True), (NEOVERSE_V1, True),
+    (SKYLAKE, False), (NEOVERSE_N1, False), ("", False),
+    # a flag's name elsewhere in the text is not a flag
+    ("model name\t: bf16 lover\nflags\t\t: avx2\n", False),
+])
+def test_cpu_has_bf16_reads_the_flags(cpuinfo, expected):
+    assert cpu_has_bf16(cpuinfo) is expected

@@ -425,3 +425,18 @@ def test_bf16_follows_the_model_dtype_unless_set(tmp_path, dtype_keys, flag, exp
     (d / "config.json").write_text(json.dumps({"model_type": "qwen2", **dtype_keys}))
     extra = ("--bf16", flag) if flag is not None else ()
     assert parse_rlhf_args(args(str(d), *extra)).training.bf16 is expected
+
+
+@pytest.mark.parametrize("has_bf16, warned", [(False, True), (True, False)])
+def test_bf16_on_a_cpu_without_bf16_instructions_warns(model_dir, monkeypatch, caplog,
+                                                       has_bf16, warned):
+    import megatron_grpo.config.validate as validate
+
+    monkeypatch.setattr(validate, "vllm_is_cpu_build", lambda: True)     # a CPU machine
+    monkeypatch.setattr(validate, "cpu_has_bf16", lambda: has_bf16)      # its flags, faked
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.config"):
+        assert parse_rlhf_args(args(model_dir, "--bf16", "true")).training.bf16 is True
+        parse_rlhf_args(args(model_dir, "--bf16", "false"))
+    hits = [r.message for r in caplog.records if "without bfloat16 instructions" in r.message]
+    assert len(hits) == (1 if warned else 0)
+    assert all("Fix: --bf16 false" in h for h in hits)

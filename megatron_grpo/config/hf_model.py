@@ -1,11 +1,12 @@
-"""What the option checks read from a Hugging Face model folder's config.json: JSON only,
-no torch or transformers, so that errors come before any heavy import."""
+"""What the option checks read from a Hugging Face model folder's config.json, and from
+this machine (the vLLM build, the CPU's bfloat16 instructions): JSON, package metadata and
+/proc only, no torch or transformers, so that errors come before any heavy import."""
 from __future__ import annotations
 
 import json
 import os
 from importlib import metadata
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 # The keys HF configs use for the context length, in the order vLLM reads them.
 MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
@@ -55,3 +56,26 @@ def vllm_is_cpu_build() -> bool:
         return True
     except metadata.PackageNotFoundError:
         return False
+
+
+# /proc/cpuinfo flags of a CPU that multiplies bfloat16 in hardware: x86's AVX512-BF16 and
+# AMX-BF16, Arm's BF16 extension. Without them torch and vLLM-CPU emulate bf16 matmuls,
+# slower than float32 (tools/bench_dtype.py with ONEDNN_MAX_CPU_ISA=AVX512_CORE).
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_has_bf16(cpuinfo: Optional[str] = None) -> bool:
+    """Whether this CPU has bfloat16 instructions (a flag of BF16_CPU_FLAGS in the `flags` or
+    `Features` lines of /proc/cpuinfo, or of `cpuinfo` when given); False where there is no
+    /proc/cpuinfo to read."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features") and set(value.split()) & set(BF16_CPU_FLAGS):
+            return True
+    return False

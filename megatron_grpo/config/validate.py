@@ -26,7 +26,8 @@ from megatron_grpo.rewards import registry
 
 from .errors import Problems
 from .groups import LORA_TARGET_MODULES, adapter_covers_tower
-from .hf_model import VLLM_CPU_HEAD_SIZES, head_dim, model_max_len, vllm_is_cpu_build
+from .hf_model import (BF16_CPU_FLAGS, VLLM_CPU_HEAD_SIZES, cpu_has_bf16, head_dim,
+                       model_max_len, vllm_is_cpu_build)
 from .parallel import ParallelDims, divisors
 from .sizes import parse_size
 
@@ -297,6 +298,10 @@ def _check_model_options(cfg: "GRPOConfig", p: Problems) -> None:
     m = cfg.model
     if cfg.training.bf16 is None:
         cfg.training.bf16 = model_trains_in_bf16(m.model)
+    if cfg.training.bf16 and vllm_is_cpu_build() and not cpu_has_bf16():
+        logger.warning("--bf16 true on a CPU without bfloat16 instructions (none of %s in "
+                       "/proc/cpuinfo): bf16 matmuls are emulated here, slower than float32 "
+                       "(tools/bench_dtype.py). Fix: --bf16 false", ", ".join(BF16_CPU_FLAGS))
     p.require(m.load_safetensors is not False,
               "--load_safetensors false (start from a Megatron checkpoint, --mcore_model) is not "
               "supported yet: weights are read from --model's safetensors. Fix: drop it, and "
