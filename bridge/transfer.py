@@ -47,9 +47,6 @@ class TransferBuffer:
         size = dtype.itemsize
         return self._buf[offset:offset + n * size].view(dtype).view(shape)
 
-    def _elems(self, dtype: torch.dtype) -> int:
-        return self.nbytes // dtype.itemsize
-
     def all_gather(self, dsts: list[torch.Tensor], src: torch.Tensor, group) -> None:
         """dsts[r][:] = src of group rank r (all [R, W]), one all-gather per buffer load."""
         world = len(dsts)

@@ -46,12 +46,6 @@ WORLD_OPTIONS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "vllm_tensor_parallel_size", "vllm_mode", "use_vllm")
 
 
-def _require(ok: bool, message: str) -> None:
-    """Raise at once (for checks outside a Problems collection)."""
-    if not ok:
-        raise ValueError(message)
-
-
 def _positive(p: Problems, name: str, value, minimum=1) -> bool:
     return p.require(value is not None and value >= minimum,
                      f"--{name} {value!r} is not valid: it must be >= {minimum}. "

@@ -12,14 +12,6 @@ import torch
 import torch.distributed as dist
 
 
-def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """World size of `group`; 1 when torch.distributed is not initialised or group is None
-    and there is no default group."""
-    if group is None and not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
-
-
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     if group is None and not dist.is_initialized():
         return 0
