@@ -181,7 +181,6 @@ def main() -> None:
         shutil.rmtree(out)
     extra = dtype_args(cfg)
     if extra:
-
         step("this CPU has no bfloat16 instructions (none of " + ", ".join(BF16_CPU_FLAGS) +
              " in /proc/cpuinfo): training and sampling in float32 instead (--bf16 false)")
     step(" ".join(["GRPO on 2 CPU processes: NPROC_PER_NODE=2 megatron rlhf --config", cfg, *extra]))

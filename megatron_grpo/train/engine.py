@@ -422,10 +422,8 @@ def reduce_partials(partials: dict, group=None) -> dict:
                           stacked["max"].double()])
         rows = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(rows, flat, group=group)
-        every = torch.stack(rows)                                   # [world, n]
-        n_sum, n_min = sizes[0], sizes[1]
-        for op, part in (("sum", every[:, :n_sum].sum(dim=0)),
-                         ("min", -every[:, n_sum:n_sum + n_min].amax(dim=0)),
-                         ("max", every[:, n_sum + n_min:].amax(dim=0))):
+        sums, neg_mins, maxes = torch.stack(rows).split(sizes, dim=1)   # [world, n] each
+        for op, part in (("sum", sums.sum(dim=0)), ("min", -neg_mins.amax(dim=0)),
+                         ("max", maxes.amax(dim=0))):
             stacked[op] = part.to(stacked[op].dtype)
     return unstack_partials(stacked, partials)
