@@ -77,6 +77,24 @@ def test_equals_form_json_and_none(model_dir):
     assert cfg.training.train_iters is None
 
 
+def test_dash_values_hyphen_spellings_and_repeats(model_dir):
+    """What argparse alone would do otherwise: a value that starts with one dash is a value
+    (argparse takes `-1e-05` for an option), `--a-b` is `--a_b`, the last repeat wins."""
+    cfg = parse_rlhf_args(base(model_dir) + [
+        "--reward_funcs", "countdown", "format", "--reward_weights", "1", "-1e-3", "--system", "-be brief", "--tensor-model-parallel-size",
+        "2", "--learning-rate", "3e-6", "--seed", "1", "--seed=5"])
+    assert cfg.reward.reward_weights == [1.0, -1e-3]
+    assert cfg.data.system == "-be brief" and cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.training.lr == 3e-6 and cfg.training.seed == 5
+    with pytest.raises(ValueError, match=r"--lr -1e-05 must be > 0"):
+        parse_rlhf_args(base(model_dir) + ["--lr", "-1e-5"])
+    # Every problem at once: stray token, unknown flag (its value skipped), bad value, bad choice.
+    with pytest.raises(ValueError) as e:
+        parse_rlhf_args(["stray"] + base(model_dir) + ["--epsilonn", "0.1", "--use_vllm", "maybe",
+                                                       "--loss_type", "foo"])
+    assert len(e.value.messages) == 4, e.value.messages
+
+
 def test_yaml_then_flags_override(model_dir, tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({

@@ -84,7 +84,7 @@ def build_config(argv: Sequence[str], world_size: Optional[int] = None
     is only to be used when there is no problem."""
     p = Problems()
     table = field_table(GROUPS)
-    values = collect_values(argv, table, GROUPS, p)
+    values = collect_values(argv, GROUPS, p)
     per_group: Dict[str, Dict[str, Any]] = {g: {} for g in GROUPS}
     for name, value in values.items():
         per_group[table[name].group][name] = value
@@ -97,11 +97,9 @@ def build_config(argv: Sequence[str], world_size: Optional[int] = None
 def parse_rlhf_args(argv: Optional[Sequence[str]] = None,
                     world_size: Optional[int] = None) -> GRPOConfig:
     """A validated GRPOConfig from ms-swift style flags (`--config file.yaml` read first);
-    a ConfigError listing every problem otherwise (see build_config)."""
+    a ConfigError listing every problem otherwise (see build_config). `--help` prints the
+    options and exits."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(rlhf_help())
-        raise SystemExit(0)
     cfg, problems = build_config(argv, world_size)
     problems.raise_if_any()
     return cfg

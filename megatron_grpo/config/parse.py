@@ -3,14 +3,19 @@
     --tensor_model_parallel_size 2 --use_vllm true --reward_funcs accuracy format
     --dataset a.jsonl b.jsonl#100 --reward_weights 1 0.5 --config run.yaml
 
-A flag takes every following token up to the next `--flag` (so negative numbers
-such as `--reward_weights 1 -0.5` are values); `--flag=value` works too, and a
-bare boolean flag means true. `--config file.yaml` is read first, whatever its
-position, and the other flags override it. The YAML holds the same flat keys
+The command line is parsed by the standard library's argparse, from one argument per
+option (built from the dataclass fields: name, aliases, `-` spellings, help). Each option
+takes every following token up to the next `--flag` (nargs="*"; a token that starts with
+a single dash, such as `-1e-5`, is a value too), and the tokens are then converted
+here, so that every malformed value, unknown flag and choice not allowed is collected
+(errors.py) rather than argparse's stop at the first. `--flag=value` works too, and a bare
+boolean flag means true. `--config file.yaml` is read first, whatever its position, and
+the other flags override it. The YAML holds the same flat keys
 (`tensor_model_parallel_size: 2`), or group sections (`parallel: {...}`).
 """
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import os
@@ -181,39 +186,75 @@ def canonical_name(name: str, table: Dict[str, FieldInfo]) -> str:
     return name
 
 
-def split_argv(argv: Sequence[str], problems: Optional[Problems] = None
-               ) -> Tuple[Optional[str], List[Tuple[str, List[str]]]]:
-    """(config file or None, [(flag name, raw values)]) from a command line; a stray token
-    is recorded in `problems` (raised at once without it) and skipped."""
-    p = Problems() if problems is None else problems
-    items: List[Tuple[str, List[str]]] = []
-    config_path = None
-    i = 0
-    argv = list(argv)
-    while i < len(argv):
-        tok = argv[i]
-        if not tok.startswith("--") or tok == "--":
-            p.add(f"unexpected argument {tok!r} at position {i}: options are written "
+_DASH = "\0"   # marks a token that starts with one dash, so argparse takes it as a value
+
+
+def _mark(tok: str) -> str:
+    """`--tensor-model-parallel-size` (ms-swift's other spelling) as
+    `--tensor_model_parallel_size`; `-1e-5` or `-x` marked as a value, not a flag (`-h`,
+    like `--help`, prints the help and exits)."""
+    if tok.startswith("--"):
+        key, eq, value = tok[2:].partition("=")
+        return "--" + key.replace("-", "_") + eq + value
+    return _DASH + tok if tok.startswith("-") and tok != "-h" else tok
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Options as `--name TYPE`, without argparse's `[TYPE ...]` of nargs="*"; 100 columns
+    whatever the terminal, so the help reads the same in a file, a pipe or a test."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=100, max_help_position=36)
+
+    def _format_args(self, action, default_metavar):
+        return action.metavar or default_metavar
+
+
+def build_parser(groups: Dict[str, type], prog: str) -> argparse.ArgumentParser:
+    """An argparse parser with one argument per option (and --config), by group: each keeps
+    its raw tokens (a list, absent when not given) for `collect_values` to convert."""
+    parser = argparse.ArgumentParser(prog=prog, usage=f"{prog} [--config FILE.yaml] "
+                                     "[--option value ...]", allow_abbrev=False,
+                                     formatter_class=_Formatter, exit_on_error=False)
+    parser.add_argument("--config", nargs="*", default=argparse.SUPPRESS, metavar="FILE.yaml",
+                        help="YAML file of options (flat keys or group sections), read first; "
+                             "the other flags override it.")
+    aliases: Dict[str, List[str]] = {}
+    for alias, name in ALIASES.items():
+        aliases.setdefault(name, []).append(alias)
+    table = field_table(groups)
+    for group_name, cls in groups.items():
+        section = parser.add_argument_group(group_name, (cls.__doc__ or "").strip())
+        for info in table.values():
+            if info.group == group_name:
+                choices = literal_choices(info.annotation)
+                kind = ("{" + ",".join(map(str, choices)) + "}") if choices else \
+                    _type_name(info.annotation)
+                text = f"{info.help} (default: {info.default!r})".replace("%", "%%")
+                section.add_argument(*(f"--{n}" for n in [info.name, *aliases.get(info.name, ())]),
+                                     dest=info.name, nargs="*", default=argparse.SUPPRESS,
+                                     metavar=kind, help=text)
+    return parser
+
+
+def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser, p: Problems
+               ) -> Tuple[Dict[str, List[str]], List[str]]:
+    """({option: its raw tokens}, [unknown flags]) as `parser` splits `argv`, aliases
+    resolved; a token before any flag is recorded in `p`, one after an unknown flag skipped."""
+    marked = [_mark(t) for t in argv]
+    try:
+        known, extras = parser.parse_known_args(marked)
+    except argparse.ArgumentError as e:    # not expected with nargs="*"; reported, not raised
+        p.add(str(e))
+        return {}, []
+    unknown: List[str] = []
+    for tok in extras:
+        if tok.startswith("--") and tok != "--":
+            unknown.append(tok[2:].partition("=")[0])
+        elif not unknown:
+            p.add(f"unexpected argument {tok.removeprefix(_DASH)!r}: options are written "
                   "--name value (e.g. --model /path/to/model)")
-            i += 1
-            continue
-        key, eq, inline = tok[2:].partition("=")
-        values: List[str] = [inline] if eq else []
-        i += 1
-        if not eq:
-            while i < len(argv) and not argv[i].startswith("--"):
-                values.append(argv[i])
-                i += 1
-        if key == "config":
-            if len(values) != 1:
-                p.add("--config takes one YAML file path, e.g. --config run.yaml")
-            else:
-                config_path = values[0]
-        else:
-            items.append((key, values))
-    if problems is None:
-        p.raise_if_any()
-    return config_path, items
+    return {k: [t.removeprefix(_DASH) for t in v] for k, v in vars(known).items()}, unknown
 
 
 def load_yaml(path: str, group_names: Iterable[str]) -> Dict[str, Any]:
@@ -266,27 +307,26 @@ def _lookup(key: str, table: Dict[str, FieldInfo], p: Problems, suggested: List[
         return None
 
 
-def collect_values(argv: Sequence[str], table: Dict[str, FieldInfo],
-                   group_names: Iterable[str], problems: Optional[Problems] = None
-                   ) -> Dict[str, Any]:
-    """{option: converted value} from YAML (if --config) overridden by the flags.
+def collect_values(argv: Sequence[str], groups: Dict[str, type],
+                   problems: Optional[Problems] = None,
+                   prog: str = "megatron rlhf --rlhf_type grpo") -> Dict[str, Any]:
+    """{option: converted value} from YAML (if --config) overridden by the flags; `-h` or
+    `--help` prints the help of `prog` and exits.
 
     Every unknown flag, malformed value and choice not allowed goes into `problems`
     (that option is then left out); without `problems` they are raised together.
     """
     p = Problems() if problems is None else problems
-    config_path, items = split_argv(argv, p)
+    table = field_table(groups)
+    flags, unknown = split_argv(argv, build_parser(groups, prog), p)
+    config = flags.pop("config", None)
     values: Dict[str, Any] = {}
     suggested: List[str] = []       # what the unknown flags probably meant
-    if config_path is not None:
-        overridden = set()           # options the flags set: the file's value does not count
-        for key, _ in items:
-            try:
-                overridden.add(canonical_name(key, table))
-            except UnknownOption:
-                pass
+    if config is not None and len(config) != 1:
+        p.add("--config takes one YAML file path, e.g. --config run.yaml")
+    elif config is not None:
         try:
-            from_yaml = load_yaml(config_path, group_names)
+            from_yaml = load_yaml(config[0], groups)
         except ValueError as e:
             p.add(str(e))
             from_yaml = {}
@@ -296,19 +336,17 @@ def collect_values(argv: Sequence[str], table: Dict[str, FieldInfo],
             if name is None:
                 continue
             if name in spelled:
-                p.add(f"--config {config_path!r} sets {name} twice (as {spelled[name]!r} "
+                p.add(f"--config {config[0]!r} sets {name} twice (as {spelled[name]!r} "
                       f"and {key!r}). Fix: keep one of them")
                 continue
             spelled[name] = str(key)
-            if name in overridden:
-                continue
-            ok, value = _checked(name, raw, table[name], p)
-            if ok:
-                values[name] = value
-    for key, raw in items:
-        name = _lookup(key, table, p, suggested)
-        if name is None:
-            continue
+            if name not in flags:      # a flag overrides the file
+                ok, value = _checked(name, raw, table[name], p)
+                if ok:
+                    values[name] = value
+    for key in unknown:
+        _lookup(key, table, p, suggested)
+    for name, raw in flags.items():
         info = table[name]
         if not raw:
             if is_bool(info.annotation):
@@ -332,12 +370,8 @@ def parse_command(cls: type, argv: Sequence[str], prog: str, group: str,
     """`cls(**options)` for a command whose options are one dataclass (`megatron rollout`,
     `megatron export`): `--help` prints them and exits; every unknown flag, bad value and
     failed check of `cls.__post_init__` (with those already in `problems`) in one ConfigError."""
-    groups = {group: cls}
-    if "-h" in argv or "--help" in argv:
-        print(format_help(groups, prog=prog))
-        raise SystemExit(0)
     p = Problems() if problems is None else problems
-    values = collect_values(argv, field_table(groups), groups, p)
+    values = collect_values(argv, {group: cls}, p, prog)
     cfg = None
     try:
         cfg = cls(**values)
@@ -348,22 +382,8 @@ def parse_command(cls: type, argv: Sequence[str], prog: str, group: str,
 
 
 def format_help(groups: Dict[str, type], prog: str = "megatron rlhf --rlhf_type grpo") -> str:
-    """Every option by group, with its type, default and help."""
-    table = field_table(groups)
-    lines = [f"usage: {prog} [--config FILE.yaml] [--option value ...]", ""]
-    for group_name, cls in groups.items():
-        lines.append(f"{group_name}: {(cls.__doc__ or '').strip()}")
-        for info in table.values():
-            if info.group != group_name:
-                continue
-            choices = literal_choices(info.annotation)
-            kind = ("{" + ",".join(map(str, choices)) + "}") if choices else _type_name(info.annotation)
-            lines.append(f"  --{info.name} {kind}  (default: {info.default!r})")
-            lines.append(f"      {info.help}")
-        lines.append("")
-    aliases = ", ".join(f"--{a} = --{b}" for a, b in ALIASES.items())
-    lines.append(f"aliases: {aliases}")
-    return "\n".join(lines)
+    """Every option by group, with its type, default, aliases and help (argparse's layout)."""
+    return build_parser(groups, prog).format_help()
 
 
 def _type_name(annotation: Any) -> str:
