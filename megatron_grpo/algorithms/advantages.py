@@ -36,14 +36,10 @@ from typing import Callable, Dict, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..config.groups import DEFAULT_KL_IN_REWARD, DEFAULT_SCALE_REWARDS  # ms-swift's, once
 from .options import check_option
 
 SCALE_REWARDS = ("group", "batch", "none", "gdpo")
-
-# Estimator default of `scale_rewards` and `kl_in_reward` when the user leaves them unset
-# (ms-swift's argument post-init).
-_DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
-_DEFAULT_KL_IN_REWARD = {"grpo": False, "rloo": True, "reinforce_plus_plus": True}
 
 _STD_EPS = 1e-4   # added to group/batch std (ms-swift)
 _GDPO_EPS = 1e-8  # added to the per-function and final std in gdpo (ms-swift)
@@ -51,12 +47,12 @@ _GDPO_EPS = 1e-8  # added to the per-function and final std in gdpo (ms-swift)
 
 def default_scale_rewards(advantage_estimator: str) -> str:
     check_option("advantage_estimator", advantage_estimator, ADVANTAGE_ESTIMATORS)
-    return _DEFAULT_SCALE_REWARDS[advantage_estimator]
+    return DEFAULT_SCALE_REWARDS[advantage_estimator]
 
 
 def default_kl_in_reward(advantage_estimator: str) -> bool:
     check_option("advantage_estimator", advantage_estimator, ADVANTAGE_ESTIMATORS)
-    return _DEFAULT_KL_IN_REWARD[advantage_estimator]
+    return DEFAULT_KL_IN_REWARD[advantage_estimator]
 
 
 def _group_std(grouped: torch.Tensor) -> torch.Tensor:

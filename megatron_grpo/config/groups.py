@@ -80,6 +80,13 @@ def adapter_covers_tower(target_modules) -> tuple[bool, bool]:
             bool(re.fullmatch(target_modules, "model.visual.merger.mlp.0")))
 
 
+# ms-swift's defaults of --scale_rewards and --kl_in_reward for each --advantage_estimator
+# (its arguments' post-init), where the user leaves them unset; algorithms/advantages.py
+# applies the same ones to direct calls.
+DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
+DEFAULT_KL_IN_REWARD = {"grpo": False, "rloo": True, "reinforce_plus_plus": True}
+
+
 class _Group:
     def __post_init__(self) -> None:
         check_choices(self)
@@ -504,8 +511,9 @@ class LoggingOptions(_Group):
                                                "$SWANLAB_PROJECT, else megatron-grpo.")
     swanlab_exp_name: Optional[str] = opt(None, "swanlab experiment name. None: output_dir's "
                                                 "name.")
-    resume: Optional[str] = opt(None, "A checkpoint folder to continue from, or true/auto: the "
-                                      "newest checkpoint in output_dir if there is one.")
+    resume: Optional[str] = opt(None, "A checkpoint folder to continue from; true/auto (or unset): "
+                                      "the newest checkpoint in output_dir if there is one; "
+                                      "false: a new run even where output_dir holds checkpoints.")
     no_save_optim: bool = opt(False, "Checkpoints hold no optimizer state (Adam moments): smaller and "
                                      "faster to write. A --resume from one restarts the optimizer "
                                      "state, with a warning; the step, LR schedule and data order "

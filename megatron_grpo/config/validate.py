@@ -25,7 +25,8 @@ from megatron_grpo.multi_turn import check_scheduler, env_names, scheduler_names
 from megatron_grpo.rewards import registry
 
 from .errors import Problems
-from .groups import LORA_TARGET_MODULES, adapter_covers_tower
+from .groups import (DEFAULT_KL_IN_REWARD, DEFAULT_SCALE_REWARDS, LORA_TARGET_MODULES,
+                     adapter_covers_tower)
 from .hf_model import (BF16_CPU_FLAGS, VLLM_CPU_HEAD_SIZES, cpu_has_bf16, head_dim,
                        model_max_len, vllm_is_cpu_build)
 from .parallel import ParallelDims, divisors
@@ -528,10 +529,9 @@ def _check_loss(cfg: "GRPOConfig", p: Problems) -> None:
               "must be > 0")
     # ms-swift's estimator-dependent defaults.
     if g.kl_in_reward is None:
-        g.kl_in_reward = g.advantage_estimator in ("rloo", "reinforce_plus_plus")
+        g.kl_in_reward = DEFAULT_KL_IN_REWARD[g.advantage_estimator]
     if g.scale_rewards is None:
-        g.scale_rewards = {"grpo": "group", "rloo": "none",
-                           "reinforce_plus_plus": "batch"}[g.advantage_estimator]
+        g.scale_rewards = DEFAULT_SCALE_REWARDS[g.advantage_estimator]
     if g.scale_rewards == "gdpo" and g.kl_in_reward:
         # As ms-swift: GDPO normalises each reward function, so a KL penalty on their sum
         # would vanish; the KL goes into the loss instead.
@@ -909,12 +909,12 @@ def _check_logging(cfg: "GRPOConfig", p: Problems) -> None:
         if word in ("true", "auto", "1", "yes"):
             log.resume = "auto"
         elif word in ("false", "none", "0", "no", ""):
-            log.resume = None
+            log.resume = "false"      # a new run even where output_dir holds checkpoints
         else:
             p.require(os.path.isdir(log.resume),
                       f"--resume {log.resume!r}: checkpoint folder not found. Valid values: a "
                       "checkpoint folder, true/auto (newest checkpoint in output_dir), or false")
-    if log.finetune and log.resume is None:
+    if log.finetune and log.resume in (None, "false"):
         log.finetune = False    # ms-swift scripts pass it by default: no checkpoint, no effect
     p.require(not (log.finetune and log.resume == "auto"),
               "--finetune true with --resume auto: --finetune starts a new run from the weights of "

@@ -107,7 +107,7 @@ def build_run(cfg) -> Run:
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
     reward_names = list(cfg.reward.reward_funcs)
     step = 0
-    resume_from = _resume_path(log.resume, log.output_dir)
+    resume_from = resume_path(log.resume, log.output_dir)
     state = resume_from and ckpt.load_checkpoint(resume_from, policy.chunks, policy.optimizer,
                                                  policy.scheduler, finetune=log.finetune)
     if state:   # None: a fresh run, or --finetune (the weights only; step 0)
@@ -172,15 +172,13 @@ def _drop_long_prompts(cfg, dataset, tokenizer, render):
     return dataset
 
 
-def _resume_path(resume, out_dir: str):
-    """--resume PATH, or (unset / true / auto) the newest checkpoint in output_dir."""
-    if resume in (None, "", "auto", "true", "True", True):
-        return ckpt.find_latest_checkpoint(out_dir) if os.path.isdir(out_dir) else None
-    if resume in ("false", "False", False, "none"):
-        return None
-    if not os.path.isdir(resume):
-        raise ValueError(f"--resume {resume!r}: no such checkpoint folder")
-    return resume
+def resume_path(resume: Optional[str], out_dir: str) -> Optional[str]:
+    """The checkpoint to start from for --resume as validated (config/validate.py): a
+    checkpoint folder; None (unset) or "auto": the newest in output_dir, if any; "false":
+    none, a new run."""
+    if resume in (None, "auto"):
+        return ckpt.find_latest_checkpoint(out_dir)
+    return None if resume == "false" else resume
 
 
 def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool) -> None:

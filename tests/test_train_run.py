@@ -1,0 +1,30 @@
+"""train/run.py: which checkpoint a run starts from, for each validated --resume."""
+import json
+
+from megatron_grpo.checkpoint import META_FILE
+from megatron_grpo.config import parse_rlhf_args
+from megatron_grpo.train.run import resume_path
+from tests.test_config_parse import base
+
+
+def test_resume_false_starts_a_new_run_beside_checkpoints(tmp_path):
+    out = tmp_path / "out"
+    for step in (2, 4):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / META_FILE).write_text("{}")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+
+    def start(*flags):
+        cfg = parse_rlhf_args(base(str(model), "--output_dir", str(out), *flags))
+        return resume_path(cfg.logging.resume, cfg.logging.output_dir)
+
+    newest = str(out / "checkpoint-4")
+    assert start() == newest                       # a rerun continues (README)
+    assert start("--resume", "true") == newest
+    assert start("--resume", "auto") == newest
+    assert start("--resume", str(out / "checkpoint-2")) == str(out / "checkpoint-2")
+    assert start("--resume", "false") is None
+    assert start("--resume", "false", "--finetune", "true") is None
+    assert resume_path(None, str(tmp_path / "nothing-yet")) is None
