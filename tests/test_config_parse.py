@@ -255,3 +255,19 @@ def test_shipped_configs_parse(name, tmp_path, tiny_model, monkeypatch):
     assert cfg.training.tuner_type == ("lora" if "lora" in name else "full")
     assert cfg.parallel.expert_model_parallel_size == (2 if moe else 1)
     validate_world(cfg, 2)      # tools/quickstart.py runs every config on 2 processes
+
+
+def test_options_shared_by_commands_share_their_default():
+    """`megatron rollout` / `megatron export` take their shared options from the rlhf groups
+    (groups.same_as): one default each. The one exception is documented in its help."""
+    from megatron_grpo.config.export import ExportConfig
+    from megatron_grpo.config.rollout_server import RolloutServerConfig
+
+    rlhf = field_table(GROUPS)
+    shared = 0
+    for cls, group in ((RolloutServerConfig, "server"), (ExportConfig, "export")):
+        for name, info in field_table({group: cls}).items():
+            if name in rlhf and name != "vllm_max_lora_rank":   # rlhf: None = the adapter's rank
+                shared += 1
+                assert info.default == rlhf[name].default, (cls.__name__, name)
+    assert shared >= 20

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
 from .errors import Problems
-from .groups import check_choices, opt
+from .groups import (LoggingOptions, ModelOptions, ParallelOptions, TrainingOptions, check_choices,
+                     opt, same_as)
 from .parallel import ParallelDims
 from .parse import parse_command
 from .sizes import parse_size
@@ -26,22 +27,26 @@ class ExportConfig:
     to_mcore: bool = opt(False, "HF safetensors -> a Megatron distributed checkpoint.")
     to_hf: bool = opt(False, "A Megatron checkpoint (a --to_mcore folder, a training "
                              "checkpoint or a run folder) -> HF safetensors.")
-    model: Optional[str] = opt(None, "HF checkpoint folder (--to_mcore; with --to_hf of a LoRA "
-                                     "run: the base model, if it moved).")
+    model: Optional[str] = same_as(ModelOptions, "model", "HF checkpoint folder (--to_mcore; "
+                                   "with --to_hf of a LoRA run: the base model, if it moved).")
     mcore_model: Optional[str] = opt(None, "Folder written by --to_mcore, a training "
                                            "checkpoint-N, or a run's output_dir (--to_hf).")
-    output_dir: Optional[str] = opt(None, "Where to write (a new or empty folder, unless "
-                                          "--overwrite true). Required.")
-    tensor_model_parallel_size: int = opt(1, "Tensor parallel size of the conversion.")
-    pipeline_model_parallel_size: int = opt(1, "Pipeline stages of the conversion.")
-    virtual_pipeline_model_parallel_size: Optional[int] = opt(None, "Virtual stages per "
-                                                                    "pipeline rank.")
-    context_parallel_size: int = opt(1, "CP shards activations, not weights: the checkpoint "
-                                        "is the same.")
-    expert_model_parallel_size: int = opt(1, "MoE: experts split over this many ranks (the "
-                                             "checkpoint is the same).")
-    expert_tensor_parallel_size: Optional[int] = opt(None, "MoE: each expert split over this "
-                                                           "many ranks (None: TP).")
+    output_dir: Optional[str] = same_as(LoggingOptions, "output_dir", "Where to write (a new or "
+                                        "empty folder, unless --overwrite true). Required.")
+    tensor_model_parallel_size: int = same_as(ParallelOptions, "tensor_model_parallel_size",
+                                              "Tensor parallel size of the conversion.")
+    pipeline_model_parallel_size: int = same_as(ParallelOptions, "pipeline_model_parallel_size",
+                                                "Pipeline stages of the conversion.")
+    virtual_pipeline_model_parallel_size: Optional[int] = same_as(
+        ParallelOptions, "virtual_pipeline_model_parallel_size", "Virtual stages per pipeline rank.")
+    context_parallel_size: int = same_as(ParallelOptions, "context_parallel_size", "CP shards "
+                                         "activations, not weights: the checkpoint is the same.")
+    expert_model_parallel_size: int = same_as(ParallelOptions, "expert_model_parallel_size",
+                                              "MoE: experts split over this many ranks (the "
+                                              "checkpoint is the same).")
+    expert_tensor_parallel_size: Optional[int] = same_as(
+        ParallelOptions, "expert_tensor_parallel_size", "MoE: each expert split over this many "
+                                                        "ranks (None: TP).")
     torch_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = opt(
         None, "Parameter dtype; None: the checkpoint's.")
     test_convert_precision: bool = opt(False, "Run both models on one sample and print max and "
@@ -49,8 +54,9 @@ class ExportConfig:
     overwrite: bool = opt(False, "Replace the files of a non-empty --output_dir.")
     max_shard_size: str = opt("5GB", "HF shard size for --to_hf: bytes or a size such as "
                                      "5GB, 200MB, 2GiB.")
-    merge_lora: bool = opt(False, "--to_hf of a LoRA training checkpoint: write the merged HF "
-                                  "model (W + alpha/r B A) instead of the PEFT adapter.")
+    merge_lora: bool = same_as(TrainingOptions, "merge_lora", "--to_hf of a LoRA training "
+                               "checkpoint: write the merged HF model (W + alpha/r B A) instead "
+                               "of the PEFT adapter.")
     # Set by convert.check_args from the layout and the world size; not an option.
     dims: Optional[ParallelDims] = field(default=None, init=False, repr=False)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Literal, Optional
 
 from .swift_flags import UNSUPPORTED_VALUES
@@ -24,6 +24,14 @@ def opt(default: Any = None, help: str = "", *, factory: Any = None) -> Any:
     if factory is not None:
         return field(default_factory=factory, metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def same_as(group: type, name: str, help: str = "") -> Any:
+    """Option `name` of `group` for another command (`megatron rollout`, `megatron export`):
+    its default written once; its help unless the command words it for itself."""
+    f = next(f for f in fields(group) if f.name == name)
+    return opt(f.default, help or f.metadata["help"],
+               factory=None if f.default_factory is MISSING else f.default_factory)
 
 
 def literal_choices(annotation: Any) -> Optional[tuple]:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from .errors import Problems
-from .groups import check_choices, opt
+from .groups import (DataOptions, ModelOptions, RolloutOptions, TrainingOptions, check_choices,
+                     opt, same_as)
 from .parse import parse_command
 from .validate import VLLM_LORA_RANKS, check_vision_options, check_vllm_memory, check_vllm_model
 
@@ -32,33 +33,41 @@ TRAINER_SIDE = ("multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env", "
 @dataclass
 class RolloutServerConfig:
     """The model, the vLLM engine and the HTTP endpoint of a rollout server."""
-    model: Optional[str] = opt(None, "Local Hugging Face model folder. Required.")
-    vllm_tensor_parallel_size: int = opt(1, "vLLM tensor parallel size of each engine.")
-    vllm_data_parallel_size: int = opt(1, "Number of vLLM engines (data parallel).")
-    vllm_gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory vLLM may take. Not used "
-                                                  "to size the KV cache on CPU.")
-    vllm_kv_cache_memory: Optional[str] = opt(
-        None, "KV cache size per vLLM worker: bytes or a size such as 512MiB, 2GiB. None: on CPU "
-              "computed for vllm_max_num_seqs (else 32) sequences of the max model length; on "
-              "GPU from vllm_gpu_memory_utilization. kv_cache_memory_bytes in vllm_engine_kwargs "
-              "or VLLM_CPU_KVCACHE_SPACE win.")
-    vllm_max_model_len: Optional[int] = opt(None, "vLLM context length; None: the model's.")
-    vllm_enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM.")
-    vllm_enable_prefix_caching: bool = opt(True, "vLLM automatic prefix caching.")
-    vllm_max_num_seqs: Optional[int] = opt(None, "vLLM max concurrent sequences; None: vLLM's.")
-    vllm_engine_kwargs: Optional[Dict[str, Any]] = opt(None, "Extra vLLM engine arguments as JSON.")
-    max_pixels: Optional[int] = opt(
-        None, "Vision-language models: the most pixels an image keeps (vLLM's image processor); "
-              "the trainer's --max_pixels. None: MAX_PIXELS (environment), else the model's.")
-    vllm_limit_mm_per_prompt: Optional[Dict[str, int]] = opt(
-        None, "Vision-language models: the most images per prompt, as JSON ('{\"image\": 2}').")
+    model: Optional[str] = same_as(ModelOptions, "model", "Local Hugging Face model folder. "
+                                                          "Required.")
+    vllm_tensor_parallel_size: int = same_as(RolloutOptions, "vllm_tensor_parallel_size",
+                                             "vLLM tensor parallel size of each engine.")
+    vllm_data_parallel_size: int = same_as(RolloutOptions, "vllm_data_parallel_size",
+                                           "Number of vLLM engines (data parallel).")
+    vllm_gpu_memory_utilization: float = same_as(
+        RolloutOptions, "vllm_gpu_memory_utilization", "Fraction of GPU memory vLLM may take. "
+                                                       "Not used to size the KV cache on CPU.")
+    vllm_kv_cache_memory: Optional[str] = same_as(
+        RolloutOptions, "vllm_kv_cache_memory",
+        "KV cache size per vLLM worker: bytes or a size such as 512MiB, 2GiB. None: on CPU "
+        "computed for vllm_max_num_seqs (else 32) sequences of the max model length; on "
+        "GPU from vllm_gpu_memory_utilization. kv_cache_memory_bytes in vllm_engine_kwargs "
+        "or VLLM_CPU_KVCACHE_SPACE win.")
+    vllm_max_model_len: Optional[int] = same_as(RolloutOptions, "vllm_max_model_len")
+    vllm_enforce_eager: bool = same_as(RolloutOptions, "vllm_enforce_eager")
+    vllm_enable_prefix_caching: bool = same_as(RolloutOptions, "vllm_enable_prefix_caching")
+    vllm_max_num_seqs: Optional[int] = same_as(RolloutOptions, "vllm_max_num_seqs")
+    vllm_engine_kwargs: Optional[Dict[str, Any]] = same_as(RolloutOptions, "vllm_engine_kwargs")
+    max_pixels: Optional[int] = same_as(
+        DataOptions, "max_pixels", "Vision-language models: the most pixels an image keeps "
+                                   "(vLLM's image processor); the trainer's --max_pixels. None: "
+                                   "MAX_PIXELS (environment), else the model's.")
+    vllm_limit_mm_per_prompt: Optional[Dict[str, int]] = same_as(
+        RolloutOptions, "vllm_limit_mm_per_prompt",
+        "Vision-language models: the most images per prompt, as JSON ('{\"image\": 2}').")
     host: str = opt("127.0.0.1", "Address to bind; 0.0.0.0 exposes the server to the network.")
     port: int = opt(8000, "Port to listen on.")
     api_key: Optional[str] = opt(None, "Shared token the trainer must send to update weights.")
-    seed: int = opt(42, "Sampling seed.")
-    vllm_enable_lora: bool = opt(False, "Serve one LoRA adapter beside the base model, sent and "
-                                         "replaced by the trainer's adapter-only sync (its "
-                                         "--vllm_enable_lora true).")
+    seed: int = same_as(TrainingOptions, "seed", "Sampling seed.")
+    vllm_enable_lora: bool = same_as(
+        RolloutOptions, "vllm_enable_lora", "Serve one LoRA adapter beside the base model, sent "
+                                            "and replaced by the trainer's adapter-only sync (its "
+                                            "--vllm_enable_lora true).")
     vllm_max_lora_rank: int = opt(16, "With vllm_enable_lora: the largest adapter rank vLLM "
                                       "reserves room for (1 8 16 32 64 128 256 320 512).")
 
