@@ -21,7 +21,7 @@ import json
 import os
 import typing
 from dataclasses import MISSING, fields
-from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Sequence, Tuple
 
 from .errors import Problems
 from .groups import ALIASES, bad_choice, literal_choices
@@ -238,22 +238,24 @@ def build_parser(groups: Dict[str, type], prog: str) -> argparse.ArgumentParser:
 
 
 def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser, p: Problems
-               ) -> Tuple[Dict[str, List[str]], List[str]]:
-    """({option: its raw tokens}, [unknown flags]) as `parser` splits `argv`, aliases
-    resolved; a token before any flag is recorded in `p`, one after an unknown flag skipped."""
+               ) -> Tuple[Dict[str, List[str]], List[Tuple[str, str]]]:
+    """({option: its raw tokens}, [(unknown flag, it and its tokens as given)]) as `parser`
+    splits `argv`, aliases resolved; a token before any flag is recorded in `p`."""
     marked = [_mark(t) for t in argv]
     try:
         known, extras = parser.parse_known_args(marked)
     except argparse.ArgumentError as e:    # not expected with nargs="*"; reported, not raised
         p.add(str(e))
         return {}, []
-    unknown: List[str] = []
-    for tok in extras:
+    unknown: List[Tuple[str, str]] = []
+    for tok in (t.removeprefix(_DASH) for t in extras):
         if tok.startswith("--") and tok != "--":
-            unknown.append(tok[2:].partition("=")[0])
-        elif not unknown:
-            p.add(f"unexpected argument {tok.removeprefix(_DASH)!r}: options are written "
-                  "--name value (e.g. --model /path/to/model)")
+            unknown.append((tok[2:].partition("=")[0], tok))
+        elif unknown:
+            unknown[-1] = (unknown[-1][0], f"{unknown[-1][1]} {tok}")
+        else:
+            p.add(f"unexpected argument {tok!r}: options are written --name value "
+                  "(e.g. --model /path/to/model)")
     return {k: [t.removeprefix(_DASH) for t in v] for k, v in vars(known).items()}, unknown
 
 
@@ -309,9 +311,12 @@ def _lookup(key: str, table: Dict[str, FieldInfo], p: Problems, suggested: List[
 
 def collect_values(argv: Sequence[str], groups: Dict[str, type],
                    problems: Optional[Problems] = None,
-                   prog: str = "megatron rlhf --rlhf_type grpo") -> Dict[str, Any]:
+                   prog: str = "megatron rlhf --rlhf_type grpo",
+                   refuse: Callable[[str, str], Optional[str]] = lambda name, given: None
+                   ) -> Dict[str, Any]:
     """{option: converted value} from YAML (if --config) overridden by the flags; `-h` or
-    `--help` prints the help of `prog` and exits.
+    `--help` prints the help of `prog` and exits. `refuse(name, flag as given)`: the message
+    for a flag the command has not but names a reason for (instead of "unknown option").
 
     Every unknown flag, malformed value and choice not allowed goes into `problems`
     (that option is then left out); without `problems` they are raised together.
@@ -344,8 +349,12 @@ def collect_values(argv: Sequence[str], groups: Dict[str, type],
                 ok, value = _checked(name, raw, table[name], p)
                 if ok:
                     values[name] = value
-    for key in unknown:
-        _lookup(key, table, p, suggested)
+    for key, given in unknown:
+        reason = refuse(key, given)
+        if reason:
+            p.add(reason)
+        else:
+            _lookup(key, table, p, suggested)
     for name, raw in flags.items():
         info = table[name]
         if not raw:
@@ -366,12 +375,13 @@ def collect_values(argv: Sequence[str], groups: Dict[str, type],
 
 
 def parse_command(cls: type, argv: Sequence[str], prog: str, group: str,
-                  problems: Optional[Problems] = None) -> Any:
+                  refuse: Callable[[str, str], Optional[str]] = lambda name, given: None) -> Any:
     """`cls(**options)` for a command whose options are one dataclass (`megatron rollout`,
-    `megatron export`): `--help` prints them and exits; every unknown flag, bad value and
-    failed check of `cls.__post_init__` (with those already in `problems`) in one ConfigError."""
-    p = Problems() if problems is None else problems
-    values = collect_values(argv, {group: cls}, p, prog)
+    `megatron export`): `--help` prints them and exits; every unknown flag (or `refuse`d
+    one, see collect_values), bad value and failed check of `cls.__post_init__` in one
+    ConfigError."""
+    p = Problems()
+    values = collect_values(argv, {group: cls}, p, prog, refuse)
     cfg = None
     try:
         cfg = cls(**values)

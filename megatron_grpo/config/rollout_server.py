@@ -93,33 +93,15 @@ class RolloutServerConfig:
 def parse_rollout_args(argv: Optional[Sequence[str]] = None) -> RolloutServerConfig:
     """A validated RolloutServerConfig from flags (`--config file.yaml` read first); one
     ConfigError listing every problem otherwise."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = Problems()
-    argv = _drop_trainer_side(argv, p)     # each one a problem (--help shows no problems)
-    return parse_command(RolloutServerConfig, argv, prog="megatron rollout", group="server",
-                         problems=p)
+    return parse_command(RolloutServerConfig, list(sys.argv[1:] if argv is None else argv),
+                         prog="megatron rollout", group="server", refuse=_trainer_side)
 
 
-def _drop_trainer_side(argv: Sequence[str], p: Problems) -> list:
-    """argv without the TRAINER_SIDE flags (and their values), each one a problem that says
-    where it goes."""
-    kept: list = []
-    i = 0
-    while i < len(argv):
-        name, eq, inline = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
-        name = name.replace("-", "_")
-        if name not in TRAINER_SIDE:
-            kept.append(argv[i])
-            i += 1
-            continue
-        flag = [argv[i]]
-        i += 1
-        while not eq and i < len(argv) and not argv[i].startswith("--"):
-            flag.append(argv[i])
-            i += 1
-        given = " ".join(flag)
-        p.add(f"{given}: --{name} is not an option of `megatron rollout` (ms-swift's server-side "
-              "scheduler): the trainer runs the multi-turn scheduler in server mode too, each "
-              f"turn its own request to this server. Fix: pass {given} to `megatron rlhf ... "
-              "--vllm_mode server` and start `megatron rollout` without it")
-    return kept
+def _trainer_side(name: str, given: str) -> Optional[str]:
+    """Where a TRAINER_SIDE flag goes instead (module docstring)."""
+    if name not in TRAINER_SIDE:
+        return None
+    return (f"{given}: --{name} is not an option of `megatron rollout` (ms-swift's server-side "
+            "scheduler): the trainer runs the multi-turn scheduler in server mode too, each turn "
+            f"its own request to this server. Fix: pass {given} to `megatron rlhf ... "
+            "--vllm_mode server` and start `megatron rollout` without it")
