@@ -93,6 +93,12 @@ def test_dash_values_hyphen_spellings_and_repeats(model_dir):
         parse_rlhf_args(["stray"] + base(model_dir) + ["--epsilonn", "0.1", "--use_vllm", "maybe",
                                                        "--loss_type", "foo"])
     assert len(e.value.messages) == 4, e.value.messages
+    # `--` is reported and the flags after it still parse (argparse alone ends the options).
+    from megatron_grpo.config import build_config
+
+    cfg, problems = build_config(base(model_dir) + ["--", "--seed", "3"])
+    assert problems.messages == ["unexpected argument '--': options are written --name value "
+                                 "(e.g. --model /path/to/model)"] and cfg.training.seed == 3
 
 
 def test_yaml_then_flags_override(model_dir, tmp_path):

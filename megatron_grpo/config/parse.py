@@ -241,21 +241,23 @@ def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser, p: Problems
                ) -> Tuple[Dict[str, List[str]], List[Tuple[str, str]]]:
     """({option: its raw tokens}, [(unknown flag, it and its tokens as given)]) as `parser`
     splits `argv`, aliases resolved; a token before any flag is recorded in `p`."""
-    marked = [_mark(t) for t in argv]
+    unexpected = ("unexpected argument {!r}: options are written --name value "
+                  "(e.g. --model /path/to/model)")
+    if "--" in argv:      # argparse would take every flag after it for a positional argument
+        p.add(unexpected.format("--"))
     try:
-        known, extras = parser.parse_known_args(marked)
+        known, extras = parser.parse_known_args([_mark(t) for t in argv if t != "--"])
     except argparse.ArgumentError as e:    # not expected with nargs="*"; reported, not raised
         p.add(str(e))
         return {}, []
     unknown: List[Tuple[str, str]] = []
     for tok in (t.removeprefix(_DASH) for t in extras):
-        if tok.startswith("--") and tok != "--":
+        if tok.startswith("--"):
             unknown.append((tok[2:].partition("=")[0], tok))
         elif unknown:
             unknown[-1] = (unknown[-1][0], f"{unknown[-1][1]} {tok}")
         else:
-            p.add(f"unexpected argument {tok!r}: options are written --name value "
-                  "(e.g. --model /path/to/model)")
+            p.add(unexpected.format(tok))
     return {k: [t.removeprefix(_DASH) for t in v] for k, v in vars(known).items()}, unknown
 
 
