@@ -99,6 +99,3 @@ class ParallelDims:
     def cp_enabled(self) -> bool:
         return self.cp > 1
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1

@@ -964,12 +964,6 @@ def _check_eval(cfg: "GRPOConfig", p: Problems) -> None:
         e.eval_steps = cfg.logging.save_steps      # ms-swift's default
 
 
-def evaluates(cfg: "GRPOConfig") -> bool:
-    """Whether the run evaluates: a validation set and eval_iters != 0."""
-    e = cfg.evaluation
-    return bool(e.val_dataset or e.split_dataset_ratio > 0) and e.eval_iters != 0
-
-
 @dataclass
 class WorldPlan:
     """Sizes derived from the config and the world size."""
