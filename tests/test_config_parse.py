@@ -6,7 +6,7 @@ import typing
 import pytest
 import yaml
 
-from megatron_grpo.config import GROUPS, GRPOConfig, parse_rlhf_args, rlhf_help
+from megatron_grpo.config import GROUPS, ConfigError, GRPOConfig, parse_rlhf_args, rlhf_help
 from megatron_grpo.config.groups import GRPOOptions
 from megatron_grpo.config.parse import field_table
 
@@ -187,6 +187,21 @@ def test_flat_round_trip(model_dir):
     again = GRPOConfig.from_flat(json.loads(json.dumps(flat)))
     assert again == cfg
     assert again.logging.resume == "auto"
+
+
+def test_flat_reports_every_problem_like_the_command_line(model_dir):
+    # from_flat (a saved config read back) and a YAML file take one path: aliases resolve,
+    # an unknown name gets its suggestion, a bad value and a name set twice are reported,
+    # all in one ConfigError.
+    flat = parse_rlhf_args(base(model_dir)).to_flat()
+    flat.update({"learning_rate": 2e-5, "num_generatons": 4, "micro_batch_size": "x"})
+    with pytest.raises(ConfigError) as e:
+        GRPOConfig.from_flat(flat)
+    text = str(e.value)
+    assert "3 problems" in text
+    assert "unknown option --num_generatons. Did you mean: --num_generations" in text
+    assert "sets lr twice (as 'lr' and 'learning_rate')" in text
+    assert "--micro_batch_size 'x' is not valid: expected an integer" in text
 
 
 def test_option_names_are_ms_swift_spellings():

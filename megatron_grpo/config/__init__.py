@@ -20,8 +20,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from .errors import ConfigError, Problems
 from .groups import (ALIASES, GROUPS, DataOptions, EvalOptions, GRPOOptions, LoggingOptions,
                      ModelOptions, ParallelOptions, RewardOptions, RolloutOptions, TrainingOptions)
-from .parse import collect_values, convert, field_table, format_help
-from .parse import canonical_name
+from .parse import collect_values, field_table, format_help, values_from_mapping
 from .rollout_server import RolloutServerConfig, parse_rollout_args
 from .validate import WORLD_OPTIONS, WorldPlan, finalize, valid_num_generations, validate_world
 
@@ -49,15 +48,18 @@ class GRPOConfig:
         finalize(self, problems)
 
     @classmethod
-    def from_flat(cls, values: Dict[str, Any]) -> "GRPOConfig":
-        """Build from {option name: value}; names as on the command line (aliases allowed)."""
+    def from_flat(cls, values: Dict[str, Any], problems: Optional[Problems] = None
+                  ) -> "GRPOConfig":
+        """Build from {option name: raw value}, names as on the command line (aliases
+        allowed). Every problem goes to `problems`; without it, they are raised together."""
+        p = Problems() if problems is None else problems
         table = field_table(GROUPS)
         per_group: Dict[str, Dict[str, Any]] = {g: {} for g in GROUPS}
-        for key, value in values.items():
-            name = canonical_name(key, table)
-            info = table[name]
-            per_group[info.group][name] = convert(name, value, info.annotation)
-        return cls(**{g: GROUPS[g](**kw) for g, kw in per_group.items()})
+        for name, value in values_from_mapping(values, table, p, "the config").items():
+            per_group[table[name].group][name] = value
+        if problems is None:
+            p.raise_if_any()
+        return cls(**{g: GROUPS[g](**kw) for g, kw in per_group.items()}, problems=problems)
 
     def to_flat(self) -> Dict[str, Any]:
         """{option name: value}, e.g. to save next to a checkpoint; from_flat reads it back.
@@ -83,12 +85,7 @@ def build_config(argv: Sequence[str], world_size: Optional[int] = None
     checks. An option whose value could not be used keeps its default here, so the config
     is only to be used when there is no problem."""
     p = Problems()
-    table = field_table(GROUPS)
-    values = collect_values(argv, GROUPS, p)
-    per_group: Dict[str, Dict[str, Any]] = {g: {} for g in GROUPS}
-    for name, value in values.items():
-        per_group[table[name].group][name] = value
-    cfg = GRPOConfig(**{g: GROUPS[g](**kw) for g, kw in per_group.items()}, problems=p)
+    cfg = GRPOConfig.from_flat(collect_values(argv, GROUPS, p), p)
     if world_size is not None and not p.names_any(WORLD_OPTIONS):
         validate_world(cfg, world_size, p)
     return cfg, p

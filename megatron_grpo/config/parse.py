@@ -3,15 +3,13 @@
     --tensor_model_parallel_size 2 --use_vllm true --reward_funcs accuracy format
     --dataset a.jsonl b.jsonl#100 --reward_weights 1 0.5 --config run.yaml
 
-The command line is parsed by the standard library's argparse, from one argument per
-option (built from the dataclass fields: name, aliases, `-` spellings, help). Each option
-takes every following token up to the next `--flag` (nargs="*"; a token that starts with
-a single dash, such as `-1e-5`, is a value too), and the tokens are then converted
-here, so that every malformed value, unknown flag and choice not allowed is collected
-(errors.py) rather than argparse's stop at the first. `--flag=value` works too, and a bare
-boolean flag means true. `--config file.yaml` is read first, whatever its position, and
-the other flags override it. The YAML holds the same flat keys
-(`tensor_model_parallel_size: 2`), or group sections (`parallel: {...}`).
+argparse splits the command line, from one argument per option built from the dataclass
+fields (name, aliases, help). Each option takes every token up to the next `--flag`
+(`-1e-5` is a value), `--flag=value` and `--a-b` work, and a bare boolean flag means true.
+The tokens are converted here, so that every malformed value, unknown flag and choice not
+allowed is collected (errors.py) instead of argparse's stop at the first. `--config
+file.yaml` (flat keys, or group sections `parallel: {...}`) is read first, wherever it
+stands; the flags override it.
 """
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ import json
 import os
 import typing
 from dataclasses import MISSING, fields
-from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequence, Tuple
 
 from .errors import Problems
 from .groups import ALIASES, bad_choice, literal_choices
@@ -56,134 +54,179 @@ def field_table(groups: Dict[str, type]) -> Dict[str, FieldInfo]:
     return table
 
 
-def _strip_optional(annotation: Any) -> Tuple[Any, bool]:
-    """(inner type, whether None is allowed) of Optional[X]."""
+def _unwrap(annotation: Any) -> Tuple[Any, bool, bool]:
+    """(item type, None allowed, a list) of an option's type: Optional[List[int]] -> int."""
+    optional = False
     if typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
-            return args[0], True
-    return annotation, False
+            annotation, optional = args[0], True
+    many = typing.get_origin(annotation) is list
+    return (typing.get_args(annotation)[0] if many else annotation), optional, many
 
 
-def is_list(annotation: Any) -> bool:
-    inner, _ = _strip_optional(annotation)
-    return typing.get_origin(inner) in (list, List)
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in _TRUE | _FALSE:
+        raise ValueError(value)
+    return text in _TRUE
 
 
-def is_bool(annotation: Any) -> bool:
-    inner, _ = _strip_optional(annotation)
-    return inner is bool
+def _to_int(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    number = _to_float(value)            # "1e3" or 2.0 as a count: fine; 2.5: not
+    if not number.is_integer():
+        raise ValueError(value)
+    return int(number)
 
 
-def _bad(name: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"--{name} {value!r} is not valid: expected {expected}. "
-                      f"Fix: e.g. --{name} <{expected}>")
+def _to_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(value)
+    return float(value)
+
+
+def _to_str(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        raise ValueError(value)
+    return str(value)
+
+
+def _to_dict(value: Any) -> dict:
+    parsed = value if isinstance(value, dict) else json.loads(value)
+    if not isinstance(parsed, dict):
+        raise ValueError(value)
+    return parsed
+
+
+# type -> (converter raising ValueError/TypeError, what a value must be)
+_CONVERT = {bool: (_to_bool, "true or false"), int: (_to_int, "an integer"),
+            float: (_to_float, "a number"), str: (_to_str, "a string"),
+            dict: (_to_dict, "a JSON object such as '{\"key\": \"value\"}'")}
 
 
 def _scalar(name: str, value: Any, kind: Any) -> Any:
-    """Convert one scalar (a CLI string or a YAML value) to `kind`."""
-    if typing.get_origin(kind) is Literal:
+    """One scalar (a CLI string or a YAML value) as `kind`."""
+    if typing.get_origin(kind) is Literal:   # left as is when not a choice: bad_choice lists them
         choices = typing.get_args(kind)
-        # CLI strings of int choices (sleep_level 1): compare on the choice's type.
-        for c in choices:
+        for c in choices:                    # CLI strings of int choices (sleep_level 1)
             if value == c or (isinstance(value, str) and not isinstance(c, str) and value == str(c)):
                 return c
         if isinstance(value, str) and all(type(c) is int for c in choices):
             try:
-                return int(value)  # an int out of range: check_choices shows it as such
+                return int(value)
             except ValueError:
                 pass
-        return value  # left for check_choices, which lists the choices
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise _bad(name, value, "true or false")
-    if kind is int:
-        if isinstance(value, bool):
-            raise _bad(name, value, "an integer")
-        if isinstance(value, int):
-            return value
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise _bad(name, value, "an integer") from None
-        if not as_float.is_integer():
-            raise _bad(name, value, "an integer")
-        return int(as_float)
-    if kind is float:
-        if isinstance(value, bool):
-            raise _bad(name, value, "a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise _bad(name, value, "a number") from None
-    if kind is str:
-        if isinstance(value, (dict, list)):
-            raise _bad(name, value, "a string")
-        return str(value)
-    if typing.get_origin(kind) in (dict, Dict):
-        if isinstance(value, dict):
-            return value
-        try:
-            parsed = json.loads(value)
-        except (TypeError, ValueError):
-            raise _bad(name, value, "a JSON object such as '{\"key\": \"value\"}'") from None
-        if not isinstance(parsed, dict):
-            raise _bad(name, value, "a JSON object such as '{\"key\": \"value\"}'")
-        return parsed
-    return value  # Any
+        return value
+    converter, expected = _CONVERT.get(typing.get_origin(kind) or kind, (None, ""))
+    if converter is None:                    # Any
+        return value
+    try:
+        return converter(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--{name} {value!r} is not valid: expected {expected}. "
+                         f"Fix: e.g. --{name} <{expected}>") from None
 
 
 def convert(name: str, value: Any, annotation: Any) -> Any:
-    """Convert a CLI token list / string or a YAML value to the field's type."""
-    inner, optional = _strip_optional(annotation)
-    # `none` is a value of its own where it is one of the choices (--scale_rewards none,
-    # --report_to none), not the "unset" of an Optional option.
-    none_is_choice = "none" in (literal_choices(annotation) or ())
-    if isinstance(value, list) and not is_list(annotation):
+    """A CLI token list / string or a YAML value as the field's type."""
+    kind, optional, many = _unwrap(annotation)
+    if isinstance(value, list) and not many:
         if len(value) != 1:
             raise ValueError(f"--{name} takes one value, got {len(value)}: {value!r}. "
                              f"Fix: pass a single value, e.g. --{name} {value[0] if value else 'X'}")
         value = value[0]
-    if value is None or (optional and not none_is_choice and isinstance(value, str)
-                         and value.strip().lower() in _NONE):
-        if optional or is_list(annotation):
+    # `none` is a value of its own where it is one of the choices (--scale_rewards none,
+    # --report_to none), not the "unset" of an Optional option.
+    if value is None or (optional and isinstance(value, str) and value.strip().lower() in _NONE
+                         and "none" not in (literal_choices(annotation) or ())):
+        if optional or many:
             return None if optional else []
-        raise _bad(name, value, "a value (this option cannot be none)")
-    if typing.get_origin(inner) in (list, List):
-        (item_type,) = typing.get_args(inner)
-        items = value if isinstance(value, list) else [value]
-        return [_scalar(name, v, item_type) for v in items]
-    return _scalar(name, value, inner)
+        expected = "a value (this option cannot be none)"
+        raise ValueError(f"--{name} {value!r} is not valid: expected {expected}. "
+                         f"Fix: e.g. --{name} <{expected}>")
+    if many:
+        return [_scalar(name, v, kind) for v in (value if isinstance(value, list) else [value])]
+    return _scalar(name, value, kind)
 
 
-class UnknownOption(ValueError):
-    """An option name that is neither a field nor an alias; `suggestion`: the closest name.
-
-    An ms-swift flag this project does not support yet gets its own line naming the
-    feature it belongs to (swift_flags.py), and no suggestion: it is not a typo."""
-
-    def __init__(self, name: str, close: List[str]):
-        unsupported = rejection(name)
-        if unsupported:
-            self.suggestion = None
-            super().__init__(unsupported)
-            return
-        self.suggestion = ALIASES.get(close[0], close[0]) if close else None
-        hint = f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
-        super().__init__(f"unknown option --{name}.{hint} Run with --help for the full list.")
-
-
-def canonical_name(name: str, table: Dict[str, FieldInfo]) -> str:
-    """The option `name` (or an alias) refers to; UnknownOption with suggestions if none."""
-    name = name.replace("-", "_")
+def _lookup(key: str, table: Dict[str, FieldInfo], p: Problems, suggested: List[str]
+            ) -> Optional[str]:
+    """The option `key` (or an alias, or a `-` spelling) names; None when it names none, with
+    the problem in `p`: an ms-swift flag not supported yet gets a line naming its feature, a
+    typo the closest names (the first also goes to `suggested`)."""
+    name = key.replace("-", "_")
     name = ALIASES.get(name, name)
-    if name not in table:
-        raise UnknownOption(name, difflib.get_close_matches(name, list(table) + list(ALIASES),
-                                                            n=3, cutoff=0.6))
-    return name
+    if name in table:
+        return name
+    unsupported = rejection(name)
+    close = [] if unsupported else difflib.get_close_matches(name, [*table, *ALIASES], 3, 0.6)
+    hint = f" Did you mean: {', '.join('--' + c for c in close)}?" if close else ""
+    p.add_unknown(unsupported or f"unknown option --{name}.{hint} "
+                                 "Run with --help for the full list.")
+    suggested.extend(ALIASES.get(c, c) for c in close[:1])
+    return None
+
+
+def _store(values: Dict[str, Any], name: str, raw: Any, annotation: Any, p: Problems) -> None:
+    """values[name] = `raw` converted and within its choices; else the problem goes to `p`."""
+    try:
+        value = convert(name, raw, annotation)
+        message = bad_choice(name, value, annotation)
+    except ValueError as e:
+        message = str(e)
+    if message:
+        p.add(message, drop=name)
+    else:
+        values[name] = value
+
+
+def values_from_mapping(data: Mapping[str, Any], table: Dict[str, FieldInfo], p: Problems,
+                        source: str, suggested: Optional[List[str]] = None,
+                        skip: Sequence[str] = ()) -> Dict[str, Any]:
+    """{option: converted value} from {name or alias: raw value} (a YAML file, a saved
+    config); the options in `skip` are only checked for names. Problems go to `p`."""
+    values: Dict[str, Any] = {}
+    spelled: Dict[str, str] = {}
+    for key, raw in data.items():
+        name = _lookup(str(key), table, p, [] if suggested is None else suggested)
+        if name is None:
+            continue
+        if name in spelled:
+            p.add(f"{source} sets {name} twice (as {spelled[name]!r} and {key!r}). "
+                  "Fix: keep one of them")
+            continue
+        spelled[name] = str(key)
+        if name not in skip:
+            _store(values, name, raw, table[name].annotation, p)
+    return values
+
+
+def load_yaml(path: str, group_names: Sequence[str]) -> Dict[str, Any]:
+    """Flat {option: value} from a YAML file of flat keys and/or group sections."""
+    import yaml  # only with --config: the CLI parent's start-up without it skips this
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--config {path!r}: file not found. Fix: pass an existing YAML file")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {path!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path!r} must hold a mapping of option: value, "
+                         f"not a {type(data).__name__}")
+    flat: Dict[str, Any] = {}
+    for key, value in data.items():
+        # `model` is both a group and an option: a mapping means the group section.
+        if key in group_names and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
 
 
 _DASH = "\0"   # marks a token that starts with one dash, so argparse takes it as a value
@@ -210,6 +253,16 @@ class _Formatter(argparse.HelpFormatter):
         return action.metavar or default_metavar
 
 
+def _metavar(annotation: Any) -> str:
+    """`{a,b}` for choices, else the type: INT, FLOAT ..., JSON."""
+    choices = literal_choices(annotation)
+    if choices:
+        return "{" + ",".join(map(str, choices)) + "}"
+    kind, _, many = _unwrap(annotation)
+    name = "JSON" if typing.get_origin(kind) is dict else getattr(kind, "__name__", str(kind))
+    return name.upper() + (" ..." if many else "")
+
+
 def build_parser(groups: Dict[str, type], prog: str) -> argparse.ArgumentParser:
     """An argparse parser with one argument per option (and --config), by group: each keeps
     its raw tokens (a list, absent when not given) for `collect_values` to convert."""
@@ -222,19 +275,19 @@ def build_parser(groups: Dict[str, type], prog: str) -> argparse.ArgumentParser:
     aliases: Dict[str, List[str]] = {}
     for alias, name in ALIASES.items():
         aliases.setdefault(name, []).append(alias)
-    table = field_table(groups)
-    for group_name, cls in groups.items():
-        section = parser.add_argument_group(group_name, (cls.__doc__ or "").strip())
-        for info in table.values():
-            if info.group == group_name:
-                choices = literal_choices(info.annotation)
-                kind = ("{" + ",".join(map(str, choices)) + "}") if choices else \
-                    _type_name(info.annotation)
-                text = f"{info.help} (default: {info.default!r})".replace("%", "%%")
-                section.add_argument(*(f"--{n}" for n in [info.name, *aliases.get(info.name, ())]),
-                                     dest=info.name, nargs="*", default=argparse.SUPPRESS,
-                                     metavar=kind, help=text)
+    sections = {g: parser.add_argument_group(g, (cls.__doc__ or "").strip())
+                for g, cls in groups.items()}
+    for info in field_table(groups).values():
+        text = f"{info.help} (default: {info.default!r})".replace("%", "%%")
+        sections[info.group].add_argument(
+            *(f"--{n}" for n in [info.name, *aliases.get(info.name, ())]), dest=info.name,
+            nargs="*", default=argparse.SUPPRESS, metavar=_metavar(info.annotation), help=text)
     return parser
+
+
+def format_help(groups: Dict[str, type], prog: str = "megatron rlhf --rlhf_type grpo") -> str:
+    """Every option by group, with its type, default, aliases and help (argparse's layout)."""
+    return build_parser(groups, prog).format_help()
 
 
 def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser, p: Problems
@@ -261,56 +314,6 @@ def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser, p: Problems
     return {k: [t.removeprefix(_DASH) for t in v] for k, v in vars(known).items()}, unknown
 
 
-def load_yaml(path: str, group_names: Iterable[str]) -> Dict[str, Any]:
-    """Flat {option: value} from a YAML file of flat keys and/or group sections."""
-    import yaml  # only with --config: the CLI parent's start-up without it skips this
-
-    if not os.path.isfile(path):
-        raise ValueError(f"--config {path!r}: file not found. Fix: pass an existing YAML file")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"--config {path!r} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path!r} must hold a mapping of option: value, "
-                         f"not a {type(data).__name__}")
-    flat: Dict[str, Any] = {}
-    group_names = set(group_names)
-    for key, value in data.items():
-        # `model` is both a group and an option: a mapping means the group section.
-        if key in group_names and isinstance(value, dict):
-            flat.update(value)
-        else:
-            flat[key] = value
-    return flat
-
-
-def _checked(name: str, raw: Any, info: FieldInfo, p: Problems) -> Tuple[bool, Any]:
-    """(usable, value): `raw` converted to the option's type and within its choices."""
-    try:
-        value = convert(name, raw, info.annotation)
-    except ValueError as e:
-        p.add(str(e), drop=name)
-        return False, None
-    message = bad_choice(name, value, info.annotation)
-    if message:
-        p.add(message, drop=name)
-        return False, None
-    return True, value
-
-
-def _lookup(key: str, table: Dict[str, FieldInfo], p: Problems, suggested: List[str]
-            ) -> Optional[str]:
-    try:
-        return canonical_name(key, table)
-    except UnknownOption as e:
-        p.add_unknown(str(e))
-        if e.suggestion:
-            suggested.append(e.suggestion)
-        return None
-
-
 def collect_values(argv: Sequence[str], groups: Dict[str, type],
                    problems: Optional[Problems] = None,
                    prog: str = "megatron rlhf --rlhf_type grpo",
@@ -333,24 +336,12 @@ def collect_values(argv: Sequence[str], groups: Dict[str, type],
         p.add("--config takes one YAML file path, e.g. --config run.yaml")
     elif config is not None:
         try:
-            from_yaml = load_yaml(config[0], groups)
+            from_yaml = load_yaml(config[0], list(groups))
         except ValueError as e:
             p.add(str(e))
             from_yaml = {}
-        spelled: Dict[str, str] = {}
-        for key, raw in from_yaml.items():
-            name = _lookup(str(key), table, p, suggested)
-            if name is None:
-                continue
-            if name in spelled:
-                p.add(f"--config {config[0]!r} sets {name} twice (as {spelled[name]!r} "
-                      f"and {key!r}). Fix: keep one of them")
-                continue
-            spelled[name] = str(key)
-            if name not in flags:      # a flag overrides the file
-                ok, value = _checked(name, raw, table[name], p)
-                if ok:
-                    values[name] = value
+        values = values_from_mapping(from_yaml, table, p, f"--config {config[0]!r}",
+                                     suggested, skip=list(flags))   # a flag overrides the file
     for key, given in unknown:
         reason = refuse(key, given)
         if reason:
@@ -358,16 +349,13 @@ def collect_values(argv: Sequence[str], groups: Dict[str, type],
         else:
             _lookup(key, table, p, suggested)
     for name, raw in flags.items():
-        info = table[name]
-        if not raw:
-            if is_bool(info.annotation):
-                raw = ["true"]  # a bare boolean flag
-            elif not is_list(info.annotation):
-                p.add(f"--{name} needs a value. Fix: e.g. --{name} <value>", drop=name)
-                continue
-        ok, value = _checked(name, raw, info, p)    # a bare list flag: []
-        if ok:
-            values[name] = value
+        kind, _, many = _unwrap(table[name].annotation)
+        if not raw and kind is bool and not many:
+            raw = ["true"]          # a bare boolean flag
+        elif not raw and not many:  # (a bare list flag: [])
+            p.add(f"--{name} needs a value. Fix: e.g. --{name} <value>", drop=name)
+            continue
+        _store(values, name, raw, table[name].annotation, p)
     # A misspelt flag stands for the option it resembles, whose default now stands in for
     # the user's value: later checks of that option would report the default, not the user.
     p.dropped.update(name for name in suggested if name not in values)
@@ -391,17 +379,3 @@ def parse_command(cls: type, argv: Sequence[str], prog: str, group: str,
         p.add(e)
     p.raise_if_any()
     return cfg
-
-
-def format_help(groups: Dict[str, type], prog: str = "megatron rlhf --rlhf_type grpo") -> str:
-    """Every option by group, with its type, default, aliases and help (argparse's layout)."""
-    return build_parser(groups, prog).format_help()
-
-
-def _type_name(annotation: Any) -> str:
-    inner, _ = _strip_optional(annotation)
-    if typing.get_origin(inner) in (list, List):
-        return f"{_type_name(typing.get_args(inner)[0])} ..."
-    if typing.get_origin(inner) in (dict, Dict):
-        return "JSON"
-    return getattr(inner, "__name__", str(inner)).upper()
