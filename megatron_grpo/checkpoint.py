@@ -458,6 +458,7 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     """
     meta = read_metadata(path)
     contents = meta["contents"]
+    given_optimizer = optimizer
     if finetune:
         optimizer, scheduler, load_rng = None, None, False
         logger.info("--finetune: loading the weights of %s only; the run starts at step 0",
@@ -502,6 +503,11 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
         if lora and any(is_lora_state(k, settings) for k in missing):
             raise RuntimeError(f"checkpoint {path}: adapter tensors missing: "
                                f"{[k for k in missing if is_lora_state(k, settings)][:5]}")
+    if optimizer is None and given_optimizer is not None:
+        # Its state not loaded (finetune, no_save_optim, fresh): a mixed-precision optimizer
+        # still holds fp32 main params copied from the weights it was built on, and its first
+        # step would write them back over the loaded ones.
+        given_optimizer.reload_model_params()
     if optimizer is not None:
         # no_grad: with fp32 weights the distributed optimizer's main params are views
         # of the model's leaf params, and the dp_reshardable loader copies into them.

@@ -326,6 +326,57 @@ def test_no_save_optim_no_save_rng_and_finetune(tmp_path):
     assert ft["adam_state"] == 0 and ft["rng_untouched"] and not ft["warnings"]
 
 
+def _bf16_loads_run(rank, world, out):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_grpo.model import wrap_ddp
+    from tests.mcore_utils import TINY_QWEN2, fixed_batches, run_schedule
+
+    def build(seed, distributed):
+        config, _, chunks = setup(1, tp=1, seed=seed, dtype="bfloat16")
+        chunks = wrap_ddp(config, chunks, use_distributed_optimizer=distributed)
+        return chunks, get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=1e-6, bf16=True, params_dtype=torch.bfloat16,
+            use_distributed_optimizer=distributed), chunks)
+
+    def one_step(chunks, opt):
+        run_schedule(chunks, fixed_batches(1, 2, 8, TINY_QWEN2["vocab_size"]), 8, 2)
+        opt.step()
+
+    chunks, opt = build(1, True)
+    fresh = save_checkpoint(out, 0, chunks, opt, None, {"step": 0})   # before any step
+    saved = {0: _weights(chunks)}
+    one_step(chunks, opt)
+    full = save_checkpoint(out, 1, chunks, opt, None, {"step": 1})
+    lean = save_checkpoint(out, 2, chunks, opt, None, {"step": 2}, save_optim=False)
+    saved[1] = saved[2] = _weights(chunks)
+    drift = {}
+    for distributed in (True, False):
+        for name, path, kwargs in (("finetune", full, {"finetune": True}),
+                                   ("no_save_optim", lean, {}), ("fresh", fresh, {})):
+            chunks, opt = build(2, distributed)              # other weights
+            load_checkpoint(path, chunks, opt, None, **kwargs)
+            one_step(chunks, opt)
+            step = int(path.rsplit("-", 1)[1])
+            drift[distributed, name] = (_weights(chunks) - saved[step]).abs().max().item()
+            other = (_weights(build(2, distributed)[0]) - saved[step]).abs().max().item()
+            drift[distributed, name + " (other weights)"] = other
+    return drift
+
+
+def test_bf16_loads_without_optimizer_state_train_from_the_loaded_weights(tmp_path):
+    """In bf16 the optimizer keeps fp32 main copies of the weights it was built on. A load
+    that restores no optimizer state (--finetune, a --no_save_optim checkpoint, one saved
+    before the first step) must refresh them: the first step then moves the loaded weights
+    by about lr, instead of writing the other weights back."""
+    r, = run_distributed(_bf16_loads_run, 1, args=(str(tmp_path),), timeout=300)
+    for distributed in (True, False):
+        for name in ("finetune", "no_save_optim", "fresh"):
+            other = r[distributed, name + " (other weights)"]
+            assert other > 0.05, r                     # the weights built before the load
+            assert r[distributed, name] < other / 20, (distributed, name, r)
+
+
 def test_resume_refuses_another_dtype_with_the_flag_that_fixes_it():
     """A float32 run's checkpoint continued by a bf16 run (e.g. an unset --bf16 that now
     follows a bf16 --model) stops before loading, naming --bf16 and --finetune."""
