@@ -1,8 +1,10 @@
 """train/run.py: which checkpoint a run starts from, for each validated --resume."""
 import json
 
+import pytest
+
 from megatron_grpo.checkpoint import META_FILE
-from megatron_grpo.config import parse_rlhf_args
+from megatron_grpo.config import ConfigError, parse_rlhf_args
 from megatron_grpo.train.run import resume_path
 from tests.test_config_parse import base
 
@@ -27,4 +29,12 @@ def test_resume_false_starts_a_new_run_beside_checkpoints(tmp_path):
     assert start("--resume", str(out / "checkpoint-2")) == str(out / "checkpoint-2")
     assert start("--resume", "false") is None
     assert start("--resume", "false", "--finetune", "true") is None
+    for word in ("none", "None", "null"):     # the word, not the None of an unset option
+        assert start("--resume", word) is None
     assert resume_path(None, str(tmp_path / "nothing-yet")) is None
+    # An earlier run's output_dir: its newest checkpoint (as --resume auto does there).
+    other = tmp_path / "elsewhere"
+    assert start("--resume", str(out), "--output_dir", str(other)) == newest
+    # A folder without any checkpoint fails at the option checks, before any start-up.
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        start("--resume", str(model))

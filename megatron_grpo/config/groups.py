@@ -19,18 +19,21 @@ from typing import Any, Dict, List, Literal, Optional
 from .swift_flags import UNSUPPORTED_VALUES
 
 
-def opt(default: Any = None, help: str = "", *, factory: Any = None) -> Any:
-    """A dataclass field carrying its `--help` text."""
+def opt(default: Any = None, help: str = "", *, factory: Any = None,
+        none_is_value: bool = False) -> Any:
+    """A dataclass field carrying its `--help` text. none_is_value: `--name none` is the
+    word "none" (for the option's checks to read), not the None of an unset option."""
+    metadata = {"help": help, "none_is_value": none_is_value}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def same_as(group: type, name: str, help: str = "") -> Any:
     """Option `name` of `group` for another command (`megatron rollout`, `megatron export`):
     its default written once; its help unless the command words it for itself."""
     f = next(f for f in fields(group) if f.name == name)
-    return opt(f.default, help or f.metadata["help"],
+    return opt(f.default, help or f.metadata["help"], none_is_value=f.metadata["none_is_value"],
                factory=None if f.default_factory is MISSING else f.default_factory)
 
 
@@ -521,7 +524,8 @@ class LoggingOptions(_Group):
                                                 "name.")
     resume: Optional[str] = opt(None, "A checkpoint folder to continue from; true/auto (or unset): "
                                       "the newest checkpoint in output_dir if there is one; "
-                                      "false: a new run even where output_dir holds checkpoints.")
+                                      "false (or none): a new run even where output_dir holds "
+                                      "checkpoints.", none_is_value=True)
     no_save_optim: bool = opt(False, "Checkpoints hold no optimizer state (Adam moments): smaller and "
                                      "faster to write. A --resume from one restarts the optimizer "
                                      "state, with a warning; the step, LR schedule and data order "

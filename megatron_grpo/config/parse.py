@@ -36,6 +36,9 @@ class FieldInfo(typing.NamedTuple):
     annotation: Any   # resolved type hint
     help: str
     default: Any      # the default value (a fresh one for default_factory fields)
+    # `none` is a value of its own, not the "unset" of an Optional option: where it is one of
+    # the choices (--scale_rewards none, --report_to none) or the field says so (--resume).
+    none_is_value: bool = False
 
 
 def field_table(groups: Dict[str, type]) -> Dict[str, FieldInfo]:
@@ -49,8 +52,10 @@ def field_table(groups: Dict[str, type]) -> Dict[str, FieldInfo]:
             if f.name in table:
                 raise RuntimeError(f"option {f.name} is defined in two groups")
             default = f.default if f.default is not MISSING else f.default_factory()
+            none_is_value = (f.metadata.get("none_is_value", False)
+                             or "none" in (literal_choices(hints[f.name]) or ()))
             table[f.name] = FieldInfo(group_name, f.name, hints[f.name],
-                                      f.metadata.get("help", ""), default)
+                                      f.metadata.get("help", ""), default, none_is_value)
     return table
 
 
@@ -131,18 +136,17 @@ def _scalar(name: str, value: Any, kind: Any) -> Any:
                          f"Fix: e.g. --{name} <{expected}>") from None
 
 
-def convert(name: str, value: Any, annotation: Any) -> Any:
-    """A CLI token list / string or a YAML value as the field's type."""
-    kind, optional, many = _unwrap(annotation)
+def convert(info: FieldInfo, value: Any) -> Any:
+    """A CLI token list / string or a YAML value as the type of option `info`."""
+    name = info.name
+    kind, optional, many = _unwrap(info.annotation)
     if isinstance(value, list) and not many:
         if len(value) != 1:
             raise ValueError(f"--{name} takes one value, got {len(value)}: {value!r}. "
                              f"Fix: pass a single value, e.g. --{name} {value[0] if value else 'X'}")
         value = value[0]
-    # `none` is a value of its own where it is one of the choices (--scale_rewards none,
-    # --report_to none), not the "unset" of an Optional option.
-    if value is None or (optional and isinstance(value, str) and value.strip().lower() in _NONE
-                         and "none" not in (literal_choices(annotation) or ())):
+    if value is None or (optional and not info.none_is_value and isinstance(value, str)
+                         and value.strip().lower() in _NONE):
         if optional or many:
             return None if optional else []
         expected = "a value (this option cannot be none)"
@@ -171,17 +175,17 @@ def _lookup(key: str, table: Dict[str, FieldInfo], p: Problems, suggested: List[
     return None
 
 
-def _store(values: Dict[str, Any], name: str, raw: Any, annotation: Any, p: Problems) -> None:
+def _store(values: Dict[str, Any], info: FieldInfo, raw: Any, p: Problems) -> None:
     """values[name] = `raw` converted and within its choices; else the problem goes to `p`."""
     try:
-        value = convert(name, raw, annotation)
-        message = bad_choice(name, value, annotation)
+        value = convert(info, raw)
+        message = bad_choice(info.name, value, info.annotation)
     except ValueError as e:
         message = str(e)
     if message:
-        p.add(message, drop=name)
+        p.add(message, drop=info.name)
     else:
-        values[name] = value
+        values[info.name] = value
 
 
 def values_from_mapping(data: Mapping[str, Any], table: Dict[str, FieldInfo], p: Problems,
@@ -201,7 +205,7 @@ def values_from_mapping(data: Mapping[str, Any], table: Dict[str, FieldInfo], p:
             continue
         spelled[name] = str(key)
         if name not in skip:
-            _store(values, name, raw, table[name].annotation, p)
+            _store(values, table[name], raw, p)
     return values
 
 
@@ -355,7 +359,7 @@ def collect_values(argv: Sequence[str], groups: Dict[str, type],
         elif not raw and not many:  # (a bare list flag: [])
             p.add(f"--{name} needs a value. Fix: e.g. --{name} <value>", drop=name)
             continue
-        _store(values, name, raw, table[name].annotation, p)
+        _store(values, table[name], raw, p)
     # A misspelt flag stands for the option it resembles, whose default now stands in for
     # the user's value: later checks of that option would report the default, not the user.
     p.dropped.update(name for name in suggested if name not in values)

@@ -12,6 +12,7 @@ rather than adding a consequence of the first mistake.
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import logging
@@ -908,12 +909,18 @@ def _check_logging(cfg: "GRPOConfig", p: Problems) -> None:
         word = log.resume.strip().lower()
         if word in ("true", "auto", "1", "yes"):
             log.resume = "auto"
-        elif word in ("false", "none", "0", "no", ""):
+        elif word in ("false", "none", "null", "0", "no", ""):
             log.resume = "false"      # a new run even where output_dir holds checkpoints
-        else:
-            p.require(os.path.isdir(log.resume),
-                      f"--resume {log.resume!r}: checkpoint folder not found. Valid values: a "
-                      "checkpoint folder, true/auto (newest checkpoint in output_dir), or false")
+        elif p.require(os.path.isdir(log.resume),
+                       f"--resume {log.resume!r}: checkpoint folder not found. Valid values: a "
+                       "checkpoint folder, true/auto (newest checkpoint in output_dir), or false"):
+            # checkpoint.py's META_FILE, in a checkpoint-N folder or in an output_dir's ones
+            p.require(glob.glob(os.path.join(glob.escape(log.resume), "checkpoint.json")) or
+                      glob.glob(os.path.join(glob.escape(log.resume), "checkpoint-*",
+                                             "checkpoint.json")),
+                      f"--resume {log.resume!r} holds no complete checkpoint: it is neither a "
+                      "checkpoint-N folder (with checkpoint.json) nor an output_dir holding "
+                      "one. Fix: pass a checkpoint folder or the output_dir of an earlier run")
     if log.finetune and log.resume in (None, "false"):
         log.finetune = False    # ms-swift scripts pass it by default: no checkpoint, no effect
     p.require(not (log.finetune and log.resume == "auto"),

@@ -174,11 +174,13 @@ def _drop_long_prompts(cfg, dataset, tokenizer, render):
 
 def resume_path(resume: Optional[str], out_dir: str) -> Optional[str]:
     """The checkpoint to start from for --resume as validated (config/validate.py): a
-    checkpoint folder; None (unset) or "auto": the newest in output_dir, if any; "false":
-    none, a new run."""
+    checkpoint folder, or the newest of an earlier run's output_dir; None (unset) or
+    "auto": the newest in this run's output_dir, if any; "false": none, a new run."""
     if resume in (None, "auto"):
         return ckpt.find_latest_checkpoint(out_dir)
-    return None if resume == "false" else resume
+    if resume == "false" or os.path.isfile(os.path.join(resume, ckpt.META_FILE)):
+        return None if resume == "false" else resume
+    return ckpt.find_latest_checkpoint(resume)
 
 
 def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool) -> None:
