@@ -167,6 +167,50 @@ def test_server_multi_turn_trajectories_are_token_exact(server):
         assert max_diff([t.logprobs], [model]) < ATOL
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_seeded_client_samples_each_prompt_with_its_own_noise(server):
+    """A seeded client (the trainer's: --seed) sends each prompt with its own seed, new at
+    every call: one seed for the batch gave sample k of every prompt the same random
+    numbers (vLLM seeds sample k of a request with seed + k), so a prompt drawn twice got
+    the same completions, at every step."""
+    client = RolloutClient(vllm_server_port=server["port"], vllm_server_timeout=300,
+                           api_key=TOKEN, temperature=1.0, num_generations=2,
+                           max_completion_length=6, seed=3)
+    same = [PROMPTS[0]] * 3
+    first, second = client.generate(same), client.generate(same)
+    assert [c.prompt_index for c in first] == [0, 0, 1, 1, 2, 2]
+    samples = [tuple(c.token_ids) for c in first + second]
+    assert len(set(samples)) == len(samples), samples
+
+
+def test_client_generate_seeds_every_prompt_and_call():
+    """The requests of a seeded generate (a stand-in for /v1/completions): one per prompt,
+    each with its own seed, none repeated by the next call; the completions come back in
+    prompt order with their prompt's index. Without a seed: one request for the batch."""
+    from megatron_grpo.rollout.colocate import Completion
+
+    sent = []
+
+    def completions(prompts, opts, seed):
+        sent.append((prompts, seed))
+        return [Completion(i // opts.num_generations, [len(sent)], "x", False, None)
+                for i in range(len(prompts) * opts.num_generations)]
+
+    client = RolloutClient(vllm_server_port=8000, seed=5, num_generations=2)
+    client._completions = completions
+    prompts = [[1], [2], [3]]
+    out = client.generate(prompts) + client.generate(prompts)
+    assert sorted(p for p, _ in sent) == [[[1]], [[1]], [[2]], [[2]], [[3]], [[3]]]
+    assert len({seed for _, seed in sent}) == 6 and None not in {seed for _, seed in sent}
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2] * 2
+    sent.clear()
+    client.seed = None
+    assert [c.prompt_index for c in client.generate(prompts)] == [0, 0, 1, 1, 2, 2]
+    assert sent == [(prompts, None)]
+
+
 def test_client_turns_never_wait_for_each_other():
     """generate_turns sends each trajectory's turn as its own request, at once: here the
     server (a stand-in for /v1/completions) holds trajectory 1's first turn until

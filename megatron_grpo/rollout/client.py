@@ -14,6 +14,7 @@ closes), and `request_timeout` bounds a request to a server that hangs.
 """
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -77,7 +78,7 @@ class RolloutClient:
         self.seed = seed
         self._model: Optional[str] = None
         self.lora_name: Optional[str] = None  # the synced adapter (adapter-only LoRA sync)
-        self._calls = 0       # generate_turns and image generate calls (request seeds)
+        self._calls = 0       # generate and generate_turns calls (request seeds)
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, path: str, body: Optional[bytes] = None,
@@ -152,7 +153,19 @@ class RolloutClient:
             if len(images) != len(prompts):
                 raise ValueError(f"generate: {len(prompts)} prompts but {len(images)} image lists")
             return self._generate_images(prompts, images, opts)
-        return self._completions(prompts, opts, self.seed)
+        if self.seed is None:         # the server's own random stream: one request for all
+            return self._completions(prompts, opts, None)
+        # A request per prompt, each with its own seed (as generate_turns' per chain): vLLM
+        # gives sample k of a request seed + k, so one seed for the whole batch would draw
+        # the same random numbers for every prompt, at every step.
+        self._calls += 1
+        with ThreadPoolExecutor(max_workers=min(len(prompts), self.max_concurrent_requests),
+                                thread_name_prefix="rollout-generate") as pool:
+            parts = pool.map(lambda k: self._completions([prompts[k]], opts,
+                                                         self._turn_seed(k, 0)),
+                             range(len(prompts)))
+            return [dataclasses.replace(c, prompt_index=k)
+                    for k, part in enumerate(parts) for c in part]
 
     def _generate_images(self, prompts: List[List[int]], images, opts: SamplingOptions):
         # A seed per prompt (as generate_turns' per chain): one for all would draw the

@@ -189,20 +189,18 @@ def build_reference(cfg) -> list:
 def build_sampler(cfg):
     """The vLLM side (a rollout.engine.RolloutEngine): a colocated engine in this rank, or
     a client of `megatron rollout`."""
-    r, g = cfg.rollout, cfg.grpo
+    r = cfg.rollout
     if r.vllm_mode == "server":
         from ..rollout.client import RolloutClient
 
         host = (r.vllm_server_host or ["127.0.0.1"])[0]
         port = (r.vllm_server_port or [8000])[0]
         base = (r.vllm_server_base_url or [None])[0]
+        # Sampling options from the colocated engine's settings: one source for both modes.
         client = RolloutClient(vllm_server_host=host, vllm_server_port=port,
                                vllm_server_base_url=base,
-                               vllm_server_timeout=r.vllm_server_timeout,
-                               temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                               max_completion_length=g.max_completion_length,
-                               num_generations=g.num_generations, seed=cfg.training.seed,
-                               logprobs=rollout_logprobs_needed(cfg))
+                               vllm_server_timeout=r.vllm_server_timeout, seed=cfg.training.seed,
+                               **dataclasses.asdict(engine_settings(cfg).sampling()))
         client.wait_until_ready()
         return client
     return ColocateEngine(cfg.model.model, engine_settings(cfg))
