@@ -120,6 +120,7 @@ def test_checkpoint_flags(model_dir, tmp_path):
     assert parse_rlhf_args(args(model_dir, "--finetune", "true")).logging.finetune is False
     ckpt = tmp_path / "checkpoint-3"
     ckpt.mkdir()
+    (ckpt / "checkpoint.json").write_text("{}")      # a complete checkpoint's mark
     cfg = parse_rlhf_args(args(model_dir, "--finetune", "true", "--resume", str(ckpt)))
     assert cfg.logging.finetune is True and cfg.logging.resume == str(ckpt)
     message = error_of(args(model_dir, "--finetune", "true", "--resume", "auto"))

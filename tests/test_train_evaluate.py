@@ -148,6 +148,13 @@ def test_evaluation_metrics_against_float64_by_hand():
     assert m["eval/completions/mean_length"] == pytest.approx(30 / 6)
     assert (m["eval/completions/min_length"], m["eval/completions/max_length"]) == (2, 8)
     assert m["eval/completions/clipped_ratio"] == pytest.approx(2 / 6)
+    # Multi-turn: the lengths count the model's tokens (loss mask 1), as training's
+    # completions/* do, not the tool's answers in between.
+    for s, mask in zip(batch.samples, ([1, 0, 1], [1] * 5, [1, 1, 0, 0, 0, 0, 1, 1])):
+        s.loss_mask = mask
+    m = evaluation_metrics(batch, 3, ["acc", "fmt"], reward_weights=[1.0, 2.0])
+    assert m["eval/completions/mean_length"] == pytest.approx((2 + 5 + 4 + 2 + 8 + 4) / 6)
+    assert m["eval/completions/min_length"] == 2
 
 
 # ---------------------------------------------------------------- configuration

@@ -147,6 +147,55 @@ def test_rollout_logprobs_nan_fails_and_minus_inf_leaves_the_loss():
         ([-1.0, -2.0], [1, 0, 0, 1], 1)
 
 
+def test_reward_functions_get_ms_swift_keywords():
+    """A reward function written to ms-swift's documented signature
+    `__call__(completions, solution, trainer_state, **kwargs)` runs, and sees ms-swift's
+    per-sample keywords (OnPolicySample.to_reward_row): the conversation with the
+    completion last, finish reason, ids (a prompt's group shares its prompt_id), and the
+    step in trainer_state; a list of bools counts 1/0. A stand-in engine samples."""
+    from megatron_grpo.rewards import TrainerState
+    from megatron_grpo.rollout.colocate import Completion
+    from megatron_grpo.train.rollout_step import generate_and_score
+
+    class Engine:
+        tp_size = 1
+
+        def generate(self, ids):
+            return [Completion(k, [7, 8], f"answer {k}{j}", j == 1, None, "length" if j else "stop")
+                    for k in range(len(ids)) for j in range(2)]
+
+    class Data:
+        messages = [[{"role": "system", "content": "s"}, {"role": "user", "content": f"q{i}"}]
+                    for i in range(3)]
+        columns = {"solution": ["a", "b", "c"]}
+
+        def reward_columns(self, indices, n):
+            return {"solution": [self.columns["solution"][i] for i in indices for _ in range(n)]}
+
+    seen = {}
+
+    def swift_style(completions, solution, trainer_state, **kwargs):
+        seen.update(kwargs, solution=solution, state=trainer_state)
+        return [c.endswith("0") for c in completions]
+
+    batch = generate_and_score(
+        engine=Engine(), tokenizer=lambda text, add_special_tokens: {"input_ids": [1, 2]},
+        dataset=Data(), prompt_indices=[2, 0], reward_funcs=[swift_style], num_generations=2,
+        render=lambda t, m: "", trainer_state=TrainerState(4, 10, 64))
+    assert batch.rewards_per_func[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert seen["solution"] == ["c", "c", "a", "a"]
+    assert (seen["state"].global_step, seen["state"].max_steps) == (4, 10)
+    assert seen["messages"][1] == [{"role": "system", "content": "s"},
+                                   {"role": "user", "content": "q2"},
+                                   {"role": "assistant", "content": "answer 01"}]
+    assert seen["finish_reason"] == ["stop", "length"] * 2
+    assert seen["is_truncated"] == [False, True] * 2
+    assert seen["response_token_ids"] == [[7, 8]] * 4 and seen["completion_lengths"] == [2] * 4
+    p = seen["prompt_id"]
+    assert p[0] == p[1] != p[2] == p[3] and len(set(seen["request_id"])) == 4
+    assert seen["rollout_infos"] == [{}] * 4
+
+
 def test_fill_logps_on_policy_without_reference_builds_nothing(monkeypatch):
     """On-policy with beta 0 (the quickstart) there are no old or reference log-probs:
     no micro-batch is collated and no forward runs."""

@@ -11,7 +11,8 @@ ORM, orms` instead of `from swift.rewards import ORM, orms`).
 from . import accuracy, countdown, format_reward, gym_reward, length, math_reward  # noqa: F401  (register the built-ins)
 from .registry import (ORM, REWARDS, AsyncORM, RewardFunc, build_reward_funcs, load_plugins, orms,
                        register_reward, registered_names)
-from .scoring import RewardFunctionError, score
+from .scoring import RewardFunctionError, TrainerState, score
 
-__all__ = ["ORM", "AsyncORM", "REWARDS", "RewardFunc", "RewardFunctionError", "build_reward_funcs",
-           "load_plugins", "orms", "register_reward", "registered_names", "score"]
+__all__ = ["ORM", "AsyncORM", "REWARDS", "RewardFunc", "RewardFunctionError", "TrainerState",
+           "build_reward_funcs", "load_plugins", "orms", "register_reward", "registered_names",
+           "score"]

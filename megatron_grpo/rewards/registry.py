@@ -1,10 +1,14 @@
 """Reward-function registry: name -> function or class, and plugin files that add to it.
 
-Contract of a reward function: called as `fn(completions, **columns)` with
-`completions: list[str]` (N completions) and, as keyword lists of length N, every
-dataset column of the completion's prompt (`solution`, `target`, `nums`, ...) plus
-`completion_lengths` (completion token counts); it returns N floats (None for a
-sample it does not apply to). It must accept `**kwargs` it does not use.
+Contract of a reward function (ms-swift's): called as `fn(completions, **columns,
+trainer_state=...)` with `completions: list[str]` (N completions) and, as keyword lists
+of length N, every dataset column of the completion's prompt (`solution`, `target`,
+`nums`, ...) plus ms-swift's per-sample ones: `messages` (the conversation, the
+completion last), `completion_lengths` (the model's tokens), `response_token_ids`,
+`finish_reason`, `is_truncated`, `prompt_id` (shared by a prompt's group), `request_id`,
+`rollout_infos`; `trainer_state` (scoring.TrainerState: global_step, max_steps). It
+returns N floats or bools (None for a sample it does not apply to). It must accept
+`**kwargs` it does not use.
 
     from megatron_grpo.rewards import register_reward
 

@@ -4,7 +4,11 @@ A reward function that raises is re-run one sample at a time to find the sample
 that breaks it, and the error names the function, that sample's index, the start
 of its completion and its dataset columns. A function returning the wrong number
 of values or a non-number fails the same way. `None` (the function does not apply
-to a sample) becomes NaN, for the trainer's nan-aware weighting.
+to a sample) becomes NaN, for the trainer's nan-aware weighting; a bool counts 1 or 0
+(as ms-swift's tensor of the returned list does).
+
+Besides the per-sample columns, every function gets `trainer_state` (ms-swift's
+keyword): a TrainerState with `global_step` and `max_steps`, for rewards on a schedule.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import asyncio
 import inspect
 import math
 import numbers
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequence, Union
 
 from .registry import RewardFunc
@@ -26,6 +31,21 @@ class RewardFunctionError(RuntimeError):
     """A reward function failed; the message names it and the sample."""
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """What ms-swift's Megatron trainer passes reward functions as `trainer_state`:
+    `iteration` (optimizer steps done; `global_step` too, as transformers' TrainerState
+    names it), `max_steps` (the run's), `consumed_train_samples` (samples the optimizer
+    steps so far took, global_batch_size each)."""
+    iteration: int = 0
+    max_steps: Optional[int] = None
+    consumed_train_samples: int = 0
+
+    @property
+    def global_step(self) -> int:
+        return self.iteration
+
+
 def _sample_view(completions: Sequence[str], columns: Mapping[str, Sequence[Any]], i: int) -> str:
     text = completions[i]
     prefix = text[:PREFIX_CHARS] + ("..." if len(text) > PREFIX_CHARS else "")
@@ -38,11 +58,12 @@ def _short(value: Any, limit: int = 80) -> Any:
     return value if len(text) <= limit else text[:limit] + "..."
 
 
-def _locate(fn: Callable, completions: Sequence[str], columns: Mapping[str, Sequence[Any]]) -> Optional[int]:
+def _locate(fn: Callable, completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
+            state: Optional[TrainerState]) -> Optional[int]:
     """Index of the first sample on which `fn` alone raises, or None."""
     for i in range(len(completions)):
         try:
-            _call(fn, completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()})
+            _call(fn, completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()}, state)
         except Exception:
             return i
     return None
@@ -64,7 +85,7 @@ def _as_floats(name: str, out: Any, completions: Sequence[str],
     for i, v in enumerate(out):
         if v is None:
             values.append(math.nan)
-        elif isinstance(v, numbers.Real) and not isinstance(v, bool):
+        elif isinstance(v, numbers.Real):       # bool included: True counts 1.0
             values.append(float(v))
         else:
             raise RewardFunctionError(f"reward function {name!r} returned {v!r} (not a number) for "
@@ -76,20 +97,24 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def _call(fn: Callable, completions: Sequence[str], columns: Mapping[str, Sequence[Any]]) -> Any:
-    """fn(completions, **columns), awaited when fn is async (ms-swift's AsyncORM)."""
-    result = fn(list(completions), **{k: list(v) for k, v in columns.items()})
+def _call(fn: Callable, completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
+          state: Optional[TrainerState]) -> Any:
+    """fn(completions, **columns, trainer_state=state), awaited when fn is async (ms-swift's
+    AsyncORM)."""
+    result = fn(list(completions), **{k: list(v) for k, v in columns.items()},
+                trainer_state=state)
     if inspect.isawaitable(result):
         result = asyncio.run(_awaited(result))
     return result
 
 
 def score(reward_funcs: Sequence[Union[RewardFunc, Callable]], completions: Sequence[str],
-          columns: Optional[Mapping[str, Sequence[Any]]] = None) -> "torch.Tensor":
+          columns: Optional[Mapping[str, Sequence[Any]]] = None,
+          trainer_state: Optional[TrainerState] = None) -> "torch.Tensor":
     """Rewards [N, F] (float32) of N completions under F reward functions.
 
-    `columns` maps each dataset column (and `completion_lengths`) to N values, one
-    per completion (a prompt's columns repeated for each of its completions).
+    `columns` maps each dataset column (and `completion_lengths`, `messages`, ...) to N
+    values, one per completion (a prompt's columns repeated for each of its completions).
     """
     import torch  # here, so that config validation (which loads plugins) stays light
 
@@ -102,9 +127,9 @@ def score(reward_funcs: Sequence[Union[RewardFunc, Callable]], completions: Sequ
     for j, rf in enumerate(reward_funcs):
         name, fn = (rf.name, rf.fn) if isinstance(rf, RewardFunc) else (getattr(rf, "__name__", repr(rf)), rf)
         try:
-            result = _call(fn, completions, columns)
+            result = _call(fn, completions, columns, trainer_state)
         except Exception as e:
-            i = _locate(fn, completions, columns)
+            i = _locate(fn, completions, columns, trainer_state)
             where = (_sample_view(completions, columns, i) if i is not None
                      else f"the batch of {n} (each sample alone passed)")
             raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e} "

@@ -69,6 +69,12 @@ class Sample:
     routed_experts: Optional[torch.Tensor] = None  # [P + C - 1, layers, k]: the experts vLLM
                                                    # routed each input token to (R3)
 
+    @property
+    def model_tokens(self) -> int:
+        """The completion's length as the metrics count it: the model's tokens (a
+        multi-turn trajectory's tool and template spans left out)."""
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
+
 
 PER_TOKEN_FIELDS = ("old_logps", "ref_logps", "rollout_logps")
 

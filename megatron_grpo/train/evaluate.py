@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms import reward_metrics
+from ..rewards import TrainerState
 from .rollout_step import GenerationBatch, generate_and_score
 
 
@@ -88,7 +89,7 @@ def evaluation_metrics(batch: GenerationBatch, num_generations: int, reward_name
         else torch.as_tensor(reward_weights, dtype=torch.float64)
     rewards = (per_func * weights).nansum(dim=1)                            # [N]
     metrics = reward_metrics(rewards, per_func, num_generations, scale_rewards, reward_names)
-    lengths = torch.tensor([len(s.completion_ids) for s in batch.samples], dtype=torch.float64)
+    lengths = torch.tensor([s.model_tokens for s in batch.samples], dtype=torch.float64)
     metrics.update({
         "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
         "completions/max_length": lengths.max(),
@@ -138,8 +139,9 @@ class Evaluator:
         # As the loop's own hand-over, except that after an evaluation on a step that
         # synced vLLM stays awake: the loop generates next.
         self.sync.hand_over()
+        state = TrainerState(step, self.total_steps, step * self.cfg.training.global_batch_size)
         try:
-            batch = _concat([self._generate(index[i:i + self.chunk])
+            batch = _concat([self._generate(index[i:i + self.chunk], state)
                              for i in range(0, len(index), self.chunk)])
         finally:
             self.sync.take_back(keep_awake=vllm_fresh)
@@ -150,13 +152,13 @@ class Evaluator:
         self._log(step, index, batch, metrics)
         return metrics
 
-    def _generate(self, prompt_indices: List[int]) -> GenerationBatch:
+    def _generate(self, prompt_indices: List[int], state: TrainerState) -> GenerationBatch:
         return generate_and_score(
             engine=_WithGenerations(self.engine, self.n), tokenizer=self.tokenizer,
             dataset=self.dataset, prompt_indices=prompt_indices, reward_funcs=self.reward_funcs,
             num_generations=self.n, render=self.render,
             max_prompt_length=self.cfg.data.max_length, multi_turn=self.multi_turn,
-            vision=self.vision)
+            vision=self.vision, trainer_state=state)
 
     def _log(self, step: int, index: List[int], batch: GenerationBatch, metrics: dict) -> None:
         rows = [i for i in index for _ in range(self.n)]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from ..algorithms import compute_advantages, count_partials, sequence_kl_for_reward
 from ..model.lora import adapters_disabled
-from ..rewards import score
+from ..rewards import TrainerState, score
 from .batch import (ImageInputs, Sample, collate, dp_indices, dp_shard, dp_unshard,
                     micro_batches, split_completion_values)
 from .engine import forward_logprobs, is_last_stage
@@ -93,14 +94,15 @@ def checked_rollout_logps(logps, loss_mask, num_tokens: int, where: str):
 
 def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int], reward_funcs,
                        num_generations: int, render, max_prompt_length=None,
-                       multi_turn=None, vision=None) -> GenerationBatch:
+                       multi_turn=None, vision=None, trainer_state=None) -> GenerationBatch:
     """Sample `num_generations` completions for each prompt index and score them.
 
     `multi_turn` (a rollout.trajectory.MultiTurnRollout): whole trajectories instead of
     single completions; each sample then carries its loss mask, the reward functions see
     the last model message as the completion (plus `messages` and `rollout_infos`).
     Advantages and reward metrics are left to `finish_batch` (after dynamic sampling).
-    `vision` (data.vision.VisionProcessor): a dataset with images (module docstring)."""
+    `vision` (data.vision.VisionProcessor): a dataset with images (module docstring).
+    `trainer_state` (rewards.TrainerState): handed to the reward functions."""
     t0 = time.perf_counter()
     # Each rank samples a contiguous share of the prompts (vLLM TP groups pool their
     # members' shares inside `engine.generate`), then every rank gathers everything.
@@ -134,7 +136,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     # Each rank scores the completions it sampled, then completions and rewards are
     # gathered together: one pickled all-gather per batch (each costs two collectives,
     # ~1 ms apiece over gloo on a small CPU node).
-    rows = _score(reward_funcs, dataset, prompt_indices, payload)
+    rows = _score(reward_funcs, dataset, prompt_indices, payload, trainer_state)
     t2 = time.perf_counter()
     gathered = sorted((x for part in all_gather_objects(
         [item + (row,) for item, row in zip(payload, rows.tolist())]) for x in part),
@@ -172,19 +174,29 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
                            {"timing/generate": (t1 - t0) + (t3 - t2), "timing/score": t2 - t1})
 
 
-def _score(reward_funcs, dataset, prompt_indices, payload) -> torch.Tensor:
+def _score(reward_funcs, dataset, prompt_indices, payload, trainer_state) -> torch.Tensor:
     """Rewards [n, F] of this rank's completions (`payload`, see `_single_turn`), each
     with its prompt's dataset columns and ms-swift's extra ones; [0, F] without any."""
     if not payload:
         return torch.empty(0, len(reward_funcs), dtype=torch.float32)
     columns = dataset.reward_columns([prompt_indices[x[0]] for x in payload], 1)
-    # ms-swift's names, for plugins; lengths count the model's tokens
+    # ms-swift's names, for plugins (its OnPolicySample.to_reward_row); lengths count the
+    # model's tokens; `messages`: the conversation with the completion as its last message.
     columns["completion_lengths"] = [sum(x[6]["loss_mask"]) if x[6] else len(x[2]) for x in payload]
     columns["response_token_ids"] = [list(x[2]) for x in payload]
+    columns["is_truncated"] = [bool(x[4]) for x in payload]
+    columns["finish_reason"] = ["length" if x[4] else "stop" for x in payload]
+    prompt_ids = {pos: uuid.uuid4().hex for pos in sorted({x[0] for x in payload})}
+    columns["prompt_id"] = [prompt_ids[x[0]] for x in payload]    # shared by a group
+    columns["request_id"] = [uuid.uuid4().hex for _ in payload]
     if payload[0][6]:                                       # multi-turn trajectories
         columns["messages"] = [x[6]["messages"] for x in payload]
         columns["rollout_infos"] = [x[6]["rollout_infos"] for x in payload]
-    return score(reward_funcs, [x[3] for x in payload], columns)
+    else:
+        columns["messages"] = [dataset.messages[prompt_indices[x[0]]]
+                               + [{"role": "assistant", "content": x[3]}] for x in payload]
+        columns["rollout_infos"] = [{} for _ in payload]
+    return score(reward_funcs, [x[3] for x in payload], columns, trainer_state)
 
 
 def _single_turn(engine, tokenizer, dataset, prompt_indices, render, max_prompt_length, lo, hi):
@@ -300,8 +312,7 @@ def finish_batch(batch: GenerationBatch, num_generations: int, *, reward_names, 
     for j, s in enumerate(batch.samples):
         s.advantage = float(adv.advantages[j])
         s.meta["reward"] = float(adv.rewards[j])
-    lengths = torch.tensor([len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask)
-                            for s in batch.samples], dtype=torch.float64)   # the model's tokens
+    lengths = torch.tensor([s.model_tokens for s in batch.samples], dtype=torch.float64)
     batch.metrics.update({k: float(v) for k, v in adv.metrics.items()})
     batch.metrics.update({
         "completions/mean_length": lengths.mean().item(),
@@ -399,7 +410,8 @@ def rollout_phase(run) -> RolloutBatch:
             prompt_indices=run.sampler.next_batch(), reward_funcs=run.reward_funcs,
             num_generations=g.num_generations, render=run.render,
             max_prompt_length=cfg.data.max_length, multi_turn=run.multi_turn,
-            vision=run.vision),
+            vision=run.vision, trainer_state=TrainerState(
+                run.step, run.total_steps, run.step * cfg.training.global_batch_size)),
         prompts, g.num_generations, dynamic_sample=g.dynamic_sample,
         max_resample_times=g.max_resample_times, reward_weights=cfg.reward.reward_weights)
     run.sync.take_back()
