@@ -204,6 +204,25 @@ def test_flat_reports_every_problem_like_the_command_line(model_dir):
     assert "--micro_batch_size 'x' is not valid: expected an integer" in text
 
 
+def test_epochs_or_train_iters(model_dir, caplog):
+    """num_train_epochs: None is 3 passes when --train_iters is not given; both given:
+    train_iters decides (ms-swift's Megatron arguments let num_train_epochs win), and a
+    warning says so."""
+    from megatron_grpo.train.setup import total_steps
+
+    cfg = parse_rlhf_args(base(model_dir, "--num_generations", "4", "--global_batch_size", "8"))
+    assert cfg.training.num_train_epochs == 3.0 and cfg.training.train_iters is None
+    assert total_steps(cfg, 100) == 100 * 3 // 2          # 2 prompts per rollout of 8
+    with caplog.at_level("WARNING", logger="megatron_grpo.config"):
+        cfg = parse_rlhf_args(base(model_dir, "--train_iters", "5"))
+        assert not caplog.records and cfg.training.num_train_epochs is None
+        cfg = parse_rlhf_args(base(model_dir, "--train_iters", "5", "--num_train_epochs", "1"))
+    assert total_steps(cfg, 100) == 5
+    [record] = caplog.records
+    assert "--train_iters 5 and --num_train_epochs 1: the run trains 5 optimizer steps" in \
+        record.getMessage()
+
+
 def test_option_names_are_ms_swift_spellings():
     # A sample of names users type from ms-swift's docs; a rename would break their scripts.
     table = field_table(GROUPS)

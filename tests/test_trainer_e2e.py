@@ -139,6 +139,8 @@ def test_tp2_colocate_on_two_nodes(tiny, tmp_path):
         short = [json.loads(line) for line in f][:12]
     long = [{"query": f"LONG {i} " + "and so on " * 20, "solution": "0"} for i in range(12)]
     data.write_text("".join(json.dumps(row) + "\n" for pair in zip(short, long) for row in pair))
+    os.makedirs(os.path.join(out, "final_hf.tmp"))      # left by an export that crashed
+    open(os.path.join(out, "final_hf.tmp", "adapter_model.safetensors"), "w").close()
     r = _run(_argv(tiny, out, dataset=str(data), tensor_model_parallel_size=2,
                    log_completions="true", check_weight_sync="true", advantage_estimator="rloo",
                    beta=0.04, max_length=40, truncation_strategy="delete"),
@@ -178,6 +180,7 @@ def test_tp2_colocate_on_two_nodes(tiny, tmp_path):
     assert os.path.isfile(os.path.join(hf_out, "tokenizer.json"))
     assert os.path.isfile(os.path.join(out, "reward_curve.png"))
     assert os.path.isfile(os.path.join(out, "final_hf", "config.json"))
+    assert not os.path.exists(os.path.join(out, "final_hf", "adapter_model.safetensors"))
     assert os.path.isfile(os.path.join(out, "completions.jsonl"))
 
 

@@ -94,6 +94,7 @@ def adapter_covers_tower(target_modules) -> tuple[bool, bool]:
 # ms-swift's defaults of --scale_rewards and --kl_in_reward for each --advantage_estimator
 # (its arguments' post-init), where the user leaves them unset; algorithms/advantages.py
 # applies the same ones to direct calls.
+DEFAULT_NUM_TRAIN_EPOCHS = 3.0
 DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
 DEFAULT_KL_IN_REWARD = {"grpo": False, "rloo": True, "reinforce_plus_plus": True}
 
@@ -203,8 +204,11 @@ class TrainingOptions(_Group):
     micro_batch_size: int = opt(1, "Completions per forward/backward pass on one rank.")
     global_batch_size: int = opt(16, "Completions per optimizer step over all data-parallel ranks "
                                      "(micro_batch_size x dp x gradient accumulation).")
-    num_train_epochs: float = opt(3.0, "Passes over the prompts, used when train_iters is not set "
-                                       "(default as ms-swift's num_train_epochs).")
+    num_train_epochs: Optional[float] = opt(
+        None, f"Passes over the prompts when --train_iters is not set; None: "
+              f"{DEFAULT_NUM_TRAIN_EPOCHS:g} (transformers' default; ms-swift's Megatron arguments "
+              "need one of the two). Given with --train_iters, train_iters decides here (in "
+              "ms-swift num_train_epochs does), with a warning.")
     train_iters: Optional[int] = opt(None, "Total optimizer steps; overrides num_train_epochs.")
     lr: float = opt(1e-5, "Peak learning rate (ms-swift: 1e-5 for full-parameter training).")
     min_lr: float = opt(0.0, "Learning rate floor of the decay.")
@@ -507,7 +511,9 @@ class LoggingOptions(_Group):
                                           "Megatron's --save is accepted too.")
     save_steps: int = opt(500, "Checkpoint every N optimizer steps (and at the end).")
     save_total_limit: Optional[int] = opt(None, "Keep at most N checkpoints; None: all.")
-    logging_steps: int = opt(5, "Print/report metrics every N steps (metrics.jsonl gets every step).")
+    logging_steps: int = opt(5, "Print a line of metrics every N steps; metrics.jsonl and "
+                                "tensorboard/wandb/swanlab get every step (as Megatron's "
+                                "tensorboard at its default tensorboard_log_interval 1).")
     log_completions: bool = opt(False, "Write prompts, completions and rewards to completions.jsonl.")
     save_safetensors: bool = opt(True, "The trained model is written as HF safetensors "
                                        "(final_hf/), always: false is refused.")

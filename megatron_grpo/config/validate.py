@@ -26,8 +26,8 @@ from megatron_grpo.multi_turn import check_scheduler, env_names, scheduler_names
 from megatron_grpo.rewards import registry
 
 from .errors import Problems
-from .groups import (DEFAULT_KL_IN_REWARD, DEFAULT_SCALE_REWARDS, LORA_TARGET_MODULES,
-                     adapter_covers_tower)
+from .groups import (DEFAULT_KL_IN_REWARD, DEFAULT_NUM_TRAIN_EPOCHS, DEFAULT_SCALE_REWARDS,
+                     LORA_TARGET_MODULES, adapter_covers_tower)
 from .hf_model import (BF16_CPU_FLAGS, VLLM_CPU_HEAD_SIZES, cpu_has_bf16, head_dim,
                        model_max_len, vllm_is_cpu_build)
 from .parallel import ParallelDims, divisors
@@ -156,7 +156,15 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
                   f"{divisors(t.global_batch_size)}")
     if t.train_iters is not None:
         _positive(p, "train_iters", t.train_iters)
-    p.require(t.num_train_epochs > 0, f"--num_train_epochs {t.num_train_epochs} must be > 0")
+    if t.num_train_epochs is None and t.train_iters is None:
+        t.num_train_epochs = DEFAULT_NUM_TRAIN_EPOCHS
+    elif t.num_train_epochs is not None and t.train_iters is not None:
+        logger.warning("--train_iters %d and --num_train_epochs %g: the run trains %d optimizer "
+                       "steps (ms-swift's Megatron GRPO would train %g passes over the prompts "
+                       "instead). Fix: drop one of them", t.train_iters, t.num_train_epochs,
+                       t.train_iters, t.num_train_epochs)
+    if t.num_train_epochs is not None:
+        p.require(t.num_train_epochs > 0, f"--num_train_epochs {t.num_train_epochs} must be > 0")
     p.require(t.lr > 0, f"--lr {t.lr} must be > 0. Fix: e.g. --lr 1e-6")
     p.require(0 <= t.min_lr <= t.lr, f"--min_lr {t.min_lr} must be in [0, lr={t.lr}]")
     p.require(t.lr_warmup_iters >= 0, f"--lr_warmup_iters {t.lr_warmup_iters} must be >= 0")

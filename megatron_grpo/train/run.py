@@ -233,8 +233,9 @@ def save_final_hf(policy: Policy, hf_source: str, out_dir: str, merge_lora: bool
     Collective: every rank iterates the export; rank 0 writes, then renames atomically."""
     final = os.path.join(out_dir, "final_hf")
     rank0 = dist.get_rank() == 0
-    if rank0:
-        os.makedirs(final + ".tmp", exist_ok=True)
+    if rank0:   # a folder left by a crashed export would add its stale files to this one
+        shutil.rmtree(final + ".tmp", ignore_errors=True)
+        os.makedirs(final + ".tmp")
     settings = lora_settings(policy.chunks)
     if settings is not None and not merge_lora:   # LoRA: the PEFT adapter, no base weights
         factors = gather_adapters(policy.chunks)
