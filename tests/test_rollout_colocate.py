@@ -165,7 +165,12 @@ def _single_rank(rank, world_size, model_dir, copy_dirs, left_out, changed):
 
     seen = {}
     gc.unfreeze()
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
     engine = ColocateEngine(model_dir, **engine_kwargs())
+    # vLLM seeds the process's generators (why a resume restores them again afterwards:
+    # train/run.py build_sampler_keeping_generators).
+    seen["reseeded"] = not torch.equal(torch.get_rng_state(), before)
     # The objects alive before vLLM's start-up (and its gc.collect() calls) were set aside.
     seen["frozen_objects"] = gc.get_freeze_count()
     seen["is_rollout_engine"] = isinstance(engine, RolloutEngine) and engine.tp_size == 1
@@ -229,6 +234,7 @@ def test_colocated_engine_samples_syncs_and_verifies(models):
                                    left_out, changed), timeout=300)
 
     assert seen["is_rollout_engine"]   # the Protocol the trainer uses (test_rollout_engine.py)
+    assert seen["reseeded"]
     assert seen["compiled_frames"] == 0, "torch.compile ran inside an enforce_eager engine"
     assert seen["frozen_objects"] > 10_000, seen["frozen_objects"]
     assert seen["norm_priority"] == [["mg_cpu_c", "native"]] * 2

@@ -38,3 +38,32 @@ def test_resume_false_starts_a_new_run_beside_checkpoints(tmp_path):
     # A folder without any checkpoint fails at the option checks, before any start-up.
     with pytest.raises(ConfigError, match="holds no complete checkpoint"):
         start("--resume", str(model))
+
+
+def test_a_resumed_run_keeps_the_generators_its_checkpoint_restored(monkeypatch):
+    """Building the sampler leaves the generators as the checkpoint restored them; a
+    colocated vLLM engine seeds them (test_rollout_colocate.py checks that it does), which
+    a stand-in builder does here."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from megatron_grpo.train import run
+
+    def reseeding_builder(cfg):
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        return "engine"
+
+    monkeypatch.setattr(run, "build_sampler", reseeding_builder)
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    assert run.build_sampler_keeping_generators(None) == "engine"
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected

@@ -113,7 +113,9 @@ def build_run(cfg) -> Run:
     if state:   # None: a fresh run, or --finetune (the weights only; step 0)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-    engine = build_sampler(cfg)
+    # A fresh run keeps vLLM's seeding of the generators (every fresh run's stream); a resumed
+    # one the states its checkpoint restored.
+    engine = build_sampler_keeping_generators(cfg) if state else build_sampler(cfg)
     sync = WeightSync(policy, engine, cfg.rollout)
     # vLLM must hold the loaded policy, not the HF start (a start from a PEFT adapter too)
     if resume_from or sync.is_server or t.adapters:
@@ -170,6 +172,16 @@ def _drop_long_prompts(cfg, dataset, tokenizer, render):
         print(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} prompts longer "
               f"than --max_length {cfg.data.max_length}; {len(dataset)} left", flush=True)
     return dataset
+
+
+def build_sampler_keeping_generators(cfg):
+    """build_sampler, the generators (python, numpy, torch, Megatron's tracker) left as they
+    were: a colocated vLLM engine seeds this process's (its set_random_seed), which would
+    replace the states a checkpoint just restored."""
+    states = ckpt.collect_rng_state()
+    engine = build_sampler(cfg)
+    ckpt.restore_rng_state(states)
+    return engine
 
 
 def resume_path(resume: Optional[str], out_dir: str) -> Optional[str]:
