@@ -34,8 +34,12 @@ def train(cfg, close_engine: bool = True):
     schedule = [(it, k) for it in range(g.num_iterations) for k in range(g.steps_per_generation)]
     t_last = time.perf_counter()     # timing/step: wall time between consecutive steps
     while run.step < run.total_steps:
-        batch = rollout_phase(run)                       # 1-5: rollouts, log-probs, advantages
+        # 1-5: rollouts, log-probs, advantages (after a resume mid-batch: the rest of it)
+        batch, start = run.pending or (rollout_phase(run), 0)
+        run.pending = None
         for n, (_, k) in enumerate(schedule):
+            if n < start:
+                continue
             if run.step >= run.total_steps:
                 break
             metrics = optimizer_step(run, batch, k)     # 6
@@ -50,6 +54,7 @@ def train(cfg, close_engine: bool = True):
                 metrics.update(run.evaluator.maybe_evaluate(run.step, vllm_fresh=fresh))
             now = time.perf_counter()
             metrics["timing/step"], t_last = now - t_last, now
-            log_and_save(run, batch, metrics, first_of_batch=n == 0)
+            log_and_save(run, batch, metrics, first_of_batch=n == 0,
+                         next_in_batch=n + 1 if n + 1 < len(schedule) else None)
     finish(run, close_engine=close_engine)
     return run

@@ -9,6 +9,7 @@ tests/test_trainer_eval_e2e.py (a run that also evaluates).
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,14 +190,31 @@ def test_pp2_with_reference_and_two_steps_per_generation(tiny, tmp_path):
     fork out (launch.fork_problem), so the two ranks are new interpreters, as a GPU build
     of torch has them."""
     out = str(tmp_path / "run")
-    r = _run(_argv(tiny, out, pipeline_model_parallel_size=2, beta=0.04,
-                   generation_batch_size=16,
-                   global_batch_size=8, train_iters=2, log_entropy="true",
-                   top_entropy_quantile=0.5), omp_threads=2)
+
+    def argv(out):
+        return _argv(tiny, out, pipeline_model_parallel_size=2, beta=0.04,
+                     generation_batch_size=16, global_batch_size=8, train_iters=2,
+                     log_entropy="true", top_entropy_quantile=0.5, save_steps=1)
+
+    r = _run(argv(out), omp_threads=2)
     assert r.returncode == 0, r.stderr[-4000:]
     assert launch.FORK_NOTE not in r.stdout
-    _check_metrics(_metrics(out), 2, extra=("kl", "entropy/entropy_mean", "entropy/entropy_threshold"),
+    rows = _metrics(out)
+    _check_metrics(rows, 2, extra=("kl", "entropy/entropy_mean", "entropy/entropy_threshold"),
                    steps_per_generation=2)
+    # checkpoint-1 was saved in the middle of the generation batch (2 steps each): a run
+    # resumed from it trains step 2 on the rest of that batch, as the uninterrupted run did,
+    # not on a new rollout (whose generate time would show at step 2).
+    again = str(tmp_path / "resumed")
+    shutil.copytree(os.path.join(out, "checkpoint-1"), os.path.join(again, "checkpoint-1"))
+    r = _run(argv(again), omp_threads=2)
+    assert r.returncode == 0, r.stderr[-4000:]
+    [resumed] = _metrics(again)
+    assert resumed["step"] == 2 and "timing/generate" not in resumed
+    assert "timing/generate" not in rows[1]
+    for key in ("reward", "loss", "grad_norm", "kl", "entropy/entropy_mean",
+                "clip_ratio/region_mean"):
+        assert resumed[key] == pytest.approx(rows[1][key], rel=1e-6, abs=1e-9), key
 
 
 def test_sigkill_then_resume_from_lean_checkpoints_and_finetune(tiny, tmp_path):

@@ -56,6 +56,9 @@ class Run:
     dp_rank: int
     multi_turn: Any = None       # rollout.trajectory.MultiTurnRollout (--multi_turn_scheduler)
     vision: Any = None           # data.vision.VisionProcessor (a dataset with images), or None
+    # (RolloutBatch, index in the loop's schedule of its next step): the generation batch a
+    # checkpoint saved mid-batch was training, for the loop to finish first; else None.
+    pending: Any = None
 
     @property
     def per_step(self) -> int:
@@ -110,9 +113,11 @@ def build_run(cfg) -> Run:
     resume_from = resume_path(log.resume, log.output_dir)
     state = resume_from and ckpt.load_checkpoint(resume_from, policy.chunks, policy.optimizer,
                                                  policy.scheduler, finetune=log.finetune)
+    pending = None
     if state:   # None: a fresh run, or --finetune (the weights only; step 0)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
+        pending = _pending_batch(state.get("batch"), resume_from)
     # A fresh run keeps vLLM's seeding of the generators (every fresh run's stream); a resumed
     # one the states its checkpoint restored.
     engine = build_sampler_keeping_generators(cfg) if state else build_sampler(cfg)
@@ -133,7 +138,32 @@ def build_run(cfg) -> Run:
     return Run(cfg, loss, policy, ref, engine, sync, tokenizer, render, dataset, sampler,
                reward_funcs, reward_names, logger, evaluator, steps, step,
                ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-               multi_turn=multi_turn, vision=vision)
+               multi_turn=multi_turn, vision=vision, pending=pending)
+
+
+def _layout() -> dict:
+    """What a saved generation batch depends on: this rank's place in the world (its DP
+    share and log-probs, the micro-batch padding under sequence parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    return {"world": dist.get_world_size(), "rank": dist.get_rank(),
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def _pending_batch(saved: Optional[dict], path: str):
+    """(RolloutBatch, next schedule index) from a checkpoint saved in the middle of a
+    generation batch, when this run's layout is the saving one's; else None."""
+    if saved is None:
+        return None
+    if saved["layout"] != _layout():
+        if dist.get_rank() == 0:
+            print(f"[megatron-grpo] warning: {path} was saved in the middle of a generation "
+                  f"batch by another layout ({saved['layout']}, now {_layout()}): the rest of "
+                  "that batch is not trained; the run continues with a new rollout", flush=True)
+        return None
+    return saved["rollout"], saved["next"]
 
 
 def _vision_processor(cfg, dataset, val_dataset):
@@ -195,9 +225,13 @@ def resume_path(resume: Optional[str], out_dir: str) -> Optional[str]:
     return ckpt.find_latest_checkpoint(resume)
 
 
-def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool) -> None:
+def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool,
+                 next_in_batch: Optional[int] = None) -> None:
     """After optimizer step `run.step`: its metrics; the generation batch's completions
-    (once per batch); a checkpoint every save_steps steps and after the last."""
+    (once per batch); a checkpoint every save_steps steps and after the last.
+    `next_in_batch`: the schedule index of the batch's next step, None after its last; a
+    checkpoint saved mid-batch holds the batch, so that a resume trains the rest of it (as
+    the uninterrupted run does) before the next rollout."""
     log = run.cfg.logging
     run.logger.log(run.step, metrics)
     if first_of_batch:
@@ -216,9 +250,12 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool) -> Non
                                run.reward_names, extra=extra)
     if run.step % log.save_steps == 0 or run.step >= run.total_steps:
         p = run.policy
+        state = {"step": run.step, "sampler": run.sampler.state_dict(),
+                 "config": run.cfg.to_flat()}
+        if next_in_batch is not None and run.step < run.total_steps:
+            state["batch"] = {"rollout": batch, "next": next_in_batch, "layout": _layout()}
         ckpt.save_checkpoint(log.output_dir, run.step, p.chunks, p.optimizer, p.scheduler,
-                             {"step": run.step, "sampler": run.sampler.state_dict(),
-                              "config": run.cfg.to_flat()},
+                             state,
                              save_total_limit=log.save_total_limit,
                              save_optim=not log.no_save_optim, save_rng=not log.no_save_rng,
                              hf_config_dir=run.cfg.model.model)
