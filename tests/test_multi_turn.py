@@ -9,6 +9,7 @@ with the number-guessing environment, and an ms-swift-style plugin scheduler.
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -112,6 +113,52 @@ def test_tool_call_trajectory_is_token_exact_with_masks(tok):
     assert [m["role"] for m in t.messages] == ["system", "user", "assistant", "tool", "assistant"]
     # (not the template of the whole conversation re-rendered: this template drops the
     # empty think block of earlier turns, which the model did see)
+
+
+# Qwen3's way with history: an assistant turn before the last user message loses its
+# <think> block when the conversation is rendered again (the turns after it keep theirs).
+THINK_DROPPING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- set content = m['content'] %}"
+    "{%- if m['role'] == 'assistant' and '</think>' in content and loop.index0 < ns.last_user %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_template_that_rewrites_history_keeps_the_tokens_the_model_saw(tok):
+    """A scheduler appending user messages under a template that drops the <think> block
+    of earlier assistant turns (Qwen3's): each turn samples from the exact ids so far,
+    the earlier turn's <think> included, and the span between turns is what the template
+    adds after the model's message."""
+    from megatron_grpo.multi_turn import MultiTurnScheduler
+
+    class GoOn(MultiTurnScheduler):
+        def step(self, infer_request, response_choice, current_turn):
+            infer_request.messages.append({"role": "user", "content": "go on"})
+            return {"infer_request": infer_request}
+
+    think = copy.copy(tok)
+    think.chat_template = THINK_DROPPING_TEMPLATE
+    reply = "<think>hm</think>\n4"
+    engine = Scripted(think, lambda p: reply)
+    [t] = run_trajectories(engine, think, GoOn(max_turns=3, tokenizer=think),
+                           [RolloutInferRequest([USER])], max_turns=3)
+    eos = think.convert_tokens_to_ids("<|im_end|>")
+    turn = ids(think, reply) + [eos]
+    between = ids(think, "\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n")
+    prompt = ids(think, render_chat(think, [USER], add_generation_prompt=True))
+    assert t.prompt_ids == prompt and t.num_turns == 3
+    assert t.completion_ids == turn + between + turn + between + turn
+    assert t.loss_mask == ([1] * len(turn) + [0] * len(between)) * 2 + [1] * len(turn)
+    assert engine.prompts == [prompt, prompt + turn + between,
+                              prompt + turn + between + turn + between]
 
 
 def test_max_length_cuts_the_trajectory_and_max_turns_ends_it(tok):

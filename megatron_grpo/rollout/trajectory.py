@@ -7,16 +7,18 @@ Nothing is re-tokenised: each turn samples from the exact ids of the trajectory 
 and a message added by the scheduler becomes the tokens of the text the chat template
 adds for it, and only that text:
 
-    base  = template(messages up to the model's turn)             (no generation prompt)
-    full  = template(messages + added messages, generation prompt)
-    span  = glue + full[len(base):]        glue: what the template puts after the model's
-                                            text, less the stop token the model wrote
+    full  = template(messages, the model's turn's text replaced by a marker, + added
+                     messages, generation prompt)
+    span  = full after the marker, less the template's text up to and including the stop
+            token the model wrote
 
-    e.g. ChatML: model tokens "...</tool_call><|im_end|>"; glue "\\n"; full[len(base):]
-    "<|im_start|>tool\\n42<|im_end|>\\n<|im_start|>assistant\\n".
+    e.g. ChatML: model tokens "...</tool_call><|im_end|>"; after the marker
+    "<|im_end|>\\n<|im_start|>tool\\n42<|im_end|>\\n<|im_start|>assistant\\n"; span from
+    its "\\n<|im_start|>tool".
 
-A scheduler that rewrites earlier messages (full does not start with base) is refused:
-its trajectory would not be the tokens the model saw.
+Earlier turns are never rendered again: a template that renders them differently once
+more messages follow (Qwen3's drops the <think> block of turns before the last user
+message) changes nothing, the trajectory stays the tokens the model saw.
 
 All trajectories stay in flight together, each at its own pace (continuous batching
 across turns): the engine's `generate_turns` hands each finished turn to the loop at
@@ -114,30 +116,24 @@ class TurnSpans:
         return render_chat(self.tokenizer, messages, add_generation_prompt=generation_prompt,
                            enable_thinking=self.enable_thinking)
 
-    def glue(self, head: List[Dict[str, Any]], last_token: Optional[int]) -> str:
-        """The template's text after a model turn's content, less the model's stop token."""
-        text = self.render(head + [{"role": "assistant", "content": _SENTINEL}], False)
-        after = text[text.rindex(_SENTINEL) + len(_SENTINEL):]
-        if last_token is not None and last_token in self.special:
-            stop = self.tokenizer.decode([last_token], skip_special_tokens=False)
-            at = after.find(stop) if stop else -1
-            if at >= 0:
-                return after[at + len(stop):]
-        return after
-
     def span(self, messages: List[Dict[str, Any]], turn_end: int,
              last_token: Optional[int]) -> List[int]:
         """Ids of messages[turn_end:] plus the generation prompt, after the model's turn
-        messages[turn_end - 1]."""
-        base = self.render(messages[:turn_end], False)
-        full = self.render(messages, True)
-        if not full.startswith(base):
+        messages[turn_end - 1], whose last token was `last_token` (module docstring)."""
+        if len(messages) <= turn_end or messages[turn_end - 1].get("role") != "assistant":
             raise ValueError(
-                "multi-turn scheduler changed messages before the model's last turn (the chat "
-                "template of the new conversation does not start with the old one); token-exact "
+                "multi-turn scheduler removed or replaced the model's last turn; token-exact "
                 "trajectories need schedulers that only append messages")
-        text = self.glue(messages[:turn_end - 1], last_token) + full[len(base):]
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        marked = dict(messages[turn_end - 1], content=_SENTINEL)
+        marked.pop("reasoning_content", None)
+        text = self.render(messages[:turn_end - 1] + [marked] + messages[turn_end:], True)
+        after = text[text.index(_SENTINEL) + len(_SENTINEL):]
+        if last_token is not None and last_token in self.special:
+            stop = self.tokenizer.decode([last_token], skip_special_tokens=False)
+            at = after.find(stop) if stop else -1
+            if at >= 0:     # the model wrote it: in the trajectory already
+                after = after[at + len(stop):]
+        return list(self.tokenizer(after, add_special_tokens=False)["input_ids"])
 
 
 def _choice(c) -> ChatCompletionResponseChoice:
