@@ -266,8 +266,9 @@ def collect_rollouts(sample, num_prompts: int, num_generations: int, *, dynamic_
     are replaced by groups of freshly drawn prompts, up to `max_resample_times` rounds.
 
     `sample()` draws the next prompts from the sampler and returns a scored batch. If the
-    rounds run out, the batch is filled up with zero-variance groups (as ms-swift does), so
-    its size never changes.
+    rounds run out, the groups with a reward spread found so far are kept and the batch is
+    filled up with the first batch's zero-variance groups, so its size never changes
+    (ms-swift falls back to the first batch as drawn, dropping what the rounds found).
     """
     first = sample()
     if not dynamic_sample:
