@@ -89,10 +89,7 @@ CASES = [
     (["--top_p", "0"], ["--top_p 0", "(0, 1]"]),
     (["--top_k", "-2"], ["--top_k -2", "-1 or 0 disable it"]),
     (["--vllm_mode", "server", "--vllm_server_host", "a", "b", "c", "--vllm_server_port", "1", "2"],
-     ["--vllm_server_host a b c --vllm_server_port 1 2", "one rollout server is supported",
-      "--vllm_data_parallel_size N"]),
-    (["--vllm_mode", "server", "--vllm_server_base_url", "http://a:1", "http://b:1"],
-     ["--vllm_server_base_url http://a:1 http://b:1", "one rollout server"]),
+     ["--vllm_server_port 1 2 must give one port, or one per host (3 hosts: a b c)"]),
     (["--vllm_mode", "server", "--vllm_server_base_url", "localhost:8000"],
      ["--vllm_server_base_url 'localhost:8000'", "http://"]),
     # loss

@@ -142,6 +142,68 @@ def test_server_syncs_generates_and_verifies(server):
 @pytest.mark.vllm
 @pytest.mark.slow
 @needs_vllm
+def test_two_servers_sample_as_one(server):
+    """Several servers (ms-swift's lists of hosts and ports) as one sampler: a weight update
+    goes to each (every engine's fingerprints checked), each call's prompts are spread
+    over both, the completions and scores come back in prompt order."""
+    base = server["base"]
+    with rollout_server(base, server["root"] / "server2.log", "--vllm_max_model_len", "256",
+                        "--vllm_enforce_eager", "true", "--vllm_engine_kwargs",
+                        '{"dtype": "float32"}', "--api_key", TOKEN, "--seed", "0") as second:
+        _two_servers(base, [server["port"], second.port])
+
+
+def _two_servers(base, ports):
+    client = RolloutClient(vllm_server_host=["127.0.0.1", "localhost"], vllm_server_port=ports,
+                           vllm_server_timeout=300, api_key=TOKEN, temperature=TEMPERATURE,
+                           num_generations=2, max_completion_length=6, seed=4)
+    client.wait_until_ready()
+    used = []
+    post = client._post_json
+    client._post_json = lambda path, payload, server=0: used.append((path, server)) or \
+        post(path, payload, server)
+    expected = StreamFingerprints()        # the base weights again (earlier tests changed them)
+    load_weight_stream(client, expected.watch(iter_safetensors_buckets(base, num_buckets=2)))
+    assert len(client.weight_fingerprints()) == SERVER_DP + 1
+    assert check_weight_sync(client, expected.result) == len(safetensors_index(base))
+    gen = client.generate(PROMPTS)
+    assert [c.prompt_index for c in gen] == [0, 0, 1, 1, 2, 2]
+    ref = hf_logprobs(base, [PROMPTS[c.prompt_index] for c in gen], [c.token_ids for c in gen],
+                      TEMPERATURE)
+    assert max_diff([c.logprobs for c in gen], ref) < ATOL
+    assert max_diff(client.score(PROMPTS, COMPLETIONS), hf_logprobs(base, PROMPTS, COMPLETIONS)) \
+        < ATOL
+    assert sorted(used) == [("/v1/completions", 0)] * 2 + [("/v1/completions", 1)] * 3
+
+
+def test_client_spreads_calls_over_servers():
+    """Which server each request goes to (a stand-in for /v1/completions): contiguous
+    shares of a call's prompts, trajectory i of a multi-turn call on server i mod n."""
+    from megatron_grpo.rollout.colocate import Completion
+
+    client = RolloutClient(vllm_server_base_url=["http://a:1", "http://b:2", "http://c:3"],
+                           num_generations=1, seed=None)
+    client._model, sent = "tiny", []
+
+    def completions(prompts, opts, seed, server=0):
+        sent.append((server, [p[0] for p in prompts]))
+        return [Completion(i, [p[0]], "x", False, [-1.0], "stop") for i, p in enumerate(prompts)]
+
+    client._completions = completions
+    out = client.generate([[k] for k in range(7)])
+    assert sent == [(0, [0, 1]), (1, [2, 3]), (2, [4, 5, 6])]
+    assert [(c.prompt_index, c.token_ids[0]) for c in out] == [(k, k) for k in range(7)]
+    sent.clear()
+    client.generate([[9]])                     # one prompt: one server
+    assert sent == [(2, [9])]
+    sent.clear()
+    client.generate_turns([[k] for k in range(4)], lambda i, c: None)
+    assert sorted(sent) == [(0, [0]), (0, [3]), (1, [1]), (2, [2])]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
 def test_server_multi_turn_trajectories_are_token_exact(server):
     """Multi-turn through the client (server mode): each turn samples from the exact ids so
     far, so the server's own scoring of the whole trajectory (prompt log-probs, temperature
@@ -193,7 +255,7 @@ def test_client_generate_seeds_every_prompt_and_call():
 
     sent = []
 
-    def completions(prompts, opts, seed):
+    def completions(prompts, opts, seed, server=0):
         sent.append((prompts, seed))
         return [Completion(i // opts.num_generations, [len(sent)], "x", False, None)
                 for i in range(len(prompts) * opts.num_generations)]
@@ -222,7 +284,7 @@ def test_client_turns_never_wait_for_each_other():
     client = RolloutClient(vllm_server_port=8000, seed=5, max_completion_length=3)
     sent, arrived = [], threading.Event()
 
-    def completions(prompts, opts, seed):
+    def completions(prompts, opts, seed, server=0):
         [p] = prompts
         assert opts.num_generations == 1 and opts.max_completion_length == 3
         sent.append((p, seed))

@@ -428,11 +428,13 @@ class RolloutOptions(_Group):
     vllm_limit_mm_per_prompt: Optional[Dict[str, int]] = opt(
         None, "Vision-language models: the most images per prompt vLLM accepts, as JSON, e.g. "
               "'{\"image\": 2}' (videos are not supported). None: vLLM's default.")
-    vllm_server_host: Optional[List[str]] = opt(None, "Host of the rollout server (one; ms-swift "
-                                                      "takes a list). None in server mode: "
-                                                      "127.0.0.1.")
-    vllm_server_port: List[int] = opt(help="Port of the rollout server.", factory=lambda: [8000])
-    vllm_server_base_url: Optional[List[str]] = opt(None, "Base URL of the server, e.g. "
+    vllm_server_host: Optional[List[str]] = opt(None, "Host(s) of the rollout server(s); several "
+                                                      "sample as one (each call's prompts spread "
+                                                      "over them, every weight sync sent to "
+                                                      "each). None in server mode: 127.0.0.1.")
+    vllm_server_port: List[int] = opt(help="Port(s) of the rollout server(s), one per host or one "
+                                           "for all.", factory=lambda: [8000])
+    vllm_server_base_url: Optional[List[str]] = opt(None, "Base URL(s) of the server(s), e.g. "
                                                           "http://127.0.0.1:8000; overrides host/port.")
     vllm_server_timeout: float = opt(240.0, "Seconds to wait for the server to come up.")
     temperature: float = opt(0.9, "Sampling temperature (also divides the training logits).")

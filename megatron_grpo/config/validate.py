@@ -855,20 +855,14 @@ def _check_rollout(cfg: "GRPOConfig", p: Problems) -> None:
                            v.sleep_level)
             v.sleep_level = 0
         p.require(v.vllm_server_timeout > 0, f"--vllm_server_timeout {v.vllm_server_timeout} must be > 0")
-        servers = (v.vllm_server_base_url if v.vllm_server_base_url is not None else
-                   v.vllm_server_host or ["127.0.0.1"])
-        option = "vllm_server_base_url" if v.vllm_server_base_url is not None else \
-            "vllm_server_host"
-        p.require(len(servers) == 1 and len(v.vllm_server_port) == 1,
-                  f"--{option} {' '.join(map(str, servers))} --vllm_server_port "
-                  f"{' '.join(map(str, v.vllm_server_port))}: one rollout server is supported "
-                  "(ms-swift spreads requests over several). Fix: one server with several "
-                  "vLLM replicas: `megatron rollout --vllm_data_parallel_size N`, and one host "
-                  "and port here")
         if v.vllm_server_base_url is None:
             if v.vllm_server_host is None:
                 v.vllm_server_host = ["127.0.0.1"]
-            for port in v.vllm_server_port:
+            hosts, ports = v.vllm_server_host, v.vllm_server_port
+            p.require(len(ports) in (1, len(hosts)),
+                      f"--vllm_server_port {' '.join(map(str, ports))} must give one port, or "
+                      f"one per host ({len(hosts)} hosts: {' '.join(hosts)})")
+            for port in ports:
                 p.require(0 < port < 65536, f"--vllm_server_port {port} is not a valid port (1-65535)")
         else:
             for url in v.vllm_server_base_url:

@@ -15,6 +15,7 @@ closes), and `request_timeout` bounds a request to a server that hangs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import http.client
 import json
 import os
@@ -24,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..data.vision import png_base64
 from .colocate import Completion, SamplingOptions
@@ -44,30 +45,50 @@ NON_FINITE_HELP = (" (a NaN log-prob: the served model produced non-finite logit
                    "weight sync (--check_weight_sync true names the tensors))")
 
 
+def server_urls(host: Union[str, Sequence[str]] = "127.0.0.1",
+                port: Union[int, Sequence[int]] = 8000,
+                base_url: Union[None, str, Sequence[str]] = None) -> List[str]:
+    """The rollout servers' base URLs: `base_url` (one or several), else one per host, the
+    port given once for all or one per host (ms-swift's vllm_server_host/_port lists)."""
+    if base_url:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"vllm_server_base_url={url!r} must start with http:// or https://")
+        return [url.rstrip("/") for url in urls]
+    hosts = [host] if isinstance(host, str) else list(host)
+    ports = [port] if isinstance(port, int) else [int(p) for p in port]
+    if len(ports) not in (1, len(hosts)):
+        raise ValueError(f"vllm_server_port {ports}: give one port, or one per host ({hosts})")
+    for p in ports:
+        if not 0 < int(p) < 65536:
+            raise ValueError(f"vllm_server_port={p} is not a port (1-65535)")
+    return [f"http://{h}:{int(ports[0] if len(ports) == 1 else ports[k])}"
+            for k, h in enumerate(hosts)]
+
+
 class RolloutClient:
-    """HTTP client of one rollout server (a rollout.engine.RolloutEngine)."""
+    """HTTP client of the rollout servers (a rollout.engine.RolloutEngine): one, or several
+    as one sampler (ms-swift's lists of hosts). With several, each call's prompts are
+    spread over them in contiguous shares (a multi-turn call: trajectory i on server
+    i mod n), and every weight or adapter update goes to each of them."""
 
     # Every rank talks to the server on its own: no rank has to join another's generate().
     tp_size = 1
     # Requests generate_turns keeps in flight at once (one thread each).
     max_concurrent_requests = 256
 
-    def __init__(self, vllm_server_host: str = "127.0.0.1", vllm_server_port: int = 8000,
-                 vllm_server_base_url: Optional[str] = None, vllm_server_timeout: float = 240.0,
+    def __init__(self, vllm_server_host: Union[str, Sequence[str]] = "127.0.0.1",
+                 vllm_server_port: Union[int, Sequence[int]] = 8000,
+                 vllm_server_base_url: Union[None, str, Sequence[str]] = None,
+                 vllm_server_timeout: float = 240.0,
                  api_key: Optional[str] = None, request_timeout: float = 1800.0,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  repetition_penalty: float = 1.0, max_completion_length: int = 512,
                  num_generations: int = 1, seed: Optional[int] = None,
                  logprobs: bool = True) -> None:
-        if vllm_server_base_url:
-            if not vllm_server_base_url.startswith(("http://", "https://")):
-                raise ValueError(f"vllm_server_base_url={vllm_server_base_url!r} must start "
-                                 "with http:// or https://")
-            self.base_url = vllm_server_base_url.rstrip("/")
-        else:
-            if not 0 < int(vllm_server_port) < 65536:
-                raise ValueError(f"vllm_server_port={vllm_server_port} is not a port (1-65535)")
-            self.base_url = f"http://{vllm_server_host}:{int(vllm_server_port)}"
+        self.base_urls = server_urls(vllm_server_host, vllm_server_port, vllm_server_base_url)
+        self.base_url = self.base_urls[0]
         if vllm_server_timeout <= 0:
             raise ValueError(f"vllm_server_timeout={vllm_server_timeout} must be > 0 seconds")
         self.timeout = float(vllm_server_timeout)
@@ -77,18 +98,24 @@ class RolloutClient:
                                         max_completion_length, num_generations, logprobs)
         self.seed = seed
         self._model: Optional[str] = None
-        self.lora_name: Optional[str] = None  # the synced adapter (adapter-only LoRA sync)
+        # Per server, the synced adapter's name there (adapter-only LoRA sync), else None.
+        self.lora_names: List[Optional[str]] = [None] * len(self.base_urls)
         self._calls = 0       # generate and generate_turns calls (request seeds)
+
+    @property
+    def lora_name(self) -> Optional[str]:
+        """The synced adapter's name on the first server."""
+        return self.lora_names[0]
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, path: str, body: Optional[bytes] = None,
-                 content_type: str = "application/json", timeout: Optional[float] = None) -> Any:
+                 content_type: str = "application/json", timeout: Optional[float] = None,
+                 server: int = 0) -> Any:
         headers = {"Content-Type": content_type}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.base_url + path, data=body, method=method,
-                                     headers=headers)
-        url = self.base_url + path
+        url = self.base_urls[server] + path
+        req = urllib.request.Request(url, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as resp:
                 data = resp.read()
@@ -107,25 +134,46 @@ class RolloutClient:
             ) from None
         return json.loads(data) if data else None
 
-    def _post_json(self, path: str, payload: Dict[str, Any]) -> Any:
-        return self._request("POST", path, json.dumps(payload).encode())
+    def _post_json(self, path: str, payload: Dict[str, Any], server: int = 0) -> Any:
+        return self._request("POST", path, json.dumps(payload).encode(), server=server)
+
+    def _on_every_server(self, method: str, path: str, body: Optional[bytes] = b"",
+                         content_type: str = "application/json") -> List[Any]:
+        """The same request to every server, at once; their answers in server order."""
+        if len(self.base_urls) == 1:
+            return [self._request(method, path, body, content_type)]
+        with ThreadPoolExecutor(max_workers=len(self.base_urls)) as pool:
+            return list(pool.map(lambda s: self._request(method, path, body, content_type,
+                                                          server=s), range(len(self.base_urls))))
+
+    def _shares(self, n: int) -> List[Tuple[int, int, int]]:
+        """(server, lo, hi): n items in contiguous shares, one per server, empty ones left out."""
+        k = len(self.base_urls)
+        return [(s, s * n // k, (s + 1) * n // k) for s in range(k)
+                if (s + 1) * n // k > s * n // k]
 
     def wait_until_ready(self) -> None:
-        """Poll /health with exponential backoff until it answers 200, for at most
-        `vllm_server_timeout` seconds (a server start takes minutes on big models)."""
+        """Poll each server's /health with exponential backoff until it answers 200, for at
+        most `vllm_server_timeout` seconds in all (a server start takes minutes on big
+        models)."""
         deadline = time.monotonic() + self.timeout
+        for server in range(len(self.base_urls)):
+            self._wait_for(server, deadline)
+
+    def _wait_for(self, server: int, deadline: float) -> None:
         delay, last = 0.25, None
         while True:
             remaining = deadline - time.monotonic()
             try:
-                self._request("GET", "/health", timeout=max(0.5, min(5.0, remaining)))
+                self._request("GET", "/health", timeout=max(0.5, min(5.0, remaining)),
+                              server=server)
                 return
             except RolloutServerError as e:
                 last = e
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RolloutServerError(
-                    f"no rollout server answered at {self.base_url} within "
+                    f"no rollout server answered at {self.base_urls[server]} within "
                     f"vllm_server_timeout={self.timeout:g}s (last error: {last}). Start one with "
                     "`megatron rollout --model DIR --host H --port P` and point "
                     "vllm_server_host/vllm_server_port (or vllm_server_base_url) at it")
@@ -149,40 +197,54 @@ class RolloutClient:
         prompts = [[int(t) for t in p] for p in prompt_token_ids]
         if not prompts:
             return []
+        self._calls += 1
         if images is not None:
             if len(images) != len(prompts):
                 raise ValueError(f"generate: {len(prompts)} prompts but {len(images)} image lists")
-            return self._generate_images(prompts, images, opts)
-        if self.seed is None:         # the server's own random stream: one request for all
-            return self._completions(prompts, opts, None)
-        # A request per prompt, each with its own seed (as generate_turns' per chain): vLLM
-        # gives sample k of a request seed + k, so one seed for the whole batch would draw
-        # the same random numbers for every prompt, at every step.
-        self._calls += 1
-        with ThreadPoolExecutor(max_workers=min(len(prompts), self.max_concurrent_requests),
-                                thread_name_prefix="rollout-generate") as pool:
-            parts = pool.map(lambda k: self._completions([prompts[k]], opts,
-                                                         self._turn_seed(k, 0)),
-                             range(len(prompts)))
-            return [dataclasses.replace(c, prompt_index=k)
-                    for k, part in enumerate(parts) for c in part]
+            return self._at_once([functools.partial(self._generate_images, prompts[lo:hi],
+                                                    images[lo:hi], opts, lo, server)
+                                  for server, lo, hi in self._shares(len(prompts))])
+        if self.seed is None:         # the servers' own random streams: a request per server
+            calls = [(lo, prompts[lo:hi], None, server)
+                     for server, lo, hi in self._shares(len(prompts))]
+        else:
+            # A request per prompt, each with its own seed (as generate_turns' per chain):
+            # vLLM gives sample k of a request seed + k, so one seed for the whole batch
+            # would draw the same random numbers for every prompt, at every step.
+            calls = [(k, [prompts[k]], self._turn_seed(k, 0), server)
+                     for server, lo, hi in self._shares(len(prompts)) for k in range(lo, hi)]
+        return self._at_once([functools.partial(self._offset, first, batch, opts, seed, server)
+                              for first, batch, seed, server in calls])
 
-    def _generate_images(self, prompts: List[List[int]], images, opts: SamplingOptions):
+    def _at_once(self, calls: List[Callable[[], List[Completion]]]) -> List[Completion]:
+        """Run the requests `calls` make concurrently; their completions, in call order."""
+        if len(calls) == 1:
+            return calls[0]()
+        with ThreadPoolExecutor(max_workers=min(len(calls), self.max_concurrent_requests),
+                                thread_name_prefix="rollout-generate") as pool:
+            return [c for part in pool.map(lambda call: call(), calls) for c in part]
+
+    def _offset(self, first: int, prompts: List[List[int]], opts: SamplingOptions,
+                seed: Optional[int], server: int) -> List[Completion]:
+        return [dataclasses.replace(c, prompt_index=first + c.prompt_index)
+                for c in self._completions(prompts, opts, seed, server)]
+
+    def _generate_images(self, prompts: List[List[int]], images, opts: SamplingOptions,
+                         first: int, server: int) -> List[Completion]:
         # A seed per prompt (as generate_turns' per chain): one for all would draw the
         # same random numbers for every prompt.
-        self._calls += 1
         out = self._post_json("/generate_images", dict(
             prompts=[{"prompt_token_ids": p, "images": [png_base64(i) for i in imgs],
-                      "seed": self._turn_seed(k, 0)}
+                      "seed": self._turn_seed(first + k, 0)}
                      for k, (p, imgs) in enumerate(zip(prompts, images))],
             sampling=dict(n=opts.num_generations, max_tokens=opts.max_completion_length,
                           temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k,
-                          repetition_penalty=opts.repetition_penalty)))
+                          repetition_penalty=opts.repetition_penalty)), server=server)
         result = []
         for i, (entry, imgs) in enumerate(zip(out["outputs"], images)):
             for c in entry["completions"]:
                 result.append(Completion(
-                    prompt_index=i, token_ids=list(c["token_ids"]), text=c["text"],
+                    prompt_index=first + i, token_ids=list(c["token_ids"]), text=c["text"],
                     truncated=c["finish_reason"] == "length",
                     logprobs=list(c["logprobs"]) if opts.logprobs else None,
                     finish_reason=c["finish_reason"],
@@ -190,9 +252,11 @@ class RolloutClient:
         return result
 
     def _completions(self, prompts: List[List[int]], opts: SamplingOptions,
-                     seed: Optional[int]) -> List[Completion]:
-        """One /v1/completions request: opts.num_generations completions per prompt."""
-        payload = dict(model=self.lora_name or self.model, prompt=prompts, n=opts.num_generations,
+                     seed: Optional[int], server: int = 0) -> List[Completion]:
+        """One /v1/completions request to `server`: opts.num_generations completions per
+        prompt."""
+        payload = dict(model=self.lora_names[server] or self.model, prompt=prompts,
+                       n=opts.num_generations,
                        max_tokens=opts.max_completion_length, temperature=opts.temperature,
                        top_p=opts.top_p, top_k=opts.top_k,
                        repetition_penalty=opts.repetition_penalty,
@@ -200,7 +264,7 @@ class RolloutClient:
                        return_token_ids=True, skip_special_tokens=True)
         if seed is not None:
             payload["seed"] = seed
-        out = self._post_json("/v1/completions", payload)
+        out = self._post_json("/v1/completions", payload, server)
         choices = sorted(out["choices"], key=lambda c: c["index"])
         # OpenAI order: choice index = prompt index * n + sample index.
         result = []
@@ -240,7 +304,8 @@ class RolloutClient:
 
         def submit(i: int, ids: List[int]):
             turns[i] += 1
-            return pool.submit(self._completions, [ids], opts, self._turn_seed(i, turns[i]))
+            return pool.submit(self._completions, [ids], opts, self._turn_seed(i, turns[i]),
+                               i % len(self.base_urls))
 
         running = {submit(i, p): i for i, p in enumerate(prompts)}
         try:
@@ -271,46 +336,54 @@ class RolloutClient:
         if len(prompt_ids) != len(completion_ids):
             raise ValueError(f"score: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
         full = [[int(t) for t in p] + [int(t) for t in c] for p, c in zip(prompt_ids, completion_ids)]
-        out = self._post_json("/v1/completions", dict(
-            model=self.lora_name or self.model, prompt=full, max_tokens=1, temperature=0.0, prompt_logprobs=0))
-        choices = sorted(out["choices"], key=lambda c: c["index"])
-        result = []
-        for choice, ids, p in zip(choices, full, prompt_ids):
-            entries = choice["prompt_logprobs"]  # one per position; the first is None
-            result.append([float(entries[pos][str(ids[pos])]["logprob"])
-                           for pos in range(len(p), len(ids))])
-        return result
+        if not full:
+            return []
+
+        def scored(server: int, lo: int, hi: int) -> List[List[float]]:
+            out = self._post_json("/v1/completions", dict(
+                model=self.lora_names[server] or self.model, prompt=full[lo:hi], max_tokens=1,
+                temperature=0.0, prompt_logprobs=0), server)
+            choices = sorted(out["choices"], key=lambda c: c["index"])
+            return [[float(choice["prompt_logprobs"][pos][str(ids[pos])]["logprob"])
+                     for pos in range(len(p), len(ids))]   # one per position; the first None
+                    for choice, ids, p in zip(choices, full[lo:hi], prompt_ids[lo:hi])]
+
+        return self._at_once([functools.partial(scored, *share)
+                              for share in self._shares(len(full))])
 
     # ------------------------------------------------------------------ weights (weights.py)
     def begin_weight_update(self) -> None:
-        self._request("POST", "/update_weights/begin", b"")
+        self._on_every_server("POST", "/update_weights/begin")
 
     def load_bucket(self, bucket: Sequence) -> None:
-        self._request("POST", "/update_weights/bucket", _serialise(bucket),
-                      content_type="application/octet-stream")
+        self._on_every_server("POST", "/update_weights/bucket", _serialise(bucket),
+                              content_type="application/octet-stream")
 
     def finish_weight_update(self) -> None:
-        self._request("POST", "/update_weights/finish", b"")
+        self._on_every_server("POST", "/update_weights/finish")
 
     def reset_prefix_cache(self) -> None:
-        self._request("POST", "/reset_prefix_cache", b"")
+        self._on_every_server("POST", "/reset_prefix_cache")
 
     def begin_adapter_update(self) -> None:
-        self._request("POST", "/update_adapter/begin", b"")
+        self._on_every_server("POST", "/update_adapter/begin")
 
     def load_adapter_bucket(self, bucket: Sequence) -> None:
-        self._request("POST", "/update_adapter/bucket", _serialise(bucket),
-                      content_type="application/octet-stream")
+        self._on_every_server("POST", "/update_adapter/bucket", _serialise(bucket),
+                              content_type="application/octet-stream")
 
     def finish_adapter_update(self, peft_config: dict) -> str:
-        """The server registers the adapter under a new name, which later requests use."""
-        out = self._post_json("/update_adapter/finish", {"peft_config": dict(peft_config)})
-        self.lora_name = out["lora_name"]
-        return self.lora_name
+        """Each server registers the adapter under a new name, which later requests to it
+        use (`lora_names`); returns the first server's."""
+        body = json.dumps({"peft_config": dict(peft_config)}).encode()
+        answers = self._on_every_server("POST", "/update_adapter/finish", body)
+        self.lora_names = [a["lora_name"] for a in answers]
+        return self.lora_names[0]
 
     def adapter_fingerprints(self) -> List[dict]:
-        """Per vLLM engine, its workers' adapter fingerprints."""
-        return self._request("GET", "/adapter_fingerprints")["engines"]
+        """Per vLLM engine (every server's), its workers' adapter fingerprints."""
+        return [e for a in self._on_every_server("GET", "/adapter_fingerprints", None)
+                for e in a["engines"]]
 
     def sleep(self, level: int) -> None:
         """Server mode never sleeps (the server has its own devices): a no-op."""
@@ -319,8 +392,10 @@ class RolloutClient:
         """See sleep()."""
 
     def weight_fingerprints(self) -> List[List[dict]]:
-        """Fingerprint pieces, one list per vLLM engine (data-parallel replica)."""
-        return self._request("GET", "/weight_fingerprints")["engines"]
+        """Fingerprint pieces, one list per vLLM engine (every server's data-parallel
+        replicas)."""
+        return [e for a in self._on_every_server("GET", "/weight_fingerprints", None)
+                for e in a["engines"]]
 
     def close(self) -> None:
         """Nothing to release (each request opens its own connection); the server

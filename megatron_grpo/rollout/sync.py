@@ -131,9 +131,9 @@ class WeightSync:
             lambda info: check_adapter_sync(self.engine, expected, info["lora_id"],
                                             get_mapping(self.policy.args.family).vllm_aliases))
         if self.is_server:            # every rank's client samples with the new adapter
-            name = [info.get("lora_name")]
-            dist.broadcast_object_list(name, src=0)
-            self.engine.lora_name = name[0]
+            names = [self.engine.lora_names]    # each server's name for it
+            dist.broadcast_object_list(names, src=0)
+            self.engine.lora_names = names[0]
         return info
 
     def _sync_merged_tower(self, bucket: int) -> dict:

@@ -193,12 +193,10 @@ def build_sampler(cfg):
     if r.vllm_mode == "server":
         from ..rollout.client import RolloutClient
 
-        host = (r.vllm_server_host or ["127.0.0.1"])[0]
-        port = (r.vllm_server_port or [8000])[0]
-        base = (r.vllm_server_base_url or [None])[0]
         # Sampling options from the colocated engine's settings: one source for both modes.
-        client = RolloutClient(vllm_server_host=host, vllm_server_port=port,
-                               vllm_server_base_url=base,
+        client = RolloutClient(vllm_server_host=r.vllm_server_host or ["127.0.0.1"],
+                               vllm_server_port=r.vllm_server_port or [8000],
+                               vllm_server_base_url=r.vllm_server_base_url,
                                vllm_server_timeout=r.vllm_server_timeout, seed=cfg.training.seed,
                                **dataclasses.asdict(engine_settings(cfg).sampling()))
         client.wait_until_ready()
