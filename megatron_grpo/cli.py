@@ -86,7 +86,12 @@ def _rlhf(argv: list[str]) -> int:
     # tools/profile_startup.py) would free nothing that the exit does not. The run stays
     # referenced until then: releasing it (models, vLLM engine) took ~2 s in a worker
     # forked by the launcher (measured at the quickstart's end; docs/benchmarks.md).
-    run = train(cfg, close_engine=not worker)
+    try:
+        run = train(cfg, close_engine=not worker)
+    except ValueError as e:
+        # Past the checks, a ValueError is a failure of the run (from torch, vLLM, a reward
+        # plugin ...), not a bad option: its traceback, and exit code 1.
+        raise RunFailed(f"the run failed: {e}") from e
     if worker:
         _exit_worker()
     del run
@@ -172,6 +177,11 @@ def _rollout(argv: list[str]) -> int:
     from .rollout import server
 
     return server.main(argv) or 0
+
+
+class RunFailed(RuntimeError):
+    """A run that passed its checks failed; raised from the error that ended it, so that
+    the traceback shows where (not the one-line message of an option error)."""
 
 
 COMMANDS = {"rlhf": _rlhf, "rollout": _rollout, "export": _export}

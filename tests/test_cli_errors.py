@@ -148,3 +148,25 @@ def test_help_into_a_closed_pipe_exits_quietly(command):
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
     assert "Exception ignored" not in r.stderr, r.stderr
     assert r.returncode in (0, 1), r.stderr
+
+
+def test_a_failure_of_the_run_keeps_its_traceback(setup_files):
+    """A ValueError past the option checks (here from a stand-in trainer, in a process of
+    its own) fails the run with its traceback and exit code 1, not as the one-line message
+    of a bad option (exit code 2)."""
+    model, good, _, d = setup_files
+    script = (
+        "import sys\n"
+        "from megatron_grpo import cli, trainer\n"
+        "def train(cfg, close_engine=True):\n"
+        "    raise ValueError('boom in the loop')\n"
+        "trainer.train = train\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n")
+    argv = ["rlhf", "--rlhf_type", "grpo", "--model", model, "--dataset", good,
+            "--reward_funcs", "accuracy", "--num_generations", "4", "--global_batch_size", "8",
+            "--output_dir", f"{d}/out", "--report_to", "none"]
+    r = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, NPROC_PER_NODE="1"))
+    assert r.returncode == 1, (r.stdout, r.stderr[-3000:])
+    assert "Traceback" in r.stderr and "in train" in r.stderr, r.stderr[-3000:]
+    assert "RunFailed: the run failed: boom in the loop" in r.stderr, r.stderr[-3000:]
