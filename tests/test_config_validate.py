@@ -407,6 +407,14 @@ def test_vllm_lora_refused_for_moe(tmp_path):
     message = error_of(args(str(d), "--tuner_type", "lora", "--vllm_enable_lora", "true"))
     assert "--vllm_enable_lora true with the mixture-of-experts model" in message
     assert "--vllm_enable_lora false" in message
+    # LoRA on an MoE model: the attention's linears only (model/lora.py has no adapters for
+    # the experts; all-linear used to fail at the model build).
+    message = error_of(args(str(d), "--tuner_type", "lora"))
+    assert ("--tuner_type lora --target_modules all-linear with the mixture-of-experts model"
+            in message and "--target_modules q_proj k_proj v_proj o_proj" in message), message
+    cfg = parse_rlhf_args(args(str(d), "--tuner_type", "lora", "--target_modules", "q_proj",
+                               "v_proj"))
+    assert cfg.training.target_modules == ["q_proj", "v_proj"]
 
 
 @pytest.mark.parametrize("dtype_keys, flag, expected", [

@@ -434,6 +434,15 @@ def _check_moe(cfg: "GRPOConfig", p: Problems) -> None:
                   f"--expert_tensor_parallel_size {par.expert_tensor_parallel_size} need a "
                   f"mixture-of-experts model; --model {m.model!r} is dense. Fix: drop them")
         return
+    t = cfg.training
+    if t.tuner_type in ("lora", "lora_llm"):      # model/lora.py: the dense MLP's linears only
+        mlp = [x for x in t.target_modules or [] if x in ("all-linear", "gate_proj", "up_proj",
+                                                           "down_proj")]
+        p.require(not mlp,
+                  f"--tuner_type {t.tuner_type} --target_modules {' '.join(t.target_modules)} "
+                  f"with the mixture-of-experts model {m.model!r}: LoRA adapters on the experts' "
+                  f"linears ({' '.join(mlp)}) are not supported. Fix: --target_modules q_proj "
+                  "k_proj v_proj o_proj (the attention's linears)")
     ep = par.expert_model_parallel_size
     p.require(ep < 1 or experts % ep == 0,
               f"--expert_model_parallel_size {ep} does not divide the model's {experts} experts "
