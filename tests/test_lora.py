@@ -18,6 +18,7 @@ the PEFT adapter folder through megatron_grpo/model/lora_peft.py, then must give
 """
 from __future__ import annotations
 
+import re
 import os
 
 import pytest
@@ -301,6 +302,19 @@ def test_peft_settings_rejects_what_is_not_supported(tmp_path):
     with pytest.raises(ValueError, match=r"modules_to_save lm_head score: \['score'\] not "
                                          "supported; allowed: any of embed_tokens lm_head"):
         peft_settings(str(tmp_path))
+    # What PEFT writes for a plain adapter loads; DoRA, per-module ranks or alphas, LoRA
+    # biases would load as plain LoRA (another model): refused, by name.
+    plain = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+             "use_dora": False, "lora_bias": False, "alpha_pattern": {}, "rank_pattern": {},
+             "layers_to_transform": None, "layers_pattern": None}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(plain))
+    assert peft_settings(str(tmp_path)).scale == 2.0
+    for extra in ({"use_dora": True}, {"alpha_pattern": {"q_proj": 64}}, {"lora_bias": True},
+                  {"rank_pattern": {"q_proj": 4}}, {"layers_to_transform": [0]}):
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**plain, **extra}))
+        [(key, value)] = extra.items()
+        with pytest.raises(ValueError, match=re.escape(f"sets {key} {value!r}; supported")):
+            peft_settings(str(tmp_path))
 
 
 def test_peft_settings_reads_modules_to_save(tmp_path):

@@ -187,6 +187,17 @@ def peft_settings(adapter_dir: str, seed: int = 42) -> LoraSettings:
         raise ValueError(f"--adapters {adapter_dir!r}: {e}") from None
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"--adapters {adapter_dir!r}: bias {cfg['bias']!r}; allowed: none")
+    # PEFT options that change the adapter's math or tensors (DoRA's magnitudes, per-module
+    # ranks or alphas, LoRA biases, a subset of layers): not in model/lora.py's adapters, and
+    # loading them as plain LoRA would train another model than the adapter's.
+    unsupported = {k: cfg[k] for k in ("use_dora", "lora_bias", "alpha_pattern", "rank_pattern",
+                                       "layers_to_transform", "layers_pattern", "use_qalora")
+                   if cfg.get(k) not in (None, False, {}, [])}
+    if unsupported:
+        raise ValueError(f"--adapters {adapter_dir!r}: {ADAPTER_CONFIG} sets "
+                         + ", ".join(f"{k} {v!r}" for k, v in unsupported.items())
+                         + "; supported: plain LoRA (one r and lora_alpha for every target, "
+                         "every layer; no DoRA, no LoRA bias)")
     return LoraSettings(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
                         dropout=float(cfg.get("lora_dropout", 0.0)),
                         targets=parse_target_modules(targets),
