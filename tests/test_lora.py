@@ -18,8 +18,8 @@ the PEFT adapter folder through megatron_grpo/model/lora_peft.py, then must give
 """
 from __future__ import annotations
 
-import re
 import os
+import re
 
 import pytest
 import torch
