@@ -99,11 +99,12 @@ def mcore_source(path: str) -> McoreSource:
                              f"base model's config.json and tokenizer files into {hf_dir}")
         return McoreSource(os.path.join(path, "dist"), hf_dir, meta["layout"]["tp"],
                            meta.get("params_dtype"), path, meta.get("lora"))
-    saved_tp = None
+    saved_tp = saved_dtype = None
     if os.path.isfile(os.path.join(path, META_FILE)):
         with open(os.path.join(path, META_FILE)) as f:
-            saved_tp = json.load(f)["tensor_model_parallel_size"]
-    return McoreSource(path, hf_dir, saved_tp, None, path)
+            meta = json.load(f)
+        saved_tp, saved_dtype = meta["tensor_model_parallel_size"], meta.get("dtype")
+    return McoreSource(path, hf_dir, saved_tp, saved_dtype, path)
 
 
 def _check_qkv_layout(a: ExportConfig) -> None:
@@ -220,7 +221,10 @@ def main(argv: list[str]) -> int:
 
     src = None if a.to_mcore else mcore_source(a.mcore_model)
     hf_src = a.model if a.to_mcore else src.hf_dir
-    dtype = a.torch_dtype or _default_dtype(load_hf_config(hf_src))
+    # --torch_dtype unset: the checkpoint's (--to_hf: the weights' as saved, a training run's
+    # --bf16 included; else, and for --to_mcore, the HF config's).
+    dtype = a.torch_dtype or (src is not None and src.params_dtype) or \
+        _default_dtype(load_hf_config(hf_src))
     # Build in the dtype the weights were saved in (a training checkpoint may differ from
     # the HF config's); the export casts to `dtype`.
     build_dtype = (src.params_dtype if src is not None and src.params_dtype else dtype)

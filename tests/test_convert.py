@@ -54,6 +54,12 @@ def _world(rank, world_size, hf, root):
                       os.path.join(root, "hf_cp2"), "--context_parallel_size", "2"])
     run("overwrite", ["--to_hf", "true", "--mcore_model", mcore, "--output_dir", out_tp1,
                       "--overwrite", "true"])
+    # A bf16 checkpoint of a float32 model: --to_hf without --torch_dtype writes its bf16
+    # weights (not the HF config's float32).
+    run("to_mcore_bf16", ["--to_mcore", "true", "--model", hf, "--output_dir",
+                          os.path.join(root, "mcore_bf16"), "--torch_dtype", "bfloat16"])
+    run("to_hf_bf16", ["--to_hf", "true", "--mcore_model", os.path.join(root, "mcore_bf16"),
+                       "--output_dir", os.path.join(root, "hf_bf16")])
     return logs
 
 
@@ -83,6 +89,17 @@ def test_to_mcore_then_to_hf_reproduces_the_checkpoint(converted):
     index = json.loads((root / "hf_pp2" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # 100KB shards
     assert not os.path.exists(root / "hf_tp1.tmp")
+
+
+def test_to_hf_writes_the_checkpoint_dtype(converted):
+    hf, root, _ = converted
+    want, got = _tensors(hf), _tensors(root / "hf_bf16")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert tensor.dtype == torch.float32 and got[name].dtype == torch.bfloat16, name
+        assert torch.equal(got[name], tensor.to(torch.bfloat16)), name
+    config = json.loads((root / "hf_bf16" / "config.json").read_text())
+    assert config.get("torch_dtype", config.get("dtype")) == "bfloat16"
 
 
 def test_convert_precision_and_overwrite(converted):
