@@ -124,9 +124,19 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
     if hf.get("mlp_bias"):
         raise ValueError("config.json mlp_bias=true is not supported (llama family)")
     qkv_bias = family.qkv_bias if family.qkv_bias is not None else bool(hf.get("attention_bias"))
-    if family.name == "llama" and hf.get("attention_bias"):
-        raise ValueError("config.json attention_bias=true is not supported for llama "
-                         "(o_proj bias has no Megatron counterpart without MLP biases)")
+    if family.qkv_bias is None and hf.get("attention_bias"):
+        raise ValueError(f"config.json attention_bias=true is not supported for {family.name} "
+                         "(HF gives o_proj a bias too, which has no Megatron counterpart without "
+                         "MLP biases)")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"config.json hidden_act={act!r} is not supported; allowed: silu "
+                         "(the gated MLP of the supported families)")
+    ffn = hf["intermediate_size"]
+    if ffn % tp != 0:
+        raise ValueError(f"--tensor_model_parallel_size {tp} does not divide the model's MLP "
+                         f"width {ffn} (intermediate_size); valid values: "
+                         f"{[t for t in range(1, heads + 1) if heads % t == 0 and ffn % t == 0]}")
     num_layers = hf["num_hidden_layers"]
     stages = pp * (vpp or 1)
     if num_layers % stages != 0:
