@@ -386,3 +386,40 @@ def test_killed_server_fails_the_client_quickly(server):
     # Later calls fail at once too.
     with pytest.raises(RolloutServerError, match="failed"):
         client.generate([[1, 2]])
+
+
+@pytest.mark.parametrize("free, in_shm", [(1 << 40, True), (1 << 20, False)])
+def test_bucket_goes_to_dev_shm_only_where_it_fits(monkeypatch, free, in_shm):
+    """The server hands a bucket to its workers through a file: in /dev/shm when that has
+    room for it (a container's is often 64 MiB), else in the temporary directory (a
+    stand-in for the workers' rpc records where the file was and that it was whole)."""
+    import shutil
+    import tempfile
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from megatron_grpo.platform.compat import vllm as compat
+    from megatron_grpo.rollout import server as server_module
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    seen = []
+
+    async def rpc(engine, method, path):
+        with open(path, "rb") as f:
+            seen.append((method, os.path.dirname(path), len(f.read())))
+        return [[7]]
+
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(compat, "collective_rpc_all_engines", rpc)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=free)
+                        if p == "/dev/shm" else real_usage(p))
+    app = FastAPI()
+    app.include_router(server_module.make_router(engine=None, api_key=None))
+    body = b"x" * (2 << 20)
+    r = TestClient(app).post("/update_weights/bucket", content=body)
+    assert r.status_code == 200 and r.json() == {"ok": True, "tensors": 7}
+    [(method, where, size)] = seen
+    assert size == len(body)
+    assert where == ("/dev/shm" if in_shm else tempfile.gettempdir()), where

@@ -47,6 +47,7 @@ fingerprints come back per engine.
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -133,8 +134,9 @@ def make_router(engine, api_key: Optional[str], app_state=None):
 
     def authorise(request: Request) -> None:
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
-            raise HTTPException(status_code=401, detail="missing or wrong API token for "
-                                                        "weight updates (Authorization: Bearer)")
+            raise HTTPException(status_code=401, detail=(
+                "missing or wrong API token for weight updates (Authorization: Bearer); the "
+                f"trainer sends ${API_KEY_ENV}: set it to the server's --api_key"))
 
     async def rpc_all(method: str, *args):
         """collective_rpc on every engine (each DP replica); results per engine."""
@@ -151,7 +153,10 @@ def make_router(engine, api_key: Optional[str], app_state=None):
         body = await request.body()
         if not body:
             raise HTTPException(status_code=400, detail="empty bucket")
-        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="mgrpo_bucket_", dir=shm)
+        # /dev/shm (memory) when it has room: a container's is often 64 MiB, less than a bucket
+        room = shm is not None and shutil.disk_usage(shm).free >= len(body) + (16 << 20)
+        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="mgrpo_bucket_",
+                                    dir=shm if room else None)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(body)
