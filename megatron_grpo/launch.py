@@ -137,7 +137,10 @@ def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec,
                "-m", "megatron_grpo.cli", subcommand, *argv]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        return subprocess.call(cmd, env=env)
+        # Supervised as one worker: a SIGTERM or Ctrl-C here reaches torchrun as SIGTERM,
+        # which stops its workers (within 30 s, then SIGKILL); subprocess.call would kill
+        # torchrun alone 0.25 s after a Ctrl-C and leave its workers running.
+        return run_workers([(cmd, env)], grace_s=30.0)
     if preload is not None and fork_main is not None and fork_problem() is None:
         print(f"[megatron] starting {spec.nproc_per_node} workers {FORK_NOTE} (their "
               "modules imported once, here)", flush=True)

@@ -98,6 +98,24 @@ def test_a_failing_worker_stops_the_others_and_its_code_is_returned(tmp_path):
     assert run_workers([(ok, env), (ok, env)]) == 0
 
 
+def test_several_nodes_supervise_torchrun(monkeypatch):
+    """NNODES > 1: torchrun runs as one supervised worker (a SIGTERM or Ctrl-C of the
+    launcher stops it with SIGTERM, so that it stops its workers; run_workers' own test
+    above shows the supervision), not as a bare subprocess.call."""
+    from megatron_grpo import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "run_workers", lambda workers, **kw: seen.append((workers, kw))
+                        or 7)
+    spec = launch_spec(env={"NPROC_PER_NODE": "2", "NNODES": "2", "NODE_RANK": "1",
+                            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600"})
+    assert launch.relaunch("rlhf", ["--model", "m"], spec) == 7
+    [([(cmd, env)], kw)] = seen
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nnodes=2" in cmd
+    assert "--node_rank=1" in cmd and cmd[-3:] == ["rlhf", "--model", "m"]
+    assert kw == {"grace_s": 30.0} and env["OMP_NUM_THREADS"]
+
+
 def test_torch_build_is_read_without_importing_torch():
     """launch.torch_accelerator_builds reads torch/version.py as text (the launcher must
     not pay torch's import to decide how to start its workers); the answer is what torch
