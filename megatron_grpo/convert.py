@@ -53,8 +53,23 @@ def check_args(argv: list[str], world_size: int) -> ExportConfig:
     src_flag, src = ("--model", a.model) if a.to_mcore else ("--mcore_model", a.mcore_model)
     if not src or not os.path.isdir(src):
         raise ValueError(f"{src_flag} {src!r}: not a folder; it must name the checkpoint to convert")
+    unused = [("--mcore_model", a.mcore_model), ("--merge_lora", a.merge_lora)] if a.to_mcore \
+        else []
     if a.to_hf:
         _check_qkv_layout(a)                 # resolves the source: raises naming what is missing
+        if not mcore_source(a.mcore_model).lora:
+            unused += [("--model", a.model), ("--merge_lora", a.merge_lora)]
+    given = [f"{flag} {'true' if value is True else value}" for flag, value in unused if value]
+    if given:
+        raise ValueError(f"{', '.join(given)}: not used by this export ("
+                         + ("--to_mcore reads --model" if a.to_mcore else
+                            "--to_hf of a checkpoint without LoRA adapters") + "). Fix: drop it")
+    if a.test_convert_precision:
+        hf_dir = a.model if a.to_mcore else mcore_source(a.mcore_model).hf_dir
+        if "vision_config" in load_hf_config(hf_dir):
+            raise ValueError("--test_convert_precision true compares text-only logits with "
+                             "transformers' AutoModelForCausalLM, which does not load a "
+                             "vision-language model. Fix: drop it (the weights convert the same)")
     a.dims = ParallelDims.from_options(a, world_size)   # raises naming the sizes
     if a.context_parallel_size > 1 and a.test_convert_precision:
         raise ValueError("--test_convert_precision true runs a full-sequence forward; use it "
@@ -266,7 +281,7 @@ def main(argv: list[str]) -> int:
             if rank == 0:   # lora_llm: rank 0 (first pipeline stage) holds the trained tower
                 factors.update(vision_state(chunks))
                 save_peft_adapter(tmp, factors, lora_settings(chunks),
-                                  base_model=src.lora.get("base_model"),
+                                  base_model=a.model or src.lora.get("base_model"),
                                   dtype=getattr(torch, dtype))
         else:
             stream = merged_stream(chunks, export_hf_weights(

@@ -136,6 +136,20 @@ def test_check_args_errors(tmp_path):
     for tp in (1, 2):
         check_args(["--to_hf", "true", "--mcore_model", str(mcore), "--tensor_model_parallel_size",
                     str(tp)] + base, 2)
+    # Options the chosen direction would ignore are refused, by name.
+    with pytest.raises(ValueError, match=r"--mcore_model .*: not used by this export "
+                                         r"\(--to_mcore reads --model\)"):
+        check_args(["--to_mcore", "true", "--model", str(hf), "--mcore_model", str(mcore)]
+                   + base, 1)
+    with pytest.raises(ValueError, match="--model .*, --merge_lora true: not used by this export "
+                                         r"\(--to_hf of a checkpoint without LoRA adapters\)"):
+        check_args(["--to_hf", "true", "--mcore_model", str(mcore), "--model", str(hf),
+                    "--merge_lora", "true"] + base, 1)
+    # A vision-language model's logits are not transformers' AutoModelForCausalLM's.
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {}}))
+    with pytest.raises(ValueError, match="--test_convert_precision true compares text-only"):
+        check_args(["--to_mcore", "true", "--model", str(hf), "--test_convert_precision",
+                    "true"] + base, 1)
 
 
 def test_to_hf_under_context_parallelism(converted):
