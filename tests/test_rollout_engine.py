@@ -56,3 +56,42 @@ def test_an_incomplete_engine_is_not_a_rollout_engine():
         close = None
 
     assert not isinstance(NoClose(vllm_server_port=8000), RolloutEngine)
+
+
+def test_a_stream_that_fails_part_way_finishes_as_incomplete():
+    """load_weight_stream always leaves buffered reload (finish_weight_update), and says
+    whether the whole stream arrived: a server then refuses to sample from a mix of old and
+    new weights (test_rollout_server.py). A stand-in engine records the calls."""
+    import torch
+
+    from megatron_grpo.rollout.weights import load_weight_stream
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def begin_weight_update(self):
+            self.calls.append("begin")
+
+        def load_bucket(self, bucket):
+            self.calls.append("bucket")
+
+        def finish_weight_update(self, complete=True):
+            self.calls.append(("finish", complete))
+
+        def reset_prefix_cache(self):
+            self.calls.append("reset")
+
+    def stream(fail):
+        yield [("a", torch.ones(2))]
+        if fail:
+            raise RuntimeError("the export died")
+        yield [("b", torch.ones(2))]
+
+    engine = Recorder()
+    assert load_weight_stream(engine, stream(False))["tensors"] == 2
+    assert engine.calls == ["begin", "bucket", "bucket", ("finish", True), "reset"]
+    engine = Recorder()
+    with pytest.raises(RuntimeError, match="the export died"):
+        load_weight_stream(engine, stream(True))
+    assert engine.calls == ["begin", "bucket", ("finish", False)]

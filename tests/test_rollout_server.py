@@ -423,3 +423,65 @@ def test_bucket_goes_to_dev_shm_only_where_it_fits(monkeypatch, free, in_shm):
     [(method, where, size)] = seen
     assert size == len(body)
     assert where == ("/dev/shm" if in_shm else tempfile.gettempdir()), where
+
+
+def test_server_refuses_to_sample_from_an_incomplete_update(monkeypatch):
+    """A weight update that failed part-way (a bucket the workers could not load, or a
+    trainer that gave up mid-stream) leaves the served weights a mix: sampling answers 503
+    with the reason until a whole update arrives (stand-ins for the workers' rpc and for
+    vLLM's /v1/completions behind the real router and guard)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from megatron_grpo.platform.compat import vllm as compat
+    from megatron_grpo.rollout import server as server_module
+
+    fail = {"bucket": False}
+
+    async def rpc(engine, method, *args):
+        if method == "mg_load_weights_file" and fail["bucket"]:
+            raise RuntimeError("worker out of memory")
+        return [[1]]
+
+    class Engine:
+        async def reset_prefix_cache(self):
+            pass
+
+        async def reset_encoder_cache(self):
+            pass
+
+    monkeypatch.setattr(compat, "collective_rpc_all_engines", rpc)
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions():
+        return {"choices": []}
+
+    router = server_module.make_router(Engine(), api_key=None)
+    app.include_router(router)
+    server_module.guard_sampling(app, router.weights_problem)
+    http = TestClient(app, raise_server_exceptions=False)
+
+    def sample():
+        return http.post("/v1/completions", json={})
+
+    def update(bucket_fails, complete=True):
+        fail["bucket"] = bucket_fails
+        assert http.post("/update_weights/begin").status_code == 200
+        assert sample().status_code == 503          # mid-update: nobody samples
+        r = http.post("/update_weights/bucket", content=b"x")
+        return r.status_code, http.post("/update_weights/finish", json={"complete": complete})
+
+    assert sample().status_code == 200
+    code, finish = update(bucket_fails=True, complete=False)       # what the client sends
+    assert code == 500 and finish.status_code == 200 and finish.json()["complete"] is False
+    r = sample()
+    assert r.status_code == 503 and "failed part-way (RuntimeError: worker out of memory)" in \
+        r.json()["error"]["message"]
+    code, finish = update(bucket_fails=True, complete=True)        # finish cannot hide it
+    assert finish.status_code == 409 and sample().status_code == 503
+    code, finish = update(bucket_fails=False, complete=False)      # the trainer gave up
+    assert finish.status_code == 200 and "abandoned" in sample().json()["error"]["message"]
+    code, finish = update(bucket_fails=False)                      # a whole update
+    assert (code, finish.status_code) == (200, 200) and sample().status_code == 200
+    assert http.get("/v1/models").status_code == 404               # (not guarded; absent here)

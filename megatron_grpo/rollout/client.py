@@ -359,8 +359,9 @@ class RolloutClient:
         self._on_every_server("POST", "/update_weights/bucket", _serialise(bucket),
                               content_type="application/octet-stream")
 
-    def finish_weight_update(self) -> None:
-        self._on_every_server("POST", "/update_weights/finish")
+    def finish_weight_update(self, complete: bool = True) -> None:
+        self._on_every_server("POST", "/update_weights/finish",
+                              json.dumps({"complete": bool(complete)}).encode())
 
     def reset_prefix_cache(self) -> None:
         self._on_every_server("POST", "/reset_prefix_cache")

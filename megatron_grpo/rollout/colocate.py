@@ -530,7 +530,9 @@ class ColocateEngine:
         with self._in_vllm():
             self.llm.collective_rpc("mg_load_weights", args=(list(bucket),))
 
-    def finish_weight_update(self) -> None:
+    def finish_weight_update(self, complete: bool = True) -> None:
+        # An incomplete update fails the run that sent it (weights.load_weight_stream
+        # raises): this engine is never sampled from again.
         with self._in_vllm():
             self.llm.collective_rpc("mg_finish_weight_update")
 

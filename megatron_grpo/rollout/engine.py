@@ -48,8 +48,9 @@ class RolloutEngine(Protocol):
     def load_bucket(self, bucket: Bucket) -> None:
         """Load one bucket of (HF name, full tensor); the caller may reuse its tensors after."""
 
-    def finish_weight_update(self) -> None:
-        """Finish the update (also after a failed stream)."""
+    def finish_weight_update(self, complete: bool = True) -> None:
+        """Finish the update (also after a failed stream: `complete` False, the weights
+        held are then incomplete)."""
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks (computed with the old weights)."""

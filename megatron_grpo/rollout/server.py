@@ -123,12 +123,36 @@ def build_vllm_namespace(cfg):
     return args
 
 
+def guard_sampling(app, status: dict) -> None:
+    """Answer sampling and scoring requests (vLLM's /v1/ routes, the model list aside, and
+    /generate_images) with 503 and the reason while `status["problem"]` says the served
+    weights are not a whole update (make_router's). Wraps the app's built middleware stack:
+    vLLM has built it by then, and Starlette adds no middleware after that."""
+    from fastapi.responses import JSONResponse
+
+    inner = app.middleware_stack or app.build_middleware_stack()
+
+    async def guarded(scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if status["problem"] and path.startswith(("/v1/", "/generate")) and path != "/v1/models":
+            response = JSONResponse(status_code=503, content={"error": {
+                "message": status["problem"], "type": "ServiceUnavailable", "code": 503}})
+            await response(scope, receive, send)
+            return
+        await inner(scope, receive, send)
+
+    app.middleware_stack = guarded
+
+
 def make_router(engine, api_key: Optional[str], app_state=None):
     """The trainer's routes, bound to vLLM's engine client (`app_state`: the OpenAI
     app's state, where adapter-only LoRA sync registers each new adapter's name)."""
     from fastapi import APIRouter, HTTPException, Request, Response
 
     router = APIRouter()
+    # Why the served weights are not a whole update (None: they are); `guard_sampling`
+    # answers sampling requests 503 meanwhile.
+    router.weights_problem = status = {"problem": None, "failed": False}
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     adapter = {"version": 0, "name": None}     # the adapter requests run with
 
@@ -145,6 +169,7 @@ def make_router(engine, api_key: Optional[str], app_state=None):
     @router.post("/update_weights/begin")
     async def begin(request: Request):
         authorise(request)
+        status.update(problem="a weight update is in progress", failed=False)
         await rpc_all("mg_begin_weight_update")
         return {"ok": True}
 
@@ -169,7 +194,13 @@ def make_router(engine, api_key: Optional[str], app_state=None):
     @router.post("/update_weights/bucket")
     async def bucket(request: Request):
         authorise(request)
-        return await load_file(request, "mg_load_weights_file")
+        try:
+            return await load_file(request, "mg_load_weights_file")
+        except Exception as e:
+            status.update(problem=f"a weight update failed part-way ({type(e).__name__}: "
+                                  f"{e}); the served weights are incomplete until a whole "
+                                  "update arrives", failed=True)
+            raise
 
     @router.post("/update_adapter/begin")
     async def adapter_begin(request: Request):
@@ -205,7 +236,19 @@ def make_router(engine, api_key: Optional[str], app_state=None):
     @router.post("/update_weights/finish")
     async def finish(request: Request):
         authorise(request)
-        await rpc_all("mg_finish_weight_update")
+        body = await request.body()
+        complete = json.loads(body).get("complete", True) if body else True
+        await rpc_all("mg_finish_weight_update")    # out of buffered reload, whatever came
+        if not complete and not status["failed"]:
+            status.update(problem="the trainer abandoned a weight update part-way; the "
+                                  "served weights are incomplete until a whole update "
+                                  "arrives (a run's start, or its resume, sends one)",
+                          failed=True)
+        if status["failed"]:
+            if complete:
+                raise HTTPException(status_code=409, detail=status["problem"])
+            return {"ok": True, "complete": False}
+        status.update(problem=None)
         await engine.reset_prefix_cache()
         # Cached vision-tower outputs are stale too (ColocateEngine.reset_prefix_cache);
         # text models have an empty encoder cache.
@@ -297,7 +340,9 @@ async def serve(cfg) -> None:
     sock = compat.bind_server_socket(args)
     async with compat.engine_client(args) as engine:
         app = await compat.build_openai_app(args, engine)
-        app.include_router(make_router(engine, api_key, app.state))
+        router = make_router(engine, api_key, app.state)
+        app.include_router(router)
+        guard_sampling(app, router.weights_problem)
         shutdown = await compat.serve_app(app, sock, args)
     try:
         await shutdown

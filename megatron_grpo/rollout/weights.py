@@ -38,6 +38,7 @@ def load_weight_stream(engine, buckets: Iterable[Bucket]) -> dict:
     start = time.perf_counter()
     n_buckets = n_tensors = n_bytes = 0
     engine.begin_weight_update()
+    complete = False
     try:
         for bucket in buckets:
             bucket = list(bucket)
@@ -52,9 +53,11 @@ def load_weight_stream(engine, buckets: Iterable[Bucket]) -> dict:
             n_buckets += 1
             n_tensors += len(bucket)
             del bucket  # drop our reference before the producer makes the next one
+        complete = True
     finally:
-        # Always leave buffered-reload mode, even if the stream failed part-way.
-        engine.finish_weight_update()
+        # Always leave buffered-reload mode, even if the stream failed part-way (a server
+        # then refuses to sample until a whole update arrives).
+        engine.finish_weight_update(complete=complete)
     if n_tensors == 0:
         raise ValueError("load_weight_stream: the weight stream was empty")
     # Cached KV blocks were computed with the old weights.
