@@ -167,3 +167,24 @@ def test_cli_tp3_on_two_ranks_fails_fast(tmp_path, tiny_model):
     imported = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in r.stderr.splitlines()
                 if line.startswith("import time:") and "|" in line}
     assert not imported & {"torch", "megatron", "vllm"}, imported & {"torch", "megatron", "vllm"}
+
+
+def test_more_workers_than_gpus_is_refused(monkeypatch):
+    """A worker whose LOCAL_RANK has no GPU of its own is refused before the process group
+    (it used to share GPU LOCAL_RANK % count with another: NCCL's "duplicate GPU" or out
+    of memory, late). The GPU count is faked: this machine may have none."""
+    import torch.distributed as dist
+
+    from megatron_grpo import platform
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("started"))
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
+                        "MASTER_PORT": "29999", "CUDA_VISIBLE_DEVICES": "0,1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK 3 has no GPU of its own: this node sees 2 "
+                                         r"\(CUDA_VISIBLE_DEVICES=0,1\) for 4 workers\. Fix: "
+                                         "NPROC_PER_NODE=2"):
+        platform.init_process_group()

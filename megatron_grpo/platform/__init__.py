@@ -51,7 +51,14 @@ def init_process_group(timeout_s: float = 600.0) -> None:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     if has_cuda():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        local, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local >= count:     # two ranks on one GPU: NCCL's "duplicate GPU", or out of memory
+            raise ValueError(
+                f"worker LOCAL_RANK {local} has no GPU of its own: this node sees {count} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) for "
+                f"{os.environ.get('LOCAL_WORLD_SIZE', local + 1)} workers. Fix: "
+                f"NPROC_PER_NODE={count}, or make more GPUs visible")
+        torch.cuda.set_device(local)
     dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=timeout_s))
 
 
