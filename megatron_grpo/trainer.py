@@ -43,6 +43,8 @@ def train(cfg, close_engine: bool = True):
             if run.step >= run.total_steps:
                 break
             metrics = optimizer_step(run, batch, k)     # 6
+            if n == 0:                                   # the rollout's times, once
+                metrics.update(batch.gen.timing)
             # 7: vLLM needs the weights before the next generation only: after the last
             # step over this batch.
             if n == len(schedule) - 1 or run.step >= run.total_steps:

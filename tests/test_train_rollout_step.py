@@ -136,6 +136,14 @@ def test_rollout_logprobs_nan_fails_and_minus_inf_leaves_the_loss():
         w = rollout_is_weights(torch.zeros_like(b["rollout_logps"]), b["rollout_logps"],
                                b["completion_mask"], "token_truncate", 2.0)
         assert torch.isfinite(w).all()
+    # Every token's -inf: nothing of it trains, and it still has (no) rollout log-probs, so
+    # a micro-batch with it keeps the field (it was dropped for the whole micro-batch: the
+    # IS correction failed on that rank alone, and the others waited for it).
+    engine.logps = [float("-inf")] * 3
+    [lost] = run().samples
+    assert lost.loss_mask == [0, 0, 0] and lost.rollout_logps == []
+    b = collate([lost, s])
+    assert "rollout_logps" in b and b["completion_mask"][0].sum() == 0
     engine.logps = [-0.5, -0.1, -1.0]
     assert run().samples[0].loss_mask is None                  # nothing to change
     engine.logps = [-0.5, float("nan"), -1.0]

@@ -118,9 +118,11 @@ def _check_metrics(rows, steps, extra=(), steps_per_generation=1, num_iterations
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     per_batch = steps_per_generation * num_iterations     # optimizer steps per generation
     for r in rows:
-        k_in_gen = (r["step"] - 1) % steps_per_generation
+        first = (r["step"] - 1) % per_batch == 0       # the batch's rollout ran before it
+        for k in PER_ROLLOUT:   # once per rollout (not again on a later num_iterations pass)
+            assert (k in r) == first, f"step {r['step']}: {k} {'missing' if first else 'again'}"
         for k in METRIC_KEYS + list(extra):
-            if (k in PER_ROLLOUT and k_in_gen != 0) or \
+            if (k in PER_ROLLOUT and not first) or \
                     (k in PER_SYNC and (r["step"] - 1) % per_batch != per_batch - 1
                      and r["step"] != steps):
                 continue

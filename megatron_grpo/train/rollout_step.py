@@ -161,7 +161,8 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
             impossible += dropped
         samples.append(Sample(prompt_ids=list(prompt_ids), completion_ids=list(tokens),
                               truncated=bool(truncated),
-                              rollout_logps=list(logps) if logps else None, meta=meta,
+                              # [] (every token's was -inf): kept, the micro-batch keeps the field
+                              rollout_logps=list(logps) if logps is not None else None, meta=meta,
                               loss_mask=loss_mask, images=images.get(pi), routed_experts=routed))
     if impossible and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"[megatron-grpo] {impossible} sampled token(s) had rollout log-prob -inf (vLLM "

@@ -49,14 +49,14 @@ def optimizer_step(run, batch: RolloutBatch, k: int) -> dict:
     _, grad_norm, _ = policy.optimizer.step()
     policy.scheduler.step(increment=1)
     run.step += 1
-    metrics = step_metrics(parts, batch.gen, grad_norm, policy, k)
+    metrics = step_metrics(parts, batch.gen, grad_norm, policy)
     metrics.update(moe_step_metrics(policy.config, len(batches)))  # MoE: load_balancing_loss
     metrics["timing/train"] = time.perf_counter() - t0
     metrics["timing/logprobs"] = batch.logprobs_seconds
     return metrics
 
 
-def step_metrics(parts, gen, grad_norm, policy, k) -> dict:
+def step_metrics(parts, gen, grad_norm, policy) -> dict:
     """Reduce the step's partials over DP on the last stage; every rank gets the result.
 
     Without pipeline parallelism every rank is a last stage and holds the reduction of its
@@ -81,5 +81,4 @@ def step_metrics(parts, gen, grad_norm, policy, k) -> dict:
     metrics.update(gen.metrics)
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["learning_rate"] = policy.optimizer.param_groups[0]["lr"]
-    metrics.update(gen.timing if k == 0 else {})
     return metrics
