@@ -22,3 +22,15 @@ def test_server_client_samples_with_every_sampling_option(model_dir, monkeypatch
         temperature=0.7, top_p=0.8, top_k=5, repetition_penalty=1.3, max_completion_length=33,
         num_generations=4, logprobs=False)
     assert client.seed == 11
+
+
+def test_a_frozen_vision_tower_is_synced_when_vllm_loses_it(model_dir):  # noqa: F811
+    """A vision-language model's frozen tower stays out of the syncs (vLLM holds it from its
+    start), except at sleep level 2, which drops vLLM's parameters (buffers are kept):
+    then every sync streams it, or vLLM would encode images with whatever is left."""
+    from megatron_grpo.train.setup import vision_sync_include
+
+    tower, text = "visual.blocks.0.attn.qkv.weight", "model.layers.0.mlp.up_proj.weight"
+    keep = vision_sync_include(parse_rlhf_args(base(model_dir, "--sleep_level", "1")))
+    assert keep(text) and not keep(tower)
+    assert vision_sync_include(parse_rlhf_args(base(model_dir, "--sleep_level", "2"))) is None

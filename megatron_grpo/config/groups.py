@@ -336,7 +336,9 @@ class GRPOOptions(_Group):
                                        "at delta (> 1 + epsilon_high recommended). None: off.")
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "fipo", "real"] = opt(
         "grpo", "Loss aggregation: grpo (per-sequence mean), bnpo (token mean per batch), dr_grpo "
-                "(sum / (batch x max_completion_length)), dapo (token mean over the step), cispo, "
+                "(sum / (batch x max_completion_length)), dapo (token mean over the generation "
+                "batch, as ms-swift and TRL count it: with steps_per_generation > 1 each step's "
+                "share), cispo, "
                 "sapo (soft gate, normalised as grpo), fipo (future-KL weighted, normalised as dapo), "
                 "real (REAL: a loss on the groups' sequence scores, mean over groups; micro-batches "
                 "hold whole groups, scale_rewards none).")

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -166,14 +166,21 @@ def build_policy(cfg, steps: int) -> Policy:
         lr_warmup_steps=warmup, lr_decay_steps=max(t.lr_decay_iters or steps, warmup + 1),
         lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
         wd_incr_steps=max(steps, 1), wd_incr_style="constant")
-    sync_include = None
-    if args.family.vision:
-        from bridge.mappings.vision import sync_filter
-
-        # lora_llm trains the whole tower: every sync streams it.
-        sync_include = None if t.tuner_type == "lora_llm" else \
-            sync_filter(t.freeze_vit, t.freeze_aligner)
+    sync_include = vision_sync_include(cfg) if args.family.vision else None
     return Policy(config, args, chunks, optimizer, scheduler, sync_include)
+
+
+def vision_sync_include(cfg) -> Optional[Callable[[str], bool]]:
+    """Which HF tensors of a vision-language model every sync streams (None: all of them):
+    the frozen tower and merger stay out, vLLM holds them from its start. Not with
+    lora_llm (it trains the tower), nor at sleep level 2, which drops vLLM's copy of them
+    (it keeps buffers only)."""
+    t = cfg.training
+    if t.tuner_type == "lora_llm" or cfg.rollout.sleep_level == 2:
+        return None
+    from bridge.mappings.vision import sync_filter
+
+    return sync_filter(t.freeze_vit, t.freeze_aligner)
 
 
 def build_reference(cfg) -> list:
