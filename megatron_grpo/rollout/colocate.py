@@ -272,6 +272,11 @@ class ColocateEngine:
             # the sleep/wake calls still run, and free nothing.
             enable_sleep_mode=st.sleep_level > 0 and current_platform.is_sleep_mode_available(),
         )
+        if st.return_routed_experts:
+            # The capture matches routing records to requests by the token ids of each step's
+            # rows; async scheduling (vLLM's default on GPU; CPU forces it off) holds -1 for
+            # every just-sampled token there until the device copy. Not run on a GPU yet.
+            kwargs["async_scheduling"] = False
         if st.vllm_max_num_seqs is not None:
             kwargs["max_num_seqs"] = st.vllm_max_num_seqs
         if self.vision and st.vllm_limit_mm_per_prompt is not None:
