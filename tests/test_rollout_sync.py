@@ -373,3 +373,26 @@ def test_megatron_sync_into_vllm(base_model, tmp_path, layout):
     print(f"{layout}: |vLLM - HF| {max(max_diff(s['score'], ref) for s in seen):.2e}, "
           f"|Megatron - HF| {max(max_diff(m, ref) for m in megatron):.2e}, "
           f"change {max_diff(ref, ref_before):.2e}")
+
+
+def test_vllm_gets_its_kv_cache_back_after_the_trainer_offload(monkeypatch):
+    """hand_over, before vLLM generates: the trainer's state leaves the device first, then
+    the slept engine gets its KV cache back (the sync woke its weights only), so that
+    vLLM's and the trainer's whole memory are never on the device together. A recording
+    stand-in engine and optimizer offload."""
+    import types
+
+    from megatron_grpo.rollout import sync as sync_module
+
+    calls = []
+
+    class Engine:
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tags))
+
+    monkeypatch.setattr(sync_module, "offload_optimizer",
+                        lambda opt: calls.append(("offload_optimizer", opt)))
+    opts = types.SimpleNamespace(vllm_mode="colocate", sleep_level=1, offload_model=False,
+                                 offload_optimizer=True)
+    sync_module.WeightSync(types.SimpleNamespace(optimizer="opt"), Engine(), opts).hand_over()
+    assert calls == [("offload_optimizer", "opt"), ("wake_up", ["kv_cache"])]

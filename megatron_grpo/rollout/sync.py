@@ -68,8 +68,9 @@ class WeightSync:
         """Stream the policy's HF weights into vLLM (collective over every trainer rank);
         with check_weight_sync, prove vLLM holds them. Returns the engine's load info."""
         r, policy = self.opts, self.policy
-        if not self.is_server:   # vLLM slept through training (sleep_level > 0): weights back first
-            wake_up(self.engine, level=r.sleep_level)
+        if not self.is_server:   # vLLM slept through training (sleep_level > 0): its weights
+            # back first, its KV cache only once the trainer's state is off (hand_over)
+            wake_up(self.engine, ["weights"], level=r.sleep_level)
         bucket = self.bucket_bytes()
         if r.vllm_enable_lora:
             return self._sync_adapter(bucket)
@@ -157,8 +158,10 @@ class WeightSync:
                                                             aliases, include))
 
     def hand_over(self) -> None:
-        """Before vLLM generates: free the trainer's accelerator memory for it (colocate
-        mode; vLLM is awake since the last sync)."""
+        """Before vLLM generates: free the trainer's accelerator memory for it, then give
+        vLLM its KV cache back (colocate mode; its weights are back since the last sync:
+        the staged wake-up keeps the trainer's state and vLLM's whole memory from being on
+        the device together)."""
         r = self.opts
         if self.staging is not None and self.staging.device.type != "cpu":
             self.staging = None       # the bucket buffer: accelerator memory for vLLM
@@ -168,6 +171,7 @@ class WeightSync:
             offload_model(self.policy.chunks)
         if r.offload_optimizer:
             offload_optimizer(self.policy.optimizer)
+        wake_up(self.engine, ["kv_cache"], level=r.sleep_level)
 
     def take_back(self, *, keep_awake: bool = False) -> None:
         """After vLLM generated (colocate mode): put it to sleep (unless `keep_awake`: it
