@@ -157,7 +157,7 @@ def test_drop_long_prompts_keeps_order_and_columns(tmp_path):
     rows = [{"query": "q" * n, "solution": str(n)} for n in (3, 9, 5, 12, 1)]
     write_jsonl(tmp_path / "d.jsonl", rows)
     ds = load_prompt_dataset([str(tmp_path / "d.jsonl")])
-    length = lambda m: len(m[-1]["content"])    # noqa: E731 (a prompt's "tokens")
+    length = lambda i: len(ds.messages[i][-1]["content"])    # noqa: E731 (its "tokens")
     kept, dropped = drop_long_prompts(ds, length, 5)
     assert dropped == 2 and len(kept) == 3
     assert [m[-1]["content"] for m in kept.messages] == ["qqq", "qqqqq", "q"]
@@ -165,6 +165,26 @@ def test_drop_long_prompts_keeps_order_and_columns(tmp_path):
     assert kept.reward_columns([1], 2) == {"solution": ["5", "5"]}
     with pytest.raises(ValueError, match=r"--max_length 0 .*delete.*shortest has 1 tokens"):
         drop_long_prompts(ds, length, 0)
+
+
+def test_prompt_length_counts_an_image_prompt_with_its_image_tokens(tmp_path):
+    """An image prompt's length is its encoded one (every image's tokens expanded), which
+    --truncation_strategy delete compares with --max_length at start-up; a text prompt's
+    is its rendered text's. A stand-in image processor expands each image to 50 tokens."""
+    import types
+
+    from megatron_grpo.data import prompt_length
+
+    rows = [{"query": "a b", "images": ["x.png"]}, {"query": "a b c"}]
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    ds = load_prompt_dataset([str(tmp_path / "d.jsonl")])
+    tok = lambda text, add_special_tokens: {"input_ids": text.split()}   # noqa: E731
+    vision = types.SimpleNamespace(encode=lambda messages, images, base_dir: types.SimpleNamespace(
+        prompt_ids=[0] * (2 + 50 * len(images))))
+    length = prompt_length(ds, tok, lambda t, m: m[-1]["content"], vision)
+    assert [length(0), length(1)] == [52, 3]
+    kept, dropped = drop_long_prompts(ds, length, 10)
+    assert dropped == 1 and kept.messages[0][-1]["content"] == "a b c"
 
 
 def test_builtin_datasets_load():

@@ -11,7 +11,7 @@
 import os
 
 from .loading import (PROMPT_COLUMNS, PromptDataset, drop_long_prompts, load_prompt_dataset,
-                      parse_dataset_spec, read_rows, sample_indices)
+                      parse_dataset_spec, prompt_length, read_rows, sample_indices)
 from .sampler import PromptSampler, shard
 from .split import load_datasets, split_validation
 from .template import render_prompt
@@ -29,5 +29,6 @@ def builtin_dataset(name: str) -> str:
 
 
 __all__ = ["PROMPT_COLUMNS", "PromptDataset", "PromptSampler", "builtin_dataset", "drop_long_prompts",
-           "load_datasets", "load_prompt_dataset", "parse_dataset_spec", "read_rows", "render_prompt",
+           "load_datasets", "load_prompt_dataset", "parse_dataset_spec", "prompt_length",
+           "read_rows", "render_prompt",
            "sample_indices", "shard", "split_validation", "BUILTIN_DIR"]

@@ -211,12 +211,27 @@ def load_prompt_dataset(specs: Sequence[str], seed: int = 42, system: Optional[s
                          images=images if any(images) else None)
 
 
-def drop_long_prompts(dataset: PromptDataset, prompt_length: Callable[[List[Dict[str, str]]], int],
+def prompt_length(dataset: PromptDataset, tokenizer: Any, render: Callable,
+                  vision: Any = None) -> Callable[[int], int]:
+    """Tokens of prompt i as the trainer feeds it: its rendered text's, or an image prompt's
+    with every image's tokens expanded (`vision`: a data.vision.VisionProcessor)."""
+    def length(i: int) -> int:
+        images = dataset.images[i] if dataset.images is not None else None
+        if images and vision is not None:
+            base = os.path.dirname(dataset.sources[i]) if dataset.sources else None
+            return len(vision.encode(dataset.messages[i], images, base_dir=base).prompt_ids)
+        text = render(tokenizer, dataset.messages[i])
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return length
+
+
+def drop_long_prompts(dataset: PromptDataset, prompt_length: Callable[[int], int],
                       max_length: int) -> Tuple[PromptDataset, int]:
     """`--truncation_strategy delete`: the dataset without the prompts longer than
-    `max_length` tokens (`prompt_length(messages)` counts a rendered prompt's tokens),
-    and how many were dropped. Every prompt too long is an error naming the options."""
-    lengths = [prompt_length(m) for m in dataset.messages]
+    `max_length` tokens (`prompt_length(i)` counts prompt i's tokens, e.g. `prompt_length`
+    above), and how many were dropped. Every prompt too long is an error naming the
+    options."""
+    lengths = [prompt_length(i) for i in range(len(dataset.messages))]
     keep = [i for i, n in enumerate(lengths) if n <= max_length]
     if not keep:
         raise ValueError(f"--max_length {max_length} with --truncation_strategy delete drops every "

@@ -182,12 +182,12 @@ def build_evaluator(cfg, dataset, **kwargs) -> Optional[Evaluator]:
     if dataset is None or cfg.evaluation.eval_iters == 0:
         return None
     if cfg.data.max_length and cfg.data.truncation_strategy == "delete":
-        from ..data import drop_long_prompts
+        from ..data import drop_long_prompts, prompt_length
 
-        tok, render = kwargs["tokenizer"], kwargs["render"]
+        length = prompt_length(dataset, kwargs["tokenizer"], kwargs["render"],
+                               kwargs.get("vision"))
         try:
-            dataset, dropped = drop_long_prompts(dataset, lambda m: len(tok(
-                render(tok, m), add_special_tokens=False)["input_ids"]), cfg.data.max_length)
+            dataset, dropped = drop_long_prompts(dataset, length, cfg.data.max_length)
         except ValueError as e:    # its message is about --dataset
             raise ValueError(str(e).replace("prompt of --dataset", "validation prompt")) from None
         if dropped and dist.get_rank() == 0:

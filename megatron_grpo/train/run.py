@@ -20,7 +20,8 @@ from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
 from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter, vision_state
 
 from .. import checkpoint as ckpt
-from ..data import PromptSampler, drop_long_prompts, load_datasets, render_prompt
+from ..data import (PromptSampler, drop_long_prompts, load_datasets, prompt_length,
+                    render_prompt)
 from ..data.vision import VisionProcessor, is_vision_language
 from ..model.lora import lora_settings
 from ..rewards import build_reward_funcs, load_plugins
@@ -97,8 +98,8 @@ def build_run(cfg) -> Run:
     dataset, val_dataset = load_datasets(cfg.data, cfg.evaluation, seed=t.seed)   # val: or None
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.model)
     render = functools.partial(render_prompt, enable_thinking=cfg.data.enable_thinking)
-    dataset = _drop_long_prompts(cfg, dataset, tokenizer, render)
     vision = _vision_processor(cfg, dataset, val_dataset)
+    dataset = _drop_long_prompts(cfg, dataset, prompt_length(dataset, tokenizer, render, vision))
     sampler = PromptSampler(len(dataset), g.generation_batch_size // g.num_generations,
                             seed=t.seed, shuffle=cfg.data.dataset_shuffle)
     steps = total_steps(cfg, len(dataset))
@@ -192,12 +193,12 @@ def build_multi_turn(cfg, tokenizer):
                             args=flat_args(cfg))
 
 
-def _drop_long_prompts(cfg, dataset, tokenizer, render):
-    """--truncation_strategy delete: the prompts longer than --max_length go."""
+def _drop_long_prompts(cfg, dataset, length):
+    """--truncation_strategy delete: the prompts longer than --max_length go (an image
+    prompt counted with its image tokens: it would stop the run when sampled)."""
     if not (cfg.data.max_length and cfg.data.truncation_strategy == "delete"):
         return dataset
-    dataset, dropped = drop_long_prompts(dataset, lambda m: len(tokenizer(
-        render(tokenizer, m), add_special_tokens=False)["input_ids"]), cfg.data.max_length)
+    dataset, dropped = drop_long_prompts(dataset, length, cfg.data.max_length)
     if dist.get_rank() == 0 and dropped:
         print(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} prompts longer "
               f"than --max_length {cfg.data.max_length}; {len(dataset)} left", flush=True)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from bridge import load_hf_weights
+from bridge.mappings.vision import sync_filter
 
 from ..algorithms import LossTypeParams
 from ..data.vision import resolve_max_pixels
@@ -178,8 +179,6 @@ def vision_sync_include(cfg) -> Optional[Callable[[str], bool]]:
     t = cfg.training
     if t.tuner_type == "lora_llm" or cfg.rollout.sleep_level == 2:
         return None
-    from bridge.mappings.vision import sync_filter
-
     return sync_filter(t.freeze_vit, t.freeze_aligner)
 
 
