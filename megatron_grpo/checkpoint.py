@@ -147,17 +147,22 @@ def find_latest_checkpoint(output_dir: str) -> Optional[str]:
     return ckpts[-1][1] if ckpts else None
 
 
+def checkpoint_in(path: str) -> Optional[str]:
+    """`path` itself when it is a complete checkpoint-N folder, else the newest checkpoint
+    of the output_dir `path` (None: it holds none yet)."""
+    return path if os.path.isfile(os.path.join(path, META_FILE)) else \
+        find_latest_checkpoint(path)
+
+
 def resume(resume_from: str, chunks: list, optimizer=None, scheduler=None) -> Optional[dict]:
     """Load a checkpoint-N folder, or the latest checkpoint of an output_dir.
 
     Returns the saved extra_state, or None when an output_dir holds no checkpoint yet
     (a fresh run). Collective.
     """
-    path = resume_from
-    if not os.path.isfile(os.path.join(resume_from, META_FILE)):
-        path = find_latest_checkpoint(resume_from)
-        if path is None:
-            return None
+    path = checkpoint_in(resume_from)
+    if path is None:
+        return None
     logger.info("resuming from %s", path)
     return load_checkpoint(path, chunks, optimizer, scheduler)
 

@@ -55,9 +55,11 @@ def check_args(argv: list[str], world_size: int) -> ExportConfig:
         raise ValueError(f"{src_flag} {src!r}: not a folder; it must name the checkpoint to convert")
     unused = [("--mcore_model", a.mcore_model), ("--merge_lora", a.merge_lora)] if a.to_mcore \
         else []
+    src = None
     if a.to_hf:
-        _check_qkv_layout(a)                 # resolves the source: raises naming what is missing
-        if not mcore_source(a.mcore_model).lora:
+        src = mcore_source(a.mcore_model)    # raises naming what is missing
+        _check_qkv_layout(a, src)
+        if not src.lora:
             unused += [("--model", a.model), ("--merge_lora", a.merge_lora)]
     given = [f"{flag} {'true' if value is True else value}" for flag, value in unused if value]
     if given:
@@ -65,7 +67,7 @@ def check_args(argv: list[str], world_size: int) -> ExportConfig:
                          + ("--to_mcore reads --model" if a.to_mcore else
                             "--to_hf of a checkpoint without LoRA adapters") + "). Fix: drop it")
     if a.test_convert_precision:
-        hf_dir = a.model if a.to_mcore else mcore_source(a.mcore_model).hf_dir
+        hf_dir = a.model if a.to_mcore else src.hf_dir
         if "vision_config" in load_hf_config(hf_dir):
             raise ValueError("--test_convert_precision true compares text-only logits with "
                              "transformers' AutoModelForCausalLM, which does not load a "
@@ -122,10 +124,9 @@ def mcore_source(path: str) -> McoreSource:
     return McoreSource(path, hf_dir, saved_tp, saved_dtype, path)
 
 
-def _check_qkv_layout(a: ExportConfig) -> None:
+def _check_qkv_layout(a: ExportConfig, src: McoreSource) -> None:
     """A checkpoint loads at any TP, except one an older version wrote with fewer kv heads
     than TP (a replicated, TP-dependent layout): that one only at the TP that wrote it."""
-    src = mcore_source(a.mcore_model)
     hf = text_config(src.hf_dir)    # a vision-language model's language part
     heads = hf["num_attention_heads"]
     legacy_replicated_layout(saved_query_groups(src.dist_dir, heads, head_size(hf)), heads=heads,

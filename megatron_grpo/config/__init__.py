@@ -53,12 +53,18 @@ class GRPOConfig:
         """Build from {option name: raw value}, names as on the command line (aliases
         allowed). Every problem goes to `problems`; without it, they are raised together."""
         p = Problems() if problems is None else problems
-        table = field_table(GROUPS)
-        per_group: Dict[str, Dict[str, Any]] = {g: {} for g in GROUPS}
-        for name, value in values_from_mapping(values, table, p, "the config").items():
-            per_group[table[name].group][name] = value
+        values = values_from_mapping(values, field_table(GROUPS), p, "the config")
         if problems is None:
             p.raise_if_any()
+        return cls._of(values, problems)
+
+    @classmethod
+    def _of(cls, values: Dict[str, Any], problems: Optional[Problems]) -> "GRPOConfig":
+        """Build from {canonical option name: converted value} (from_flat, the parser)."""
+        table = field_table(GROUPS)
+        per_group: Dict[str, Dict[str, Any]] = {g: {} for g in GROUPS}
+        for name, value in values.items():
+            per_group[table[name].group][name] = value
         return cls(**{g: GROUPS[g](**kw) for g, kw in per_group.items()}, problems=problems)
 
     def to_flat(self) -> Dict[str, Any]:
@@ -85,7 +91,7 @@ def build_config(argv: Sequence[str], world_size: Optional[int] = None
     checks. An option whose value could not be used keeps its default here, so the config
     is only to be used when there is no problem."""
     p = Problems()
-    cfg = GRPOConfig.from_flat(collect_values(argv, GROUPS, p), p)
+    cfg = GRPOConfig._of(collect_values(argv, GROUPS, p), p)   # converted by the parser
     if world_size is not None and not p.names_any(WORLD_OPTIONS):
         validate_world(cfg, world_size, p)
     return cfg, p

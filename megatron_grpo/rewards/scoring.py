@@ -39,11 +39,15 @@ class TrainerState:
     steps so far took, global_batch_size each)."""
     iteration: int = 0
     max_steps: Optional[int] = None
-    consumed_train_samples: int = 0
+    global_batch_size: int = 0
 
     @property
     def global_step(self) -> int:
         return self.iteration
+
+    @property
+    def consumed_train_samples(self) -> int:
+        return self.iteration * self.global_batch_size
 
 
 def _sample_view(completions: Sequence[str], columns: Mapping[str, Sequence[Any]], i: int) -> str:

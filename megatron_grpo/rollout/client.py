@@ -140,11 +140,17 @@ class RolloutClient:
     def _on_every_server(self, method: str, path: str, body: Optional[bytes] = b"",
                          content_type: str = "application/json") -> List[Any]:
         """The same request to every server, at once; their answers in server order."""
-        if len(self.base_urls) == 1:
-            return [self._request(method, path, body, content_type)]
-        with ThreadPoolExecutor(max_workers=len(self.base_urls)) as pool:
-            return list(pool.map(lambda s: self._request(method, path, body, content_type,
-                                                          server=s), range(len(self.base_urls))))
+        return self._at_once([functools.partial(self._request, method, path, body,
+                                                content_type, server=s)
+                              for s in range(len(self.base_urls))])
+
+    def _at_once(self, calls: List[Callable[[], Any]]) -> List[Any]:
+        """Run `calls` (requests) concurrently; their results, in call order."""
+        if len(calls) == 1:
+            return [calls[0]()]
+        with ThreadPoolExecutor(max_workers=min(len(calls), self.max_concurrent_requests),
+                                thread_name_prefix="rollout-request") as pool:
+            return list(pool.map(lambda call: call(), calls))
 
     def _shares(self, n: int) -> List[Tuple[int, int, int]]:
         """(server, lo, hi): n items in contiguous shares, one per server, empty ones left out."""
@@ -201,9 +207,10 @@ class RolloutClient:
         if images is not None:
             if len(images) != len(prompts):
                 raise ValueError(f"generate: {len(prompts)} prompts but {len(images)} image lists")
-            return self._at_once([functools.partial(self._generate_images, prompts[lo:hi],
-                                                    images[lo:hi], opts, lo, server)
-                                  for server, lo, hi in self._shares(len(prompts))])
+            calls = [functools.partial(self._generate_images, prompts[lo:hi], images[lo:hi],
+                                       opts, lo, server)
+                     for server, lo, hi in self._shares(len(prompts))]
+            return [c for part in self._at_once(calls) for c in part]
         if self.seed is None:         # the servers' own random streams: a request per server
             calls = [(lo, prompts[lo:hi], None, server)
                      for server, lo, hi in self._shares(len(prompts))]
@@ -213,16 +220,9 @@ class RolloutClient:
             # would draw the same random numbers for every prompt, at every step.
             calls = [(k, [prompts[k]], self._turn_seed(k, 0), server)
                      for server, lo, hi in self._shares(len(prompts)) for k in range(lo, hi)]
-        return self._at_once([functools.partial(self._offset, first, batch, opts, seed, server)
-                              for first, batch, seed, server in calls])
-
-    def _at_once(self, calls: List[Callable[[], List[Completion]]]) -> List[Completion]:
-        """Run the requests `calls` make concurrently; their completions, in call order."""
-        if len(calls) == 1:
-            return calls[0]()
-        with ThreadPoolExecutor(max_workers=min(len(calls), self.max_concurrent_requests),
-                                thread_name_prefix="rollout-generate") as pool:
-            return [c for part in pool.map(lambda call: call(), calls) for c in part]
+        parts = self._at_once([functools.partial(self._offset, first, batch, opts, seed, server)
+                               for first, batch, seed, server in calls])
+        return [c for part in parts for c in part]
 
     def _offset(self, first: int, prompts: List[List[int]], opts: SamplingOptions,
                 seed: Optional[int], server: int) -> List[Completion]:
@@ -348,8 +348,9 @@ class RolloutClient:
                      for pos in range(len(p), len(ids))]   # one per position; the first None
                     for choice, ids, p in zip(choices, full[lo:hi], prompt_ids[lo:hi])]
 
-        return self._at_once([functools.partial(scored, *share)
-                              for share in self._shares(len(full))])
+        parts = self._at_once([functools.partial(scored, *share)
+                               for share in self._shares(len(full))])
+        return [row for part in parts for row in part]
 
     # ------------------------------------------------------------------ weights (weights.py)
     def begin_weight_update(self) -> None:

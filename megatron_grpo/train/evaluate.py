@@ -139,7 +139,7 @@ class Evaluator:
         # As the loop's own hand-over, except that after an evaluation on a step that
         # synced vLLM stays awake: the loop generates next.
         self.sync.hand_over()
-        state = TrainerState(step, self.total_steps, step * self.cfg.training.global_batch_size)
+        state = TrainerState(step, self.total_steps, self.cfg.training.global_batch_size)
         try:
             batch = _concat([self._generate(index[i:i + self.chunk], state)
                              for i in range(0, len(index), self.chunk)])

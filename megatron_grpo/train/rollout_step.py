@@ -413,7 +413,7 @@ def rollout_phase(run) -> RolloutBatch:
             num_generations=g.num_generations, render=run.render,
             max_prompt_length=cfg.data.max_length, multi_turn=run.multi_turn,
             vision=run.vision, trainer_state=TrainerState(
-                run.step, run.total_steps, run.step * cfg.training.global_batch_size)),
+                run.step, run.total_steps, cfg.training.global_batch_size)),
         prompts, g.num_generations, dynamic_sample=g.dynamic_sample,
         max_resample_times=g.max_resample_times, reward_weights=cfg.reward.reward_weights)
     run.sync.take_back()

@@ -221,9 +221,7 @@ def resume_path(resume: Optional[str], out_dir: str) -> Optional[str]:
     "auto": the newest in this run's output_dir, if any; "false": none, a new run."""
     if resume in (None, "auto"):
         return ckpt.find_latest_checkpoint(out_dir)
-    if resume == "false" or os.path.isfile(os.path.join(resume, ckpt.META_FILE)):
-        return None if resume == "false" else resume
-    return ckpt.find_latest_checkpoint(resume)
+    return None if resume == "false" else ckpt.checkpoint_in(resume)
 
 
 def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool,
