@@ -118,6 +118,20 @@ def test_megatron_through_the_zygote_equals_a_new_interpreter(argv, tmp_path):
         (new.returncode, new.stdout, new.stderr)
 
 
+@pytest.mark.parametrize("code", ["none", "7", "-1", "message"])
+def test_the_exit_equals_a_new_interpreters(code):
+    """The fork skips only the interpreter's teardown of its objects (cli_zygote
+    _exit_as_interpreter): the non-daemon threads are waited for, the atexit handlers run,
+    buffered output is flushed, and sys.exit's code (or message) comes out the same."""
+    new = subprocess.run([sys.executable, "-m", PROBE, "exit", code], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    cmd, env = _probe("exit", code)
+    forked = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert (forked.returncode, forked.stdout, forked.stderr) == \
+        (new.returncode, new.stdout, new.stderr)
+    assert new.stdout == "buffered\nthread done\natexit ran\n"
+
+
 def _main(argv):
     """The probe: what a command run through the zygote sees."""
     if argv[0] == "report":
@@ -132,6 +146,15 @@ def _main(argv):
         print(f"preloaded={'megatron.core' in sys.modules}")
         print("to stderr", file=sys.stderr)
         sys.exit(3)
+    if argv[0] == "exit":
+        import atexit
+        import threading
+
+        atexit.register(print, "atexit ran")
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+        print("buffered")             # a pipe: still in the buffer at the exit
+        sys.exit({"none": None, "message": "a message"}[argv[1]] if argv[1] in ("none", "message")
+                 else int(argv[1]))
     if argv[0] == "die":
         os.kill(os.getpid(), signal.SIGTERM)
     if argv[0] == "wait_for_sigterm":
