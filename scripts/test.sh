@@ -11,4 +11,6 @@ export OMP_NUM_THREADS=1
 # built models, vLLM engines, pooled ranks). Most tests are CPU-bound on 2 cores already;
 # the second worker fills the cores while the other waits on a single process (a dry run,
 # one rank's engine start, a server starting). Later flags win: `-n 0` runs in one process.
-exec "$ROOT/.venv/bin/python" -m pytest -ra -n "${MGRPO_TEST_WORKERS:-2}" --dist loadfile "$@"
+# --no-loadscope-reorder: files in tests/conftest.py's order (the heaviest first).
+exec "$ROOT/.venv/bin/python" -m pytest -ra -n "${MGRPO_TEST_WORKERS:-2}" --dist loadfile \
+    --no-loadscope-reorder "$@"

