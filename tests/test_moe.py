@@ -11,6 +11,10 @@ normalisation), both with random weights whose router logits are O(1):
   pipeline's p2p sends beside the experts' all-to-all) == EP=1, in HF layout through the
   bridge's gradient stream; also with Megatron's selective recompute of the MoE layer
   (`--recompute_modules moe`, EP=2) and of Qwen2-MoE's shared expert (EP=2 x TP=2);
+- the GRPO step's gradients and router losses do not depend on the micro-batches' padding
+  (the routers are told it: GPTModel's padding_mask), under TP x PP with sequence
+  parallelism, CP and packing alike, and the losses equal HF's router logits' on the real
+  tokens;
 - a training checkpoint (distributed optimizer) resumes across expert parallel sizes.
 Layouts (tp, pp, ep, etp): ranks left over are data-parallel / expert-data-parallel.
 """
@@ -149,7 +153,90 @@ def _world(rank, world_size, paths, ids, grad_ids, grad_weight):
             results.append(dict(family=family, layout=(tp, pp, ep, etp), names=names, wrong=wrong,
                                 expected=sorted(ref), no_nan=no_nan, read=read,
                                 held=held, logits=logits, grads=grads))
-    return results
+    return results, _padding_runs(world_size, paths["qwen3_moe"])
+
+
+# ---------------------------------------------------------------- padding and the router
+# The GRPO step (train_micro_batches) on a Qwen3-MoE with the load-balancing loss (and the
+# z-loss) on: its micro-batches padded to their longest row, or 8 columns more, at TP=1, at
+# TP=2 x PP=2 with sequence parallelism (the mask split over TP on both stages), at CP=2
+# (the mask in CP chunks) and packed (--padding_free: the filler between sequences). The
+# padding is not the model's input: neither the gradients nor the logged losses may depend
+# on it. Runs: ((tp, pp, cp, packed), router losses, padding, routers told the padding).
+# The z-loss runs at TP=1 only: under sequence parallelism Megatron averages each TP rank's
+# own mean over its valid tokens, which is exact only where the ranks hold equal counts.
+TP1 = (1, 1, 1, False)
+PAD_RUNS = [(TP1, "aux+z", "natural", True), (TP1, "aux+z", "long", True),
+            (TP1, "aux+z", "long", False),   # negative control
+            (TP1, "aux", "natural", True),
+            ((2, 2, 1, False), "aux", "natural", True), ((2, 2, 1, False), "aux", "long", True),
+            ((1, 1, 2, False), "aux", "long", True), ((1, 1, 1, True), "aux", "long", True)]
+PAD_SAMPLES, PAD_MBS = 8, 2
+
+
+def _padding_samples():
+    from megatron_grpo.train import Sample
+
+    g = torch.Generator().manual_seed(7)
+
+    def ids(low, high):
+        return torch.randint(0, VOCAB, (int(torch.randint(low, high, (1,), generator=g)),),
+                             generator=g).tolist()
+    return [Sample(prompt_ids=ids(2, 5), completion_ids=ids(1, 8),
+                   advantage=float(torch.randn((), generator=g)), truncated=False)
+            for _ in range(PAD_SAMPLES)]
+
+
+def _padding_runs(world_size, path):
+    from megatron.core import parallel_state as ps
+
+    from bridge import export_hf_weights, load_hf_weights
+    from megatron_grpo.algorithms import count_partials, loss_normalizer
+    from megatron_grpo.model import build_model, build_transformer_config
+    from megatron_grpo.model.builder import wrap_ddp
+    from megatron_grpo.model.moe import MoEOptions, step_metrics
+    from megatron_grpo.platform import ParallelDims, init_parallel
+    from megatron_grpo.train import LossOptions, engine, micro_batches, train_micro_batches
+    from megatron_grpo.train.batch import collate
+
+    samples = _padding_samples()
+    full = collate(samples)
+    counts = count_partials(full["completion_mask"], full["completion_mask"])
+    norm = loss_normalizer("grpo", counts, generation_counts=counts, max_completion_length=8)
+    natural = -(-full["input_ids"].shape[1] // 4) * 4    # a multiple of TP (sequence parallel)
+    out, built = {}, None
+    for layout, losses, padding, masked in PAD_RUNS:
+        if built != (layout, losses):
+            built = layout, losses
+            tp, pp, cp, packed = layout
+            init_parallel(ParallelDims(world_size=world_size, tp=tp, pp=pp, cp=cp))
+            config, args = build_transformer_config(
+                path, tp=tp, pp=pp, cp=cp, sequence_parallel=tp > 1,
+                moe=MoEOptions(aux_loss_coeff=0.01,
+                               z_loss_coeff=0.001 if losses == "aux+z" else None))
+            chunks = build_model(config, args, padding_free=packed)
+            load_hf_weights(chunks, config, args, path)
+            chunks = wrap_ddp(config, chunks)
+            dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+            mine = samples[d * PAD_SAMPLES // dp:(d + 1) * PAD_SAMPLES // dp]
+        for c in chunks:
+            c.zero_grad_buffer()
+        kept = engine.with_token_valid
+        if not masked:
+            engine.with_token_valid = lambda batch: batch
+        try:
+            length = natural + (8 if padding == "long" else 0)
+            train_micro_batches(chunks, micro_batches(mine, PAD_MBS, pad_to_length=length),
+                                LossOptions(loss_type="grpo"), normalizer=norm, vocab_size=VOCAB)
+        finally:
+            engine.with_token_valid = kept
+        metrics = step_metrics(config, len(mine) // PAD_MBS)
+        grads = {}
+        for bucket in export_hf_weights(chunks, config, args, source=lambda p: p.main_grad,
+                                        dtype=torch.float32):
+            grads.update({k: t.clone() for k, t in bucket})
+        out[layout, losses, padding, masked] = grads, metrics
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +250,13 @@ def world(tmp_path_factory):
     ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
     grad_ids = torch.randint(0, VOCAB, (4, 2, 10), generator=gen)
     grad_weight = torch.randn(4, 2, 10, VOCAB, generator=gen)
-    results = run_distributed(_world, world_size=4, args=(paths, ids, grad_ids, grad_weight),
-                              timeout=600)
-    return paths, ids, results
+    out = run_distributed(_world, world_size=4, args=(paths, ids, grad_ids, grad_weight),
+                          timeout=600)
+    return paths, ids, [r for r, _ in out], [padding for _, padding in out]
 
 
 def test_moe_bridge_roundtrip_bit_exact(world):
-    _, _, results = world
+    _, _, results, _ = world
     for rank, runs in enumerate(results):
         assert len(runs) == sum(len(v) for v in LAYOUTS.values())
         for r in runs:
@@ -185,7 +272,7 @@ def test_moe_bridge_roundtrip_bit_exact(world):
 def test_moe_logits_match_hf(world):
     from transformers import AutoModelForCausalLM
 
-    paths, ids, results = world
+    paths, ids, results, _ = world
     for family, path in paths.items():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -197,7 +284,7 @@ def test_moe_logits_match_hf(world):
 
 
 def test_moe_expert_parallel_gradients_match_ep1(world):
-    _, _, results = world
+    _, _, results, _ = world
     for rank, runs in enumerate(results):
         for family, expected in GRAD_RUNS.items():
             got_runs = {(r["layout"], recompute): g for r in runs if r["family"] == family
@@ -213,6 +300,67 @@ def test_moe_expert_parallel_gradients_match_ep1(world):
                     diff = (got[k] - want[k]).abs().max().item()
                     assert diff <= 1e-5 * max(scale, 1.0), \
                         f"{where}: grad {k} differs by {diff} ({scale})"
+
+
+def _router_losses_reference(path):
+    """float64 load_balancing_loss and z_loss of the PAD_SAMPLES step from HF transformers'
+    router logits on the real tokens only (each row run alone, unpadded), as Megatron
+    defines them per layer and micro-batch of T tokens, top-k of E experts:
+    E / (k T^2) sum_e (sum_t p_te)(sum_t routed_te) and mean_t logsumexp_t^2; then the
+    mean over layers and micro-batches (step_metrics)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    k, n_experts = hf.config.num_experts_per_tok, hf.config.num_experts
+    samples = _padding_samples()
+    lb, z = [], []
+    for i in range(0, PAD_SAMPLES, PAD_MBS):
+        per_layer = None
+        for s in samples[i:i + PAD_MBS]:
+            ids = torch.tensor([s.prompt_ids + s.completion_ids[:-1]])
+            with torch.no_grad():
+                logits = hf(input_ids=ids, output_router_logits=True).router_logits
+            rows = [x.reshape(-1, n_experts).double() for x in logits]
+            per_layer = rows if per_layer is None else \
+                [torch.cat([a, b]) for a, b in zip(per_layer, rows)]
+        for x in per_layer:
+            p = torch.softmax(x, dim=-1)
+            routed = torch.zeros_like(p).scatter(1, p.topk(k, dim=-1).indices, 1.0)
+            t = x.shape[0]
+            lb.append(n_experts / (k * t * t) * (p.sum(0) * routed.sum(0)).sum())
+            z.append((torch.logsumexp(x, dim=-1) ** 2).mean())
+    return torch.stack(lb).mean().item(), torch.stack(z).mean().item()
+
+
+def test_moe_padding_leaves_the_router_losses_and_gradients_unchanged(world):
+    """MoE micro-batches pass their padding to the routers (GPTModel's padding_mask): the
+    step's gradients and its load_balancing_loss / z_loss do not change with the padding,
+    match across TP x PP with sequence parallelism, and the losses equal HF's router
+    logits' on the real tokens. Without the mask the padding changes all three."""
+    paths, _, _, padding = world
+    lb, z = _router_losses_reference(paths["qwen3_moe"])
+    for rank, runs in enumerate(padding):
+        grads, metrics = runs[TP1, "aux+z", "natural", True]
+        assert metrics["load_balancing_loss"] == pytest.approx(lb, rel=1e-5), (rank, metrics)
+        assert metrics["z_loss"] == pytest.approx(z, rel=1e-5), (rank, metrics)
+        assert any("mlp.gate.weight" in k and grads[k].abs().sum() > 0 for k in grads)
+        want_aux = (TP1, "aux", "natural", True)
+        same = [((TP1, "aux+z", "long", True), (TP1, "aux+z", "natural", True))] + \
+            [(run, want_aux) for run in PAD_RUNS if run[1] == "aux" and run != want_aux]
+        for got_key, want_key in same:
+            (got, got_m), (want, want_m) = runs[got_key], runs[want_key]
+            where = f"rank {rank}: {got_key} vs {want_key}"
+            assert sorted(got) == sorted(want), where
+            for name in want_m:
+                assert got_m[name] == pytest.approx(want_m[name], rel=1e-5), (where, name)
+            for name in want:
+                scale = max(want[name].abs().max().item(), 1e-6)
+                diff = (got[name] - want[name]).abs().max().item()
+                assert diff <= 1e-5 * max(scale, 1.0), f"{where}: grad {name} differs by {diff}"
+        unmasked, unmasked_m = runs[TP1, "aux+z", "long", False]
+        assert unmasked_m["load_balancing_loss"] != pytest.approx(lb, rel=1e-3)
+        assert max((unmasked[name] - grads[name]).abs().max().item()
+                   for name in grads if "mlp.gate.weight" in name) > 1e-5
 
 
 # ---------------------------------------------------------------- resume at EP=2

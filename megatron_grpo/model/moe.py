@@ -23,7 +23,10 @@ coeff x loss to the gradient through `MoEAuxLossAutoScaler`, scaled by the sched
 cp / num_microbatches (calculate_per_token_loss is off), and DDP averages over data-parallel
 ranks: the gradient of coeff x (mean over micro-batches and DP ranks of the per-micro-batch
 loss), beside the GRPO loss with its own global normalisation (train/engine.py).
-`step_metrics` logs that mean, unweighted, as `load_balancing_loss` / `z_loss`.
+`step_metrics` logs that mean, unweighted, as `load_balancing_loss` / `z_loss`. Both
+count the real tokens only: the engine passes each micro-batch's padding to the routers
+(GPTModel's `padding_mask`, train/engine.py `with_token_valid`), so neither the losses
+nor their gradients depend on how far a micro-batch is padded (tests/test_moe.py).
 
 Router replay (`--router_replay_mode R3`): each sample carries the experts vLLM routed its
 tokens to (rollout/routing.py), [tokens, layers, k]; `set_routing_replay` hands every

@@ -168,6 +168,8 @@ def _cp_micro_batches(chunks, micro_batches: list[dict]) -> list[dict]:
     sp = (ps.get_tensor_model_parallel_world_size()
           if unwrap(chunks[0]).config.sequence_parallel else 1)
     rank = ps.get_context_parallel_rank()
+    if unwrap(chunks[0]).config.num_moe_experts:
+        micro_batches = [with_token_valid(mb) for mb in micro_batches]
     if padding_free(chunks):
         # One length for every micro-batch of the call under PP (the p2p buffers).
         common = max(packed_length(mb, cp, sp) for mb in micro_batches) \
@@ -179,12 +181,40 @@ def _cp_micro_batches(chunks, micro_batches: list[dict]) -> list[dict]:
     return [cp_shard(mb, cp, rank, sp) for mb in micro_batches]
 
 
+def with_token_valid(batch: dict) -> dict:
+    """`batch` plus "token_valid" [B, S] bool: the tokens of each row before its padding
+    (from "lengths"). An MoE model's routers leave the others out of the load-balancing
+    and z losses (Megatron's padding_mask); CP shards and packing pad it with False."""
+    if "lengths" not in batch:
+        return batch
+    cols = torch.arange(batch["input_ids"].shape[1], device=batch["lengths"].device)
+    return dict(batch, token_valid=cols < batch["lengths"][:, None])
+
+
+def _padding_mask(model, token_valid: torch.Tensor) -> torch.Tensor:
+    """GPTModel's padding_mask (True: padding) for this rank's tokens [b, s]. Under
+    sequence parallelism the stage that embeds splits it over TP itself (as it splits the
+    embeddings); a later stage's MoE layers see [b, s/tp] and get this TP rank's part."""
+    from megatron.core import tensor_parallel
+
+    m = unwrap(model)
+    mask = ~token_valid
+    if m.config.sequence_parallel and not m.pre_process:
+        mask = tensor_parallel.scatter_to_sequence_parallel_region(
+            mask.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+    return mask
+
+
 def _model_forward(model, batch: dict) -> torch.Tensor:
     """GPTModel up to the final norm on a micro-batch, packed or not; with router replay
-    (a "routed_experts" entry) its MoE routers take the experts vLLM chose."""
+    (a "routed_experts" entry) its MoE routers take the experts vLLM chose, and with
+    "token_valid" (MoE models, `with_token_valid`) they leave the padding out of their
+    auxiliary losses."""
     if "routed_experts" in batch:
         set_routing_replay(model, batch["routed_experts"])
     kwargs = {"packed_seq_params": packed_seq_params(batch)} if "cu_seqlens" in batch else {}
+    if "token_valid" in batch:
+        kwargs["padding_mask"] = _padding_mask(model, batch["token_valid"])
     # Vision-language micro-batches (train/batch.py ImageInputs): the images, for the
     # first stage's vision tower (model/vision.py); other stages ignore them.
     kwargs.update({k: batch[k] for k in ("pixel_values", "image_grid_thw", "image_mask",

@@ -54,7 +54,7 @@ from ..data.cp_split import local_positions, packed_local_positions, pad_sequenc
 # Per-token tensors that feed the model (packed); every other [B, S] tensor goes to the
 # row view for the loss.
 MODEL_INPUTS = ("input_ids", "position_ids", "targets", "routed_experts", "image_mask",
-                "image_index")
+                "image_index", "token_valid")
 WHOLE = ("pixel_values", "image_grid_thw")     # the images: not per token
 
 

@@ -258,14 +258,26 @@ def moe_step_losses() -> dict:
     """The MoE router losses recorded since the last call ({name: per-layer sums over the
     micro-batches}, e.g. load_balancing_loss, z_loss), reduced by Megatron (summed over
     pipeline stages, averaged over data-parallel ranks); the record is then cleared.
-    Collective over the world when anything was recorded."""
+    A loss Megatron records without a reduce group (the z-loss: each rank's mean over its
+    own tokens) is averaged here over the tensor x context and data-parallel ranks, which
+    Megatron leaves to whoever logs it. Collective over the world when anything was
+    recorded."""
     check_version()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe import moe_utils
 
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     if not tracker:
         return {}
+    local = [name for name, v in tracker.items() if v.get("reduce_group") is None
+             and v.get("avg_group") is None]
     moe_utils.reduce_aux_losses_tracker_across_ranks()
+    for name in local:
+        values = tracker[name]["values"]
+        for group in (ps.get_tensor_and_context_parallel_group(), ps.get_data_parallel_group()):
+            dist.all_reduce(values, group=group)
+            values /= dist.get_world_size(group)
     out = {name: v["values"].detach().clone() for name, v in sorted(tracker.items())}
     moe_utils.clear_aux_losses_tracker()
     return out
