@@ -125,3 +125,46 @@ def test_checkpoint_flags(model_dir, tmp_path):
     assert cfg.logging.finetune is True and cfg.logging.resume == str(ckpt)
     message = error_of(args(model_dir, "--finetune", "true", "--resume", "auto"))
     assert message.startswith("--finetune true with --resume auto") and "--resume PATH" in message
+
+
+def test_false_of_a_flag_for_what_runs_here_is_accepted(model_dir, tmp_path):
+    """ms-swift scripts spell out fusions and offloads as false (real.sh:
+    --gradient_accumulation_fusion false): accepted, on the command line and in YAML, as
+    what runs here; true is refused naming the false that is accepted."""
+    assert set(sf.OFF_HERE) <= set(sf.FEATURE_OF)
+    path = tmp_path / "run.yaml"
+    path.write_text("masked_softmax_fusion: false\noptimizer_cpu_offload: false\n")
+    cfg = parse_rlhf_args(args(model_dir, "--gradient_accumulation_fusion", "false",
+                               "--apply-rope-fusion=false", "--manual_gc", "0",
+                               "--config", str(path), "--lr", "2e-6"))
+    assert cfg.training.lr == 2e-6
+    message = error_of(args(model_dir, "--gradient_accumulation_fusion", "true",
+                            "--use_precision_aware_optimizer"))
+    assert message.startswith("2 problems")
+    for flag, feature in (("gradient_accumulation_fusion", "Megatron kernel fusions (GPU)"),
+                          ("use_precision_aware_optimizer", "optimizer CPU offload")):
+        assert f"--{flag} is an ms-swift option not supported yet ({feature}" in message
+        assert f"--{flag} false (what runs here) is accepted" in message
+
+
+def test_what_the_accepted_false_flags_name_is_off_here():
+    """The Megatron settings behind OFF_HERE are off in the model and optimizer configs
+    this project builds (the optimizer's: Megatron's defaults, which setup leaves)."""
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_grpo.model import build_transformer_config
+    from tests.mcore_utils import TINY_QWEN2
+
+    config, _ = build_transformer_config(TINY_QWEN2, tp=1)
+    optimizer = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
+    checked = 0
+    for name in sf.OFF_HERE:
+        if hasattr(config, name):
+            assert getattr(config, name) is False, name
+            checked += 1
+        elif name in optimizer:
+            assert optimizer[name] is False, name
+            checked += 1
+    assert checked == 9

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Sequen
 
 from .errors import Problems
 from .groups import ALIASES, bad_choice, literal_choices
-from .swift_flags import rejection
+from .swift_flags import OFF_HERE, rejection
 
 _TRUE = {"true", "1", "yes", "y", "on", "t"}
 _FALSE = {"false", "0", "no", "n", "off", "f"}
@@ -175,6 +175,17 @@ def _lookup(key: str, table: Dict[str, FieldInfo], p: Problems, suggested: List[
     return None
 
 
+def _off_here(key: str, raw: Any) -> bool:
+    """Whether an ms-swift flag we do not have asks for what runs here anyway: `false` for
+    one of swift_flags.OFF_HERE (a YAML value, or the flag's tokens)."""
+    if key.replace("-", "_") not in OFF_HERE:
+        return False
+    try:
+        return not _to_bool(raw[0] if isinstance(raw, list) and len(raw) == 1 else raw)
+    except ValueError:
+        return False
+
+
 def _store(values: Dict[str, Any], info: FieldInfo, raw: Any, p: Problems) -> None:
     """values[name] = `raw` converted and within its choices; else the problem goes to `p`."""
     try:
@@ -196,6 +207,8 @@ def values_from_mapping(data: Mapping[str, Any], table: Dict[str, FieldInfo], p:
     values: Dict[str, Any] = {}
     spelled: Dict[str, str] = {}
     for key, raw in data.items():
+        if _off_here(str(key), raw):
+            continue
         name = _lookup(str(key), table, p, [] if suggested is None else suggested)
         if name is None:
             continue
@@ -347,10 +360,11 @@ def collect_values(argv: Sequence[str], groups: Dict[str, type],
         values = values_from_mapping(from_yaml, table, p, f"--config {config[0]!r}",
                                      suggested, skip=list(flags))   # a flag overrides the file
     for key, given in unknown:
+        first, *rest = given.split()
         reason = refuse(key, given)
         if reason:
             p.add(reason)
-        else:
+        elif not _off_here(key, [first.partition("=")[2]] if "=" in first else rest):
             _lookup(key, table, p, suggested)
     for name, raw in flags.items():
         kind, _, many = _unwrap(table[name].annotation)

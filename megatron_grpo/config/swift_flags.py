@@ -379,6 +379,15 @@ ACCEPTED_WITHOUT_EFFECT: Dict[str, str] = {
     "save_safetensors": "true only: final_hf/ is always written as safetensors",
 }
 
+# Rejected flags that switch on what this project does not do: their `false` is what runs
+# here, so a script that spells it out (`--gradient_accumulation_fusion false`) is accepted.
+OFF_HERE: Tuple[str, ...] = _names("""
+    masked_softmax_fusion bias_dropout_fusion bias_activation_fusion apply_rope_fusion
+    gradient_accumulation_fusion cross_entropy_loss_fusion optimizer_cpu_offload
+    optimizer_cuda_graph use_precision_aware_optimizer manual_gc async_save tp_comm_overlap
+    use_megatron_fsdp mlp_padding_free
+""")
+
 # Choice values of implemented options that ms-swift accepts and this project does not (yet).
 UNSUPPORTED_VALUES: Dict[Tuple[str, str], str] = {
     ("rlhf_type", "dpo"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
@@ -426,4 +435,5 @@ def rejection(name: str) -> Optional[str]:
     feature = FEATURE_OF.get(name)
     if feature is None:
         return None
-    return f"--{name} is an ms-swift option not supported yet ({feature})"
+    off = f"; --{name} false (what runs here) is accepted" if name in OFF_HERE else ""
+    return f"--{name} is an ms-swift option not supported yet ({feature}){off}"
