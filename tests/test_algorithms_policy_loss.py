@@ -658,3 +658,57 @@ def test_real_options_from_the_command_line(tmp_path):
         parse_rlhf_args(argv[:10] + ["--micro_batch_size", "2"] + argv[12:])
     with pytest.raises(ValueError, match="--loss_type real does not use --top_entropy_quantile"):
         parse_rlhf_args(argv + ["--top_entropy_quantile", "0.5"])
+
+
+@pytest.mark.parametrize("loss_type", [t for t in TOKEN_LOSS_TYPES if t != "fipo"])
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_teacher_log_ratio_joins_each_tokens_advantage(loss_type, on_policy):
+    """On-policy distillation (--teacher_model): the loss with teacher_logps and one
+    advantage per completion equals the reference loss with per-token advantages
+    A_i + coef * (teacher_t - old_t) (old: the current log-probs, detached, on-policy);
+    teacher_kl is exp(d) - d - 1 of d = teacher - old, 0 outside the mask."""
+    bt = make_batch(31)
+    g = torch.Generator().manual_seed(4)
+    teacher = (bt["old"] + 0.5 * torch.randn(B, L, generator=g, dtype=D)).masked_fill(
+        ~bt["mask"], float("nan"))
+    o = dict(_base(loss_type), beta=0.04, on_policy=on_policy)
+    coef = 0.7
+    lp_impl = bt["logps"].clone().requires_grad_()
+    out = compute_policy_loss(
+        lp_impl, bt["adv"], bt["mask"], old_logps=None if on_policy else bt["old"],
+        ref_logps=bt["ref"], truncated=bt["truncated"], teacher_logps=teacher,
+        teacher_kl_coef=coef, **{k: o[k] for k in IMPL_KEYS if k in o})
+    counts = count_partials(out.loss_mask, bt["mask"])
+    norm = loss_normalizer(loss_type, counts, generation_counts=counts, max_completion_length=LMAX)
+    got = local_loss(out.per_token_loss, out.loss_mask, loss_type, norm)
+
+    per_token = torch.zeros(B, L, dtype=D)
+    kl = torch.zeros(B, L, dtype=D)
+    for i in range(B):
+        for t in range(L):
+            if bt["mask"][i, t]:
+                old = bt["logps"][i, t].item() if on_policy else bt["old"][i, t].item()
+                d = teacher[i, t].item() - old
+                per_token[i, t] = bt["adv"][i].item() + coef * d
+                kl[i, t] = math.exp(d) - d - 1
+    lp_ref = bt["logps"].clone().requires_grad_()
+    want = reference_loss(dict(bt, adv=per_token), lp_ref, o)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lp_impl.grad, lp_ref.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(out.teacher_kl, kl, rtol=1e-12, atol=1e-12)
+    metrics = finalize_metrics(policy_metric_partials(out, loss_type=loss_type, epsilon=0.2))
+    loss_tokens = out.loss_mask
+    assert metrics["teacher_kl"] == pytest.approx(kl[loss_tokens].mean().item(), rel=1e-12)
+    # Without the teacher term the loss differs: the test sees it.
+    plain = reference_loss(bt, bt["logps"].clone(), o)
+    assert abs(plain.item() - want.item()) > 1e-6
+
+
+@pytest.mark.parametrize("loss_type", ["real", "fipo"])
+def test_teacher_refused_by_the_loss_types_of_one_advantage_per_completion(loss_type):
+    bt = make_batch(3)
+    with pytest.raises(ValueError, match="needs one advantage per completion"):
+        compute_policy_loss(bt["logps"], bt["adv"], bt["mask"], old_logps=bt["old"],
+                            teacher_logps=bt["old"], loss_type=loss_type)

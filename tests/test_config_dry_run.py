@@ -109,3 +109,24 @@ def test_dry_run_mentions_the_evaluation(dry_runs):
     assert ("every 4 optimizer steps and after the last (3 evaluations): all 10 validation "
             "prompts (held out of --dataset by --split_dataset_ratio 0.1, never trained on) x 4 "
             "completions") in lines["eval"], lines["eval"]
+
+
+@pytest.mark.slow  # two CLI processes (dry runs)
+def test_dry_run_checks_the_teacher_in_the_run_layout(model, tiny_model, tmp_path):
+    """--teacher_model: the plan names the teacher; a teacher that the run's layout cannot
+    split (1 layer over PP=2) fails the dry run naming --teacher_model."""
+    teacher = str(tiny_model(family="qwen2", hidden_size=128, seed=1))
+    shallow = str(tiny_model(family="qwen2", hidden_size=128, num_layers=1, seed=1))
+    results = run_together({
+        "ok": _dry_run_argv(model, str(tmp_path / "ok"), "--teacher_model", teacher,
+                            "--teacher_kl_coef", "0.5", "--num_generations", "4", nproc=2),
+        "pp2": _dry_run_argv(model, str(tmp_path / "pp2"), "--teacher_model", shallow,
+                             "--pipeline_model_parallel_size", "2", "--num_generations", "4",
+                             nproc=2)}, cwd=ROOT)
+    ok, pp2 = results["ok"], results["pp2"]
+    assert ok.returncode == 0, ok.stderr
+    assert f"teacher {teacher} (frozen, same layout, teacher_kl_coef 0.5)" in _line(ok.stdout, "model")
+    assert pp2.returncode == 2, pp2.stdout
+    assert f"--teacher_model {shallow!r}" in pp2.stderr and "--pipeline_model_parallel_size 2" \
+        in pp2.stderr, pp2.stderr
+    assert "Traceback" not in pp2.stderr

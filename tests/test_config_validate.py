@@ -448,3 +448,49 @@ def test_bf16_on_a_cpu_without_bf16_instructions_warns(model_dir, monkeypatch, c
     hits = [r.message for r in caplog.records if "without bfloat16 instructions" in r.message]
     assert len(hits) == (1 if warned else 0)
     assert all("Fix: --bf16 false" in h for h in hits)
+
+
+def _model_folder(root, name, **config):
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 999, **config}))
+    return str(d)
+
+
+def test_teacher_model_options(tmp_path):
+    """--teacher_model (on-policy distillation): --reward_funcs optional; a teacher of
+    another vocabulary, a vision-language or MoE teacher, a missing folder, and the options
+    of one advantage per completion are refused with the fix."""
+    student = _model_folder(tmp_path, "student")
+    teacher = _model_folder(tmp_path, "teacher", num_hidden_layers=4)
+    cfg = parse_rlhf_args(["--model", student, "--dataset", COUNTDOWN, "--teacher_model", teacher,
+                           "--teacher_kl_coef", "0.5"])
+    assert (cfg.model.teacher_model, cfg.grpo.teacher_kl_coef, cfg.reward.reward_funcs) == \
+        (teacher, 0.5, [])
+    with_reward = parse_rlhf_args(args(student, "--teacher_model", teacher))
+    assert with_reward.reward.reward_funcs == ["countdown"]
+    # One completion per prompt (ms-swift's opd_rl.sh): the teacher needs no group.
+    single = parse_rlhf_args(args(student, "--teacher_model", teacher, "--num_generations", "1"))
+    assert single.grpo.num_generations == 1
+    assert "(1 with --teacher_model)" in error_of(args(student, "--num_generations", "1"))
+    cases = [
+        (["--teacher_model", _model_folder(tmp_path, "other_vocab", vocab_size=151936)],
+         ["has vocab_size 151936", "--model", "999", "one vocabulary"]),
+        (["--teacher_model", _model_folder(tmp_path, "vl", vision_config={})],
+         ["is a vision-language model", "dense text model"]),
+        (["--teacher_model", _model_folder(tmp_path, "moe", num_experts=4)],
+         ["is a mixture-of-experts model"]),
+        (["--teacher_model", str(tmp_path / "nowhere")], ["no config.json there"]),
+        (["--teacher_model", teacher, "--loss_type", "real", "--micro_batch_size", "8"],
+         ["--teacher_model with --loss_type real", "advantage per completion"]),
+        (["--teacher_model", teacher, "--off_policy_sequence_mask_delta", "0.1"],
+         ["--teacher_model with --off_policy_sequence_mask_delta 0.1"]),
+    ]
+    for extra, expected in cases:
+        message = error_of(args(student, *extra))
+        for part in expected:
+            assert part in message, (extra, message)
+    message = error_of(["--model", student, "--dataset", COUNTDOWN, "--teacher_model", teacher,
+                        "--dynamic_sample", "true", "--scale_rewards", "gdpo"])
+    assert "--dynamic_sample true needs --reward_funcs" in message
+    assert "--scale_rewards gdpo needs --reward_funcs" in message

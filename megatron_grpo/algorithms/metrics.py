@@ -27,6 +27,9 @@ cispo_clip_ratio        cispo instead of clip_ratio/*: completion mean of the fr
 fipo/future_kl_mean, fipo/influence_weight_mean, fipo/safety_keep_ratio
                         fipo: token means over loss tokens of policy_loss.fipo_influence's
                         F_t, I_t and safety mask (ms-swift's names)
+teacher_kl              on-policy distillation (--teacher_model): token mean over the loss
+                        tokens of exp(d) - d - 1, d = teacher - old log-prob (ms-swift's k3
+                        gauge of the distance to the teacher; it should fall)
 entropy/entropy_mean|entropy_max|entropy_min
                         completion mean / max / min of the per-completion mean entropy
                         (Megatron-SWIFT's names)
@@ -144,6 +147,8 @@ def policy_metric_partials(out: PolicyLossOutput, *, loss_type: str, epsilon: fl
         rows["fipo_" + key] = torch.where(mask, v, torch.zeros_like(v))
     if out.per_token_kl is not None:
         rows["kl"] = torch.where(mask, out.per_token_kl.detach(), torch.zeros_like(out.per_token_kl))
+    if out.teacher_kl is not None:
+        rows["teacher_kl"] = torch.where(mask, out.teacher_kl, torch.zeros_like(out.teacher_kl))
     if entropy is not None:
         rows["entropy"] = torch.where(mask, entropy.detach(), torch.zeros_like(entropy))
     sums = _row_sums(rows, sequence_sums)                                # name -> [B]
@@ -153,6 +158,8 @@ def policy_metric_partials(out: PolicyLossOutput, *, loss_type: str, epsilon: fl
 
     if out.per_token_kl is not None:
         _add_mean(p, "kl", sums["kl"].sum(), n.sum())
+    if out.teacher_kl is not None:
+        _add_mean(p, "teacher_kl", sums["teacher_kl"].sum(), n.sum())
     if "cispo" in sums:
         _add_mean(p, "cispo_clip_ratio", (sums["cispo"] / per_seq)[has].sum(), n_seq)
     if "region" in sums:

@@ -12,6 +12,11 @@ Order of operations (ms-swift's Megatron GRPO loss), per token t of completion i
 
 1. loss mask: completion mask, minus every token of a truncated completion when
    `overlong_filter` is on.
+   On-policy distillation (ms-swift's OPD-RL, `teacher_logps` given): the advantage of
+   every token gets the teacher's signed log-ratio on the sampled token,
+     A_t <- A_i + teacher_kl_coef * (teacher_logp_t - old_logp_t)
+   (the k1 estimate of -KL(policy || teacher) as a per-token reward), and `teacher_kl`
+   holds the k3 estimate exp(d) - d - 1, d = teacher - old, for the metric.
 2. log importance weight, from log r_t = logp_t - old_logp_t
    (`old_logps` None means on-policy: old = logp detached, ratio 1 with gradient):
      token           w_t = log r_t
@@ -399,6 +404,7 @@ class PolicyLossOutput(NamedTuple):
     entropy_mask: Optional[torch.Tensor]         # [B, L] bool (None without top_entropy_quantile)
     entropy_threshold: Optional[torch.Tensor]    # 0-d threshold used (None without it)
     fipo: Optional[Dict[str, torch.Tensor]] = None  # fipo only: `fipo_influence`'s [B, L] tensors
+    teacher_kl: Optional[torch.Tensor] = None    # [B, L] k3 of teacher vs old (with teacher_logps)
 
 
 def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -427,6 +433,7 @@ class LossConfig:
     rollout_importance_sampling_mode: Optional[str] = None
     rollout_importance_sampling_threshold: float = 2.0
     off_policy_sequence_mask_delta: Optional[float] = None  # None: off
+    teacher_kl_coef: float = 1.0                      # weight of the teacher's log-ratio
     loss_params: LossTypeParams = LossTypeParams()    # sapo / fipo / real options
 
     def __post_init__(self) -> None:
@@ -460,13 +467,14 @@ def compute_policy_loss(
     entropy_threshold_value: Optional[torch.Tensor | float] = None,
     truncated: Optional[torch.Tensor] = None,
     rollout_logps: Optional[torch.Tensor] = None,
+    teacher_logps: Optional[torch.Tensor] = None,
     sequence_sums: Optional[SequenceSums] = None,
     **options,
 ) -> PolicyLossOutput:
     """Per-token GRPO loss of a micro-batch (module docstring gives the formulas).
 
     logps [B, L] current policy log-probs (with grad); advantages [B] or [B, L];
-    completion_mask [B, L]; old/ref/rollout logps and entropy [B, L]; truncated [B].
+    completion_mask [B, L]; old/ref/rollout/teacher logps and entropy [B, L]; truncated [B].
     Padding (completion_mask False) of every [B, L] input may hold anything, NaN/inf too.
     `config`: the loss options (`LossConfig`, built once per run); a one-off call may give
     them as keywords instead (`LossConfig`'s field names), not both.
@@ -503,6 +511,14 @@ def compute_policy_loss(
     old = logps.detach() if old_logps is None else _zero_outside(old_logps.detach(), mask)
     adv = advantages.detach()
     adv = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logps.dtype).expand_as(logps)  # [B, L]
+    teacher_kl = None
+    if teacher_logps is not None:   # on-policy distillation (module docstring, step 1)
+        if loss_type in ("real", "fipo"):
+            raise ValueError(f"loss_type={loss_type!r} needs one advantage per completion; a "
+                             "teacher's per-token advantages work with the other loss types")
+        d = _zero_outside(teacher_logps.detach(), mask) - old
+        adv = adv + c.teacher_kl_coef * d
+        teacher_kl = _zero_outside(torch.exp(d) - d - 1, mask)
     adv = _zero_outside(adv, mask)  # per-token advantages have padding too
     if c.off_policy_sequence_mask_delta is not None:
         behaviour = old if rollout_logps is None else _zero_outside(rollout_logps.detach(), mask)
@@ -564,4 +580,5 @@ def compute_policy_loss(
         entropy_mask=entropy_mask,
         entropy_threshold=threshold,
         fipo=fipo,
+        teacher_kl=teacher_kl,
     )

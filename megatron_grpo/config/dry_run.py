@@ -48,6 +48,14 @@ def check_model(cfg: "GRPOConfig") -> ModelFacts:
         vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
         sequence_parallel=p.sequence_parallel, dtype=dtype, ep=p.expert_model_parallel_size,
         etp=p.expert_tensor_parallel_size, moe=MoEOptions.from_config(cfg))
+    if cfg.model.teacher_model:      # the teacher in the same layout (train/setup.py)
+        try:
+            build_transformer_config(
+                cfg.model.teacher_model, tp=p.tensor_model_parallel_size,
+                pp=p.pipeline_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
+                cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel, dtype=dtype)
+        except ValueError as e:
+            raise ValueError(f"--teacher_model {cfg.model.teacher_model!r}: {e}") from None
     hf = load_hf_config(cfg.model.model)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
@@ -102,7 +110,9 @@ def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, npro
         "megatron rlhf --dry_run: every check passed; nothing was started.",
         f"  model      {cfg.model.model}: {model.family} ({model.architecture}), "
         f"{model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads, "
-        f"{model.num_kv_heads} kv heads, vocab {model.vocab_size}, {model.dtype}",
+        f"{model.num_kv_heads} kv heads, vocab {model.vocab_size}, {model.dtype}"
+        + (f"; teacher {cfg.model.teacher_model} (frozen, same layout, teacher_kl_coef "
+           f"{g.teacher_kl_coef:g})" if cfg.model.teacher_model else ""),
         f"  dataset    {_count(num_prompts, 'prompt')} from {_count(num_files, 'file')}"
         + (f" ({num_val_prompts} more held out for evaluation)" if num_val_prompts is not None
            and not cfg.evaluation.val_dataset else "") + "; "

@@ -157,6 +157,12 @@ class ModelOptions(_Group):
                     "to the same experts (gate weights from the trainer's own router). Colocated "
                     "vLLM, single-turn rollouts, vLLM prefix caching off. R2 (replaying the old "
                     "policy's routing) is not supported yet. disabled: each router picks its own.")
+    teacher_model: Optional[str] = opt(
+        None, "On-policy distillation (ms-swift's OPD-RL): a local Hugging Face folder of a dense "
+              "text model with --model's vocabulary, loaded frozen in the same TP/PP/CP layout. "
+              "Each sampled token's advantage gets --teacher_kl_coef x (teacher - old log-prob "
+              "of that token); logged as teacher_kl (k3: it should fall). --reward_funcs becomes "
+              "optional (none: pure distillation).")
 
 
 @dataclass
@@ -379,6 +385,8 @@ class GRPOOptions(_Group):
               "None: off.")
     log_rollout_offpolicy_metrics: bool = opt(False, "Log rollout_correction/* even without "
                                                      "rollout_importance_sampling_mode.")
+    teacher_kl_coef: float = opt(1.0, "Weight of the teacher's per-token log-ratio in the "
+                                      "advantage (--teacher_model).")
 
 
 @dataclass

@@ -64,9 +64,9 @@ def finalize(cfg: "GRPOConfig", problems: Optional[Problems] = None) -> None:
     """Resolve dependent defaults in place and check the options. Every problem goes into
     `problems`; without it they are raised together as one ConfigError."""
     p = Problems() if problems is None else problems
-    for check in (_check_model, _check_model_options, _check_moe, _check_data, _check_training,
-                  _check_parallel, _check_batches, _check_loss, _check_rewards, _check_multi_turn,
-                  _check_rollout, _check_logging, _check_eval):
+    for check in (_check_model, _check_teacher, _check_model_options, _check_moe, _check_data,
+                  _check_training, _check_parallel, _check_batches, _check_loss, _check_rewards,
+                  _check_multi_turn, _check_rollout, _check_logging, _check_eval):
         with p.section():
             check(cfg, p)
     if problems is None:
@@ -85,6 +85,45 @@ def _check_model(cfg: "GRPOConfig", p: Problems) -> None:
     p.require(os.path.isfile(os.path.join(model, "config.json")),
               f"--model {model!r} has no config.json. Fix: pass a Hugging Face model folder "
               "(config.json + tokenizer + *.safetensors), e.g. one written by tools/make_tiny_model.py")
+
+
+def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
+    """--teacher_model (on-policy distillation): a local dense text model with the policy's
+    vocabulary, and the options whose meaning needs one advantage per completion."""
+    teacher, g = cfg.model.teacher_model, cfg.grpo
+    if teacher is None:
+        return
+    for name, bad in (("loss_type", g.loss_type in ("real", "fipo")),
+                      ("off_policy_sequence_mask_delta", g.off_policy_sequence_mask_delta is not None)):
+        p.require(not bad, f"--teacher_model with --{name} {getattr(g, name)}: it needs one "
+                           "advantage per completion, and the teacher's advantages are per token. "
+                           f"Fix: drop --{name} (loss types grpo, bnpo, dr_grpo, dapo, cispo, sapo)")
+    if not cfg.reward.reward_funcs:
+        p.require(not g.dynamic_sample, "--dynamic_sample true needs --reward_funcs (it keeps "
+                                        "groups whose rewards differ); with --teacher_model alone "
+                                        "every reward is 0. Fix: add --reward_funcs or drop it")
+        p.require(g.scale_rewards != "gdpo", "--scale_rewards gdpo needs --reward_funcs (it "
+                                             "normalises each one). Fix: add --reward_funcs or "
+                                             "another --scale_rewards")
+    if not p.require(os.path.isfile(os.path.join(teacher, "config.json")),
+                     f"--teacher_model {teacher!r}: no config.json there. Fix: pass a local "
+                     "Hugging Face model folder (megatron-grpo does not download models)"):
+        return
+    hf, student = _hf_config(teacher) or {}, _hf_config(cfg.model.model)
+    kind = ("a vision-language model" if "vision_config" in hf else
+            "a mixture-of-experts model" if hf.get("num_experts") or hf.get("num_local_experts")
+            else None)
+    p.require(kind is None, f"--teacher_model {teacher!r} is {kind}: a teacher must be a dense "
+                            "text model (Llama, Qwen2, Qwen3) for now")
+    if student is not None:
+        p.require("vision_config" not in student,
+                  f"--teacher_model with the vision-language model {cfg.model.model!r} is not "
+                  "supported yet (the teacher would need the images)")
+        p.require(hf.get("vocab_size") == student.get("vocab_size"),
+                  f"--teacher_model {teacher!r} has vocab_size {hf.get('vocab_size')}, --model "
+                  f"{cfg.model.model!r} {student.get('vocab_size')}: the teacher scores the "
+                  "policy's tokens, so both need one vocabulary. Fix: a teacher of the same "
+                  "tokenizer family")
 
 
 # A hub dataset id as ms-swift takes it: `org/name`, optionally `:subset`, never a file name.
@@ -486,9 +525,13 @@ def _check_batches(cfg: "GRPOConfig", p: Problems) -> None:
     g, t = cfg.grpo, cfg.training
     _positive(p, "max_completion_length", g.max_completion_length)
     _positive(p, "num_iterations", g.num_iterations)
-    groups_ok = p.require(g.num_generations >= 2,
+    # With a teacher each token has its own advantage: a prompt needs no group (ms-swift's
+    # opd_rl.sh samples 1 completion each).
+    least = 1 if cfg.model.teacher_model else 2
+    groups_ok = p.require(g.num_generations >= least,
                           f"--num_generations {g.num_generations} is not valid: GRPO needs at least 2 "
-                          "completions per prompt to compare. Fix: e.g. --num_generations 8")
+                          "completions per prompt to compare (1 with --teacher_model). Fix: e.g. "
+                          "--num_generations 8")
     if not (t.global_batch_size >= 1 and t.micro_batch_size >= 1):
         return                                   # reported by _check_training
     gbs, gen, spg = t.global_batch_size, g.generation_batch_size, g.steps_per_generation
@@ -591,8 +634,9 @@ def _check_rewards(cfg: "GRPOConfig", p: Problems) -> None:
         # ms-swift: the environment's total reward is one more reward column.
         r.reward_funcs = [*r.reward_funcs, "gym_reward"]
     names = registry.registered_names()
-    p.require(bool(r.reward_funcs), f"--reward_funcs is required: one or more of {names}. "
-                                    "Fix: e.g. --reward_funcs accuracy format")
+    p.require(bool(r.reward_funcs) or cfg.model.teacher_model is not None,
+              f"--reward_funcs is required (unless --teacher_model distils): one or more of "
+              f"{names}. Fix: e.g. --reward_funcs accuracy format")
     for name in r.reward_funcs:
         p.require(name in names, f"--reward_funcs {name!r} is not a registered reward function; "
                                  f"registered: {names}. Fix: pick one, or register it in a plugin "

@@ -68,6 +68,7 @@ class Sample:
     images: Optional[ImageInputs] = None           # the prompt's images (vision-language)
     routed_experts: Optional[torch.Tensor] = None  # [P + C - 1, layers, k]: the experts vLLM
                                                    # routed each input token to (R3)
+    teacher_logps: Optional[torch.Tensor] = None   # --teacher_model's, like old_logps
 
     @property
     def model_tokens(self) -> int:
@@ -76,7 +77,7 @@ class Sample:
         return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
-PER_TOKEN_FIELDS = ("old_logps", "ref_logps", "rollout_logps")
+PER_TOKEN_FIELDS = ("old_logps", "ref_logps", "rollout_logps", "teacher_logps")
 
 
 def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int = 1,
@@ -88,7 +89,8 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple_of: int 
     completion_mask: bool (targets that are
     completion tokens the model wrote: `loss_mask`); advantages [B]; truncated [B] bool;
     lengths [B] int64 (tokens of each row, the rest is padding: what packing keeps);
-    old_logps / ref_logps / rollout_logps (float32, one value per model token, 0 elsewhere)
+    old_logps / ref_logps / rollout_logps / teacher_logps (float32, one value per model
+    token, 0 elsewhere)
     when every sample has them; routed_experts [B, S, layers, k] int16 (router replay: the
     experts of each input token; padding routed to experts 0..k-1) when every sample has it.
     """

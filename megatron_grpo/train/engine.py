@@ -396,7 +396,7 @@ def train_micro_batches(chunks, micro_batches: list[dict], opts: LossOptions, *,
                 logp, batch["advantages"], batch["completion_mask"], opts,
                 old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"), entropy=ent,
                 truncated=batch["truncated"], rollout_logps=batch.get("rollout_logps"),
-                **cp_kwargs)
+                teacher_logps=batch.get("teacher_logps"), **cp_kwargs)
             if seq_sums is not None:
                 # grpo's 1/n_i needs each completion's loss tokens on every CP rank.
                 n = out.loss_mask.sum(dim=-1, keepdim=True).to(torch.float64)    # [B, 1]

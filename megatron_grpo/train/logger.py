@@ -121,7 +121,7 @@ class RunLogger:
 
 
 def plot_metrics(metrics_path: str, png_path: str, keys=("reward", "eval/reward", "loss", "kl",
-                                                         "completions/mean_length")):
+                                                         "teacher_kl", "completions/mean_length")):
     if not os.path.isfile(metrics_path):
         return None
     import matplotlib

@@ -342,11 +342,12 @@ def _per_token(chunks, batches, samples, field, temperature, vocab_size):
 
 
 def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
-               temperature: float, vocab_size: int) -> None:
-    """Old (sampling-policy) and reference log-probs of this rank's samples (`mine`: one
-    list per optimizer step), before any update of the generation batch. On-policy with
-    beta 0 there is nothing to compute, and no micro-batch is built."""
-    if not need_old and ref is None:
+               temperature: float, vocab_size: int, teacher=None) -> None:
+    """Old (sampling-policy), reference and teacher (`teacher`: --teacher_model's chunks)
+    log-probs of this rank's samples (`mine`: one list per optimizer step), before any
+    update of the generation batch. On-policy with beta 0 and no teacher there is nothing
+    to compute, and no micro-batch is built."""
+    if not need_old and ref is None and teacher is None:
         return
     for part in mine:
         batches = micro_batches(part, mbs, pad_to_length=pad)
@@ -355,6 +356,8 @@ def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
         if ref is not None:   # LoRA: `ref` is the policy; adapters off = the base model
             with adapters_disabled(ref):
                 _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
+        if teacher is not None:
+            _per_token(teacher, batches, part, "teacher_logps", temperature, vocab_size)
 
 
 def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int, group: int = 1) -> torch.Tensor:
@@ -427,7 +430,7 @@ def rollout_phase(run) -> RolloutBatch:
     t0 = time.perf_counter()
     fill_logps(run.policy.chunks, run.ref, mine, cfg.training.micro_batch_size, pad,
                need_old=run.need_old_logps, temperature=run.loss.temperature,
-               vocab_size=run.policy.args.vocab_size)
+               vocab_size=run.policy.args.vocab_size, teacher=run.teacher)
     kl_values = reward_kl_values(mine, len(samples), per_step, run.dp, run.dp_rank, run.dp_group) \
         if run.kl_in_reward else None
     logprobs_seconds = time.perf_counter() - t0

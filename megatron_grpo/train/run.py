@@ -60,6 +60,7 @@ class Run:
     # (RolloutBatch, index in the loop's schedule of its next step): the generation batch a
     # checkpoint saved mid-batch was training, for the loop to finish first; else None.
     pending: Any = None
+    teacher: Optional[list] = None   # frozen teacher chunks (--teacher_model), else None
 
     @property
     def per_step(self) -> int:
@@ -80,10 +81,11 @@ class Run:
 
     @property
     def need_old_logps(self) -> bool:
-        """Old log-probs: off-policy steps, or kl_in_reward (the sampling policy's log-probs
-        before the first update)."""
+        """Old log-probs: off-policy steps, kl_in_reward (the sampling policy's log-probs
+        before the first update), or a teacher (its advantage term compares with them)."""
         g = self.cfg.grpo
-        return g.steps_per_generation > 1 or g.num_iterations > 1 or self.kl_in_reward
+        return (g.steps_per_generation > 1 or g.num_iterations > 1 or self.kl_in_reward
+                or self.cfg.model.teacher_model is not None)
 
 
 def build_run(cfg) -> Run:
@@ -107,6 +109,7 @@ def build_run(cfg) -> Run:
     # LoRA: the reference is the policy with its adapters off (rollout_step.fill_logps).
     ref = None if g.beta == 0.0 else \
         policy.chunks if t.tuner_type in ("lora", "lora_llm") else build_reference(cfg)
+    teacher = build_reference(cfg, cfg.model.teacher_model) if cfg.model.teacher_model else None
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
     reward_names = list(cfg.reward.reward_funcs)
@@ -139,7 +142,7 @@ def build_run(cfg) -> Run:
     return Run(cfg, loss, policy, ref, engine, sync, tokenizer, render, dataset, sampler,
                reward_funcs, reward_names, logger, evaluator, steps, step,
                ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-               multi_turn=multi_turn, vision=vision, pending=pending)
+               multi_turn=multi_turn, vision=vision, pending=pending, teacher=teacher)
 
 
 def _layout() -> dict:

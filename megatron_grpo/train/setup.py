@@ -3,6 +3,7 @@
     dims = build_parallel(cfg)                       # torch.distributed + Megatron groups
     model = build_policy(cfg)                        # chunks (DDP), optimizer, scheduler
     ref = build_reference(cfg, model) if beta > 0    # frozen chunks, same layout
+    teacher = build_reference(cfg, teacher_model)    # --teacher_model: frozen, same layout
     engine = build_sampler(cfg)                      # colocated vLLM or a server client
 
 Options travel whole: `loss_options(cfg)` and `engine_settings(cfg)` read each stage's
@@ -72,22 +73,25 @@ def _dtype(cfg) -> str:
     return "float32"
 
 
-def build_chunks(cfg, load_weights: bool = True):
-    """Megatron chunks of this rank with the HF weights loaded by the bridge."""
+def build_chunks(cfg, load_weights: bool = True, model: Optional[str] = None):
+    """Megatron chunks of this rank with the HF weights loaded by the bridge: of --model, or
+    of the dense `model` (the teacher) in the same layout."""
     p, t = cfg.parallel, cfg.training
+    path = model or cfg.model.model
+    experts = {} if model else dict(   # a dense teacher: no experts
+        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+        moe=MoEOptions.from_config(cfg))
     config, args = build_transformer_config(
-        cfg.model.model, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+        path, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
         sequence_parallel=p.sequence_parallel, dtype=_dtype(cfg),
-        recompute=dict(recompute_granularity=t.recompute_granularity,
-                       recompute_method=t.recompute_method,
-                       recompute_num_layers=t.recompute_num_layers,
-                       recompute_modules=recompute_modules_of(t)),
-        attention_backend=cfg.model.attention_backend, ep=p.expert_model_parallel_size,
-        etp=p.expert_tensor_parallel_size, moe=MoEOptions.from_config(cfg))
+        recompute=None if model else dict(   # the teacher runs forward only
+            recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+            recompute_num_layers=t.recompute_num_layers, recompute_modules=recompute_modules_of(t)),
+        attention_backend=cfg.model.attention_backend, **experts)
     chunks = build_model(config, args, padding_free=t.padding_free)
     if load_weights:
-        load_hf_weights(chunks, config, args, cfg.model.model)
+        load_hf_weights(chunks, config, args, path)
     return config, args, chunks
 
 
@@ -182,9 +186,10 @@ def vision_sync_include(cfg) -> Optional[Callable[[str], bool]]:
     return sync_filter(t.freeze_vit, t.freeze_aligner)
 
 
-def build_reference(cfg) -> list:
-    """Frozen reference chunks (beta > 0): the initial HF weights, eval mode, no grads."""
-    _, _, chunks = build_chunks(cfg)
+def build_reference(cfg, model: Optional[str] = None) -> list:
+    """Frozen reference chunks (beta > 0): the initial HF weights, eval mode, no grads; of
+    the dense `model` instead for the teacher of on-policy distillation (--teacher_model)."""
+    _, _, chunks = build_chunks(cfg, model=model)
     for c in chunks:
         c.eval()
         for p in c.parameters():
