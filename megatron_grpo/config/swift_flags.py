@@ -306,7 +306,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
     """,
     "model architecture options (read from the model's config.json here)": """
         model_type torch_dtype rope_scaling model_kwargs megatron_extra_kwargs
-        apply_wd_to_qk_layernorm linear_decoupled_in_proj bridge_backend check_model
+        apply_wd_to_qk_layernorm linear_decoupled_in_proj bridge_backend
         init_strategy new_special_tokens max_model_len attn_impl model_revision
         local_repo_path device_map max_memory enable_npu_model_patch te_rng_tracker
         data_parallel_random_init perform_initialization use_cpu_initialization
@@ -327,7 +327,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         calculate_per_token_loss is_binary_loss_scale
     """,
     "hub downloads (models and datasets are local folders and files here)": """
-        use_hf hub_token download_mode model_name model_author custom_dataset_info
+        use_hf hub_token download_mode model_name model_author custom_dataset_info check_model
     """,
     "dataset options": """
         cached_dataset cached_val_dataset data_seed streaming interleave_prob stopping_strategy
@@ -386,7 +386,7 @@ OFF_HERE: Tuple[str, ...] = _names("""
     masked_softmax_fusion bias_dropout_fusion bias_activation_fusion apply_rope_fusion
     gradient_accumulation_fusion cross_entropy_loss_fusion optimizer_cpu_offload
     optimizer_cuda_graph use_precision_aware_optimizer manual_gc async_save tp_comm_overlap
-    use_megatron_fsdp mlp_padding_free
+    use_megatron_fsdp mlp_padding_free check_model
 """)
 
 # Choice values of implemented options that ms-swift accepts and this project does not (yet).
