@@ -1,4 +1,5 @@
-"""examples/ms_swift_dense_{colocate,server}.sh, ms-swift's dense GRPO scripts adapted:
+"""examples/ms_swift_dense_{colocate,server}.sh and ms_swift_opd_rl.sh, ms-swift's dense
+and on-policy distillation GRPO scripts adapted:
 their flags pass every check (`--dry_run true`, nothing started), and each runs end to
 end (real vLLM: colocated engines, or `megatron rollout` started by the script) and
 writes the trained model. The server script's run also carries the evaluation checks of
@@ -122,6 +123,27 @@ def test_example_server_runs_tp2_dp2_with_val_dataset_eval_iters(model, tmp_path
     by_step = {s: sorted({c["prompt_index"] for c in completions if c["step"] == s})
                for s in (2, 3)}
     assert by_step == {2: [0, 1], 3: [0, 2]}       # prompts 0 1, then 2 0 (3 in the file)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_example_opd_rl_checks_and_runs_two_steps(model, tiny_model, tmp_path):
+    """examples/ms_swift_opd_rl.sh (ms-swift's opd_rl.sh: a teacher, no reward function, one
+    completion per prompt, LoRA, TP=2 with sequence parallelism, sleep and offload) passes
+    its dry run, then trains its 2 steps: rewards 0, teacher_kl logged, the adapter saved."""
+    teacher = str(tiny_model(family="qwen2", hidden_size=128, seed=1))
+    out = tmp_path / "out"
+    dry = _run("ms_swift_opd_rl.sh", model, out, "--dry_run", "true", TEACHER=teacher)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "DP 1 x TP 2 x PP 1 x CP 1" in dry.stdout and f"teacher {teacher}" in dry.stdout
+    assert "8 prompts x 1 completions = 8 completions" in dry.stdout, dry.stdout
+    r = _run("ms_swift_opd_rl.sh", model, out, "--vllm_enforce_eager", "true", TEACHER=teacher,
+             timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    steps = _metrics(str(out))
+    assert [s["step"] for s in steps] == [1, 2], steps
+    assert all(s["reward"] == 0.0 and s["teacher_kl"] > 0 for s in steps), steps
+    assert (out / "final_hf" / "adapter_model.safetensors").is_file()
 
 
 FAKE_MEGATRON = r'''#!/usr/bin/env python3
