@@ -298,19 +298,49 @@ def test_dp2_offload_sleep_dynamic_sample_two_iterations(tiny, tmp_path):
     assert "timing/sync" not in rows[0]      # vLLM is synced once per generation batch
 
 
+def _length_reward(tmp_path) -> dict:
+    """The digits reward and one that differs between almost any two completions (their
+    length in characters), as _argv options: the first step trains whatever the tiny model samples
+    (digits is often 0 for all of them, and then only weight decay moves the policy)."""
+    plugin = tmp_path / "length_reward.py"
+    plugin.write_text("from megatron_grpo.rewards import register_reward\n\n\n"
+                      "@register_reward('text_length')\n"
+                      "def text_length(completions, **kwargs):\n"
+                      "    return [len(c) / 100 for c in completions]\n")
+    return dict(reward_funcs=["digits", "text_length"],
+                external_plugins=[os.path.join(ROOT, "examples/plugins/digits_reward.py"),
+                                  str(plugin)])
+
+
 def test_teacher_is_the_policy_at_step_one_under_pp2(tiny, tmp_path):
-    """--teacher_model = --model (a frozen copy, PP=2, the digits reward beside it): the
+    """--teacher_model = --model (a frozen copy, PP=2, a reward beside it): the
     teacher's log-probs of the sampled tokens are the policy's before its first update, so
     teacher_kl is 0 at step 1, and above 0 once the policy has moved. A misaligned teacher
     (other tokens, positions or stage) would not give 0."""
     out = str(tmp_path / "run")
     r = _run(_argv(tiny, out, teacher_model=tiny, pipeline_model_parallel_size=2,
-                   train_iters=2, lr=2e-2))
+                   train_iters=2, lr=2e-2, **_length_reward(tmp_path)))
     assert r.returncode == 0, r.stderr[-4000:]
+    assert f"teacher: {tiny} (frozen, same layout)" in r.stdout, r.stdout
     rows = _metrics(out)
     _check_metrics(rows, 2, extra=("teacher_kl",))
     assert rows[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-9), rows[0]
-    assert rows[1]["teacher_kl"] > 1e-7, rows[1]     # ~1e-5 (one step of lr 2e-2)
+    assert rows[1]["teacher_kl"] > 1e-4, rows[1]
+
+
+def test_lora_teacher_is_the_base_with_the_adapters_off(tiny, tmp_path):
+    """--tuner_type lora with --teacher_model = --model: the teacher is the policy's base (its
+    adapters off), not a second model: teacher_kl is 0 before the adapters train (their B
+    starts at 0) and above 0 once they have."""
+    out = str(tmp_path / "run")
+    r = _run(_argv(tiny, out, teacher_model=tiny, tuner_type="lora", lora_rank=8,
+                   lora_alpha=32, target_modules="all-linear", train_iters=2, lr=2e-2,
+                   **_length_reward(tmp_path)))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "teacher: --model with its adapters off (no second model)" in r.stdout, r.stdout
+    rows = _metrics(out)
+    assert rows[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-9), rows[0]
+    assert rows[1]["teacher_kl"] > 1e-7, rows[1]
 
 
 def _first_token_kl(student, teacher, prompts):

@@ -162,7 +162,8 @@ class ModelOptions(_Group):
               "text model with --model's vocabulary, loaded frozen in the same TP/PP/CP layout. "
               "Each sampled token's advantage gets --teacher_kl_coef x (teacher - old log-prob "
               "of that token); logged as teacher_kl (k3: it should fall). --reward_funcs becomes "
-              "optional (none: pure distillation).")
+              "optional (none: pure distillation). With LoRA, --teacher_model = --model is the "
+              "base with the adapters off (no second model).")
 
 
 @dataclass

@@ -356,8 +356,9 @@ def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
         if ref is not None:   # LoRA: `ref` is the policy; adapters off = the base model
             with adapters_disabled(ref):
                 _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
-        if teacher is not None:
-            _per_token(teacher, batches, part, "teacher_logps", temperature, vocab_size)
+        if teacher is not None:   # LoRA with --teacher_model = --model: the base, as `ref`
+            with adapters_disabled(teacher):
+                _per_token(teacher, batches, part, "teacher_logps", temperature, vocab_size)
 
 
 def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int, group: int = 1) -> torch.Tensor:

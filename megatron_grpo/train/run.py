@@ -106,10 +106,19 @@ def build_run(cfg) -> Run:
                             seed=t.seed, shuffle=cfg.data.dataset_shuffle)
     steps = total_steps(cfg, len(dataset))
     policy = build_policy(cfg, steps)
-    # LoRA: the reference is the policy with its adapters off (rollout_step.fill_logps).
-    ref = None if g.beta == 0.0 else \
-        policy.chunks if t.tuner_type in ("lora", "lora_llm") else build_reference(cfg)
-    teacher = build_reference(cfg, cfg.model.teacher_model) if cfg.model.teacher_model else None
+    # LoRA: the reference is the policy with its adapters off (rollout_step.fill_logps), and
+    # so is a teacher that is --model itself (ms-swift: no second model).
+    lora = t.tuner_type in ("lora", "lora_llm")
+    ref = None if g.beta == 0.0 else policy.chunks if lora else build_reference(cfg)
+    teacher = None
+    if cfg.model.teacher_model:
+        itself = os.path.realpath(cfg.model.teacher_model) == os.path.realpath(cfg.model.model)
+        teacher = policy.chunks if lora and itself else build_reference(cfg, cfg.model.teacher_model)
+        if dist.get_rank() == 0:
+            print("[megatron-grpo] teacher: " + ("--model with its adapters off (no second model)"
+                                                 if teacher is policy.chunks else
+                                                 f"{cfg.model.teacher_model} (frozen, same layout)"),
+                  flush=True)
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
     reward_names = list(cfg.reward.reward_funcs)
