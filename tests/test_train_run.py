@@ -67,3 +67,26 @@ def test_a_resumed_run_keeps_the_generators_its_checkpoint_restored(monkeypatch)
     torch.manual_seed(5)
     assert run.build_sampler_keeping_generators(None) == "engine"
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_a_batch_saved_mid_way_is_trained_on_only_with_the_same_teacher(monkeypatch, capsys):
+    """A checkpoint saved in the middle of a generation batch holds that batch; a resume
+    trains its rest only in the saving layout and with a teacher where the batch had one
+    (its samples carry the teacher's log-probs, which the loss would use), else it says why
+    and starts a new rollout."""
+    import types
+
+    from megatron_grpo.train import run
+
+    monkeypatch.setattr(run, "_layout", lambda: {"world": 2})
+    monkeypatch.setattr(run, "dist", types.SimpleNamespace(get_rank=lambda: 0))
+    saved = {"rollout": "batch", "next": 1, "layout": {"world": 2}}
+    assert run._pending_batch(saved, "ckpt") == ("batch", 1)
+    assert run._pending_batch(dict(saved, teacher="T"), "ckpt", "T") == ("batch", 1)
+    assert run._pending_batch(dict(saved, teacher="T"), "ckpt") is None
+    assert "ckpt was saved in the middle of a generation batch with a teacher, and this run " \
+           "has none" in capsys.readouterr().out
+    assert run._pending_batch(saved, "ckpt", "T") is None
+    assert "without a teacher, and this run has one" in capsys.readouterr().out
+    assert run._pending_batch(dict(saved, layout={"world": 4}), "ckpt") is None
+    assert "by another layout ({'world': 4}, now {'world': 2})" in capsys.readouterr().out

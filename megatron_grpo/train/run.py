@@ -130,7 +130,7 @@ def build_run(cfg) -> Run:
     if state:   # None: a fresh run, or --finetune (the weights only; step 0)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-        pending = _pending_batch(state.get("batch"), resume_from)
+        pending = _pending_batch(state.get("batch"), resume_from, cfg.model.teacher_model)
     # A fresh run keeps vLLM's seeding of the generators (every fresh run's stream); a resumed
     # one the states its checkpoint restored.
     engine = build_sampler_keeping_generators(cfg) if state else build_sampler(cfg)
@@ -165,18 +165,24 @@ def _layout() -> dict:
             "dp": ps.get_data_parallel_world_size()}
 
 
-def _pending_batch(saved: Optional[dict], path: str):
+def _pending_batch(saved: Optional[dict], path: str, teacher: Optional[str] = None):
     """(RolloutBatch, next schedule index) from a checkpoint saved in the middle of a
-    generation batch, when this run's layout is the saving one's; else None."""
+    generation batch, when this run's layout is the saving one's and it has a teacher
+    (--teacher_model) where that batch's samples have the teacher's log-probs; else None."""
     if saved is None:
         return None
-    if saved["layout"] != _layout():
-        if dist.get_rank() == 0:
-            print(f"[megatron-grpo] warning: {path} was saved in the middle of a generation "
-                  f"batch by another layout ({saved['layout']}, now {_layout()}): the rest of "
-                  "that batch is not trained; the run continues with a new rollout", flush=True)
-        return None
-    return saved["rollout"], saved["next"]
+    scored = saved.get("teacher") is not None      # (the same on every rank)
+    why = (f"by another layout ({saved['layout']}, now {_layout()})"
+           if saved["layout"] != _layout() else
+           f"{'with' if scored else 'without'} a teacher, and this run has "
+           f"{'none' if scored else 'one'}" if scored != (teacher is not None) else None)
+    if why is None:
+        return saved["rollout"], saved["next"]
+    if dist.get_rank() == 0:
+        print(f"[megatron-grpo] warning: {path} was saved in the middle of a generation batch "
+              f"{why}: the rest of that batch is not trained; the run continues with a new "
+              "rollout", flush=True)
+    return None
 
 
 def _vision_processor(cfg, dataset, val_dataset):
@@ -264,7 +270,8 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool,
         state = {"step": run.step, "sampler": run.sampler.state_dict(),
                  "config": run.cfg.to_flat()}
         if next_in_batch is not None and run.step < run.total_steps:
-            state["batch"] = {"rollout": batch, "next": next_in_batch, "layout": _layout()}
+            state["batch"] = {"rollout": batch, "next": next_in_batch, "layout": _layout(),
+                              "teacher": run.cfg.model.teacher_model}
         ckpt.save_checkpoint(log.output_dir, run.step, p.chunks, p.optimizer, p.scheduler,
                              state,
                              save_total_limit=log.save_total_limit,
