@@ -365,14 +365,17 @@ def test_pure_distillation_moves_the_policy_to_the_teacher(tiny, tiny_model, tmp
     """--teacher_model alone (no --reward_funcs: ms-swift's pure OPD-RL, one completion per
     prompt as its opd_rl.sh) at TP=2: every reward is 0, the advantages are the teacher's
     per-token log-ratios, and the policy moves toward a teacher of other random weights: the
-    exact KL(policy || teacher) of the first completion token over 32 of the prompts falls
-    (the sampled teacher_kl metric is too noisy in 24 steps to show it)."""
+    logged teacher_kl falls, and so does the exact KL(policy || teacher) of the first
+    completion token over 32 of the prompts."""
     teacher = str(tiny_model(family="qwen2", num_layers=2, hidden_size=128,
                              num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=256, vocab_size=999, seed=1))
     out = str(tmp_path / "run")
+    # 32 completions a step at lr 1e-3: the exact KL fell to 0.64-0.65 of its start with
+    # seeds 1-3 (8 a step at lr 3e-3: 0.84, 0.87, and once 1.12; docs/benchmarks.md).
     argv = _argv(tiny, out, teacher_model=teacher, tensor_model_parallel_size=2,
-                 num_generations=1, train_iters=24, lr=3e-3)
+                 num_generations=1, generation_batch_size=32, global_batch_size=32,
+                 micro_batch_size=4, train_iters=24, lr=1e-3)
     for flag in ("--reward_funcs", "--external_plugins"):
         i = argv.index(flag)
         del argv[i:i + 2]
@@ -382,8 +385,10 @@ def test_pure_distillation_moves_the_policy_to_the_teacher(tiny, tiny_model, tmp
     assert [row["step"] for row in rows] == list(range(1, 25))
     assert all(row["reward"] == 0.0 and math.isfinite(row["loss"]) and row["teacher_kl"] > 0
                for row in rows)
+    kl = [row["teacher_kl"] for row in rows]
+    assert sum(kl[-4:]) < 0.85 * sum(kl[:4]), [round(x, 3) for x in kl]
     with open(os.path.join(ROOT, "megatron_grpo/data/builtin/arithmetic.jsonl")) as f:
         prompts = [[{"role": "user", "content": json.loads(line)["query"]}] for line in f][:32]
     before = _first_token_kl(tiny, teacher, prompts)
     after = _first_token_kl(os.path.join(out, "final_hf"), teacher, prompts)
-    assert after < 0.93 * before, (before, after)
+    assert after < 0.85 * before, (before, after)
