@@ -490,6 +490,8 @@ def test_teacher_model_options(tmp_path):
         message = error_of(args(student, *extra))
         for part in expected:
             assert part in message, (extra, message)
+    assert "--offload_teacher_model true needs --teacher_model" in error_of(
+        args(student, "--offload_teacher_model", "true"))
     message = error_of(["--model", student, "--dataset", COUNTDOWN, "--teacher_model", teacher,
                         "--dynamic_sample", "true", "--scale_rewards", "gdpo"])
     assert "--dynamic_sample true needs --reward_funcs" in message

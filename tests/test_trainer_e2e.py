@@ -313,15 +313,18 @@ def _length_reward(tmp_path) -> dict:
 
 
 def test_teacher_is_the_policy_at_step_one_under_pp2(tiny, tmp_path):
-    """--teacher_model = --model (a frozen copy, PP=2, a reward beside it): the
-    teacher's log-probs of the sampled tokens are the policy's before its first update, so
-    teacher_kl is 0 at step 1, and above 0 once the policy has moved. A misaligned teacher
-    (other tokens, positions or stage) would not give 0."""
+    """--teacher_model = --model (a frozen copy, PP=2, a reward beside it, held off the
+    device between rollouts: --offload_teacher_model): the teacher's log-probs of the sampled
+    tokens are the policy's before its first update, so teacher_kl is 0 at step 1, and above
+    0 once the policy has moved. A misaligned teacher (other tokens, positions or stage) or
+    one not fully brought back would not give 0."""
     out = str(tmp_path / "run")
     r = _run(_argv(tiny, out, teacher_model=tiny, pipeline_model_parallel_size=2,
-                   train_iters=2, lr=2e-2, **_length_reward(tmp_path)))
+                   train_iters=2, lr=2e-2, offload_teacher_model="true",
+                   **_length_reward(tmp_path)))
     assert r.returncode == 0, r.stderr[-4000:]
-    assert f"teacher: {tiny} (frozen, same layout)" in r.stdout, r.stdout
+    assert f"teacher: {tiny} (frozen, same layout, offloaded between rollouts)" in r.stdout, \
+        r.stdout
     rows = _metrics(out)
     _check_metrics(rows, 2, extra=("teacher_kl",))
     assert rows[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-9), rows[0]

@@ -470,6 +470,8 @@ class RolloutOptions(_Group):
     offload_model: bool = opt(False, "Move Megatron's parameters to CPU during generation.")
     offload_optimizer: bool = opt(False, "Move the optimizer state to CPU during generation.")
     offload_bridge: bool = opt(False, "Stage the exported HF weights in CPU memory during a sync.")
+    offload_teacher_model: bool = opt(False, "With --teacher_model: keep the teacher's parameters "
+                                             "in CPU memory except while it scores a rollout.")
     multi_turn_scheduler: Optional[str] = opt(
         None, "Multi-turn rollouts: the scheduler that continues each trajectory after a model "
               "turn (built in: calculator, gym_scheduler; more with --external_plugins, "

@@ -235,7 +235,6 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
     "on-policy distillation: a teacher server, a hub teacher, multi-teacher routing "
     "(--teacher_model takes a local folder)": """
         teacher_model_type teacher_model_revision teacher_model_server teacher_tag_key
-        offload_teacher_model
     """,
     "reward models": "reward_model reward_model_plugin",
     "reference model sync (TR-DPO style)": "sync_ref_model ref_model_sync_steps ref_model_mixup_alpha",

@@ -92,6 +92,8 @@ def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
     vocabulary, and the options whose meaning needs one advantage per completion."""
     teacher, g = cfg.model.teacher_model, cfg.grpo
     if teacher is None:
+        p.require(not cfg.rollout.offload_teacher_model,
+                  "--offload_teacher_model true needs --teacher_model. Fix: drop it")
         return
     for name, bad in (("loss_type", g.loss_type in ("real", "fipo")),
                       ("off_policy_sequence_mask_delta", g.off_policy_sequence_mask_delta is not None)):

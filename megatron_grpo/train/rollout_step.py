@@ -21,6 +21,7 @@ and training forwards see the pixels and positions vLLM sampled from.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from ..algorithms import compute_advantages, count_partials, sequence_kl_for_reward
 from ..model.lora import adapters_disabled
+from ..rollout.offload import offload_model, onload_model
 from ..rewards import TrainerState, score
 from .batch import (ImageInputs, Sample, collate, dp_indices, dp_shard, dp_unshard,
                     micro_batches, split_completion_values)
@@ -342,13 +344,34 @@ def _per_token(chunks, batches, samples, field, temperature, vocab_size):
 
 
 def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
-               temperature: float, vocab_size: int, teacher=None) -> None:
+               temperature: float, vocab_size: int, teacher=None,
+               offload_teacher: bool = False) -> None:
     """Old (sampling-policy), reference and teacher (`teacher`: --teacher_model's chunks)
     log-probs of this rank's samples (`mine`: one list per optimizer step), before any
     update of the generation batch. On-policy with beta 0 and no teacher there is nothing
-    to compute, and no micro-batch is built."""
+    to compute, and no micro-batch is built. `offload_teacher`: the teacher is held off the
+    device (--offload_teacher_model) and comes back for this call only."""
     if not need_old and ref is None and teacher is None:
         return
+    with _onloaded(teacher if offload_teacher else None):
+        _fill_logps(policy_chunks, ref, mine, mbs, pad, need_old, temperature, vocab_size,
+                    teacher)
+
+
+@contextlib.contextmanager
+def _onloaded(chunks):
+    """`chunks` (offloaded) on the device inside the block, offloaded again after it."""
+    if chunks is None:
+        yield
+        return
+    onload_model(chunks)
+    try:
+        yield
+    finally:
+        offload_model(chunks)
+
+
+def _fill_logps(policy_chunks, ref, mine, mbs, pad, need_old, temperature, vocab_size, teacher):
     for part in mine:
         batches = micro_batches(part, mbs, pad_to_length=pad)
         if need_old:
@@ -431,7 +454,8 @@ def rollout_phase(run) -> RolloutBatch:
     t0 = time.perf_counter()
     fill_logps(run.policy.chunks, run.ref, mine, cfg.training.micro_batch_size, pad,
                need_old=run.need_old_logps, temperature=run.loss.temperature,
-               vocab_size=run.policy.args.vocab_size, teacher=run.teacher)
+               vocab_size=run.policy.args.vocab_size, teacher=run.teacher,
+               offload_teacher=run.teacher_offloaded)
     kl_values = reward_kl_values(mine, len(samples), per_step, run.dp, run.dp_rank, run.dp_group) \
         if run.kl_in_reward else None
     logprobs_seconds = time.perf_counter() - t0

@@ -26,6 +26,7 @@ from ..data.vision import VisionProcessor, is_vision_language
 from ..model.lora import lora_settings
 from ..rewards import build_reward_funcs, load_plugins
 from ..rewards.registry import flat_args
+from ..rollout.offload import offload_model
 from ..rollout.sync import WeightSync
 from ..rollout.trajectory import MultiTurnRollout
 from .engine import LossOptions
@@ -80,6 +81,13 @@ class Run:
         return bool(self.cfg.grpo.kl_in_reward) and self.cfg.grpo.beta != 0.0
 
     @property
+    def teacher_offloaded(self) -> bool:
+        """--offload_teacher_model with a teacher of its own (not the policy's base): held
+        off the device except while it scores a rollout (rollout_step.fill_logps)."""
+        return bool(self.cfg.rollout.offload_teacher_model and self.teacher is not None
+                    and self.teacher is not self.policy.chunks)
+
+    @property
     def need_old_logps(self) -> bool:
         """Old log-probs: off-policy steps, kl_in_reward (the sampling policy's log-probs
         before the first update), or a teacher (its advantage term compares with them)."""
@@ -114,11 +122,15 @@ def build_run(cfg) -> Run:
     if cfg.model.teacher_model:
         itself = os.path.realpath(cfg.model.teacher_model) == os.path.realpath(cfg.model.model)
         teacher = policy.chunks if lora and itself else build_reference(cfg, cfg.model.teacher_model)
+        if cfg.rollout.offload_teacher_model and teacher is not policy.chunks:
+            offload_model(teacher)
         if dist.get_rank() == 0:
             print("[megatron-grpo] teacher: " + ("--model with its adapters off (no second model)"
                                                  if teacher is policy.chunks else
-                                                 f"{cfg.model.teacher_model} (frozen, same layout)"),
-                  flush=True)
+                                                 f"{cfg.model.teacher_model} (frozen, same layout"
+                                                 + (", offloaded between rollouts)"
+                                                    if cfg.rollout.offload_teacher_model
+                                                    else ")")), flush=True)
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
     reward_names = list(cfg.reward.reward_funcs)
