@@ -59,3 +59,25 @@ def test_grpo_expert_parallel_learns_the_quickstart_task(tmp_path):
     rows = _metrics(out)
     assert [m["step"] for m in rows] == list(range(1, 14))
     assert rows[-1]["reward"] >= last - 0.2, [round(m["reward"], 3) for m in rows]
+
+
+def test_router_replay_policy_with_a_dense_teacher(tmp_path, tiny_model):
+    """An MoE policy at EP=2 with rollout routing replay (--router_replay_mode R3) and a dense
+    Qwen3 teacher of the same tokenizer (on-policy distillation): the micro-batches carry
+    vLLM's experts for the policy's forwards; the teacher routes nothing and is given none
+    (it raised "a micro-batch carries routed_experts" before). Two steps, teacher_kl logged."""
+    from tools.quickstart import build_tiny
+
+    model = build_tiny(str(tmp_path), "tiny-qwen3-moe")
+    teacher = str(tiny_model(family="qwen3", num_layers=2, hidden_size=128, head_dim=32,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=999,
+                             intermediate_size=256, seed=1))
+    out = str(tmp_path / "out")
+    r = _run(["--config", os.path.join(ROOT, "configs", "quickstart_moe_cpu.yaml"),
+              "--model", model, "--output_dir", out, "--train_iters", "2",
+              "--router_replay_mode", "R3", "--teacher_model", teacher, "--report_to", "none",
+              "--save_steps", "1000", "--log_completions", "false"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _metrics(out)
+    assert [m["step"] for m in rows] == [1, 2]
+    assert all(m["teacher_kl"] > 0 and math.isfinite(m["teacher_kl"]) for m in rows), rows

@@ -380,8 +380,11 @@ def _fill_logps(policy_chunks, ref, mine, mbs, pad, need_old, temperature, vocab
             with adapters_disabled(ref):
                 _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
         if teacher is not None:   # LoRA with --teacher_model = --model: the base, as `ref`
+            own = teacher is not policy_chunks    # another model: it routes for itself (R3)
             with adapters_disabled(teacher):
-                _per_token(teacher, batches, part, "teacher_logps", temperature, vocab_size)
+                _per_token(teacher, [{k: v for k, v in b.items() if k != "routed_experts"}
+                                     for b in batches] if own else batches,
+                           part, "teacher_logps", temperature, vocab_size)
 
 
 def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int, group: int = 1) -> torch.Tensor:
