@@ -459,8 +459,9 @@ def _model_folder(root, name, **config):
 
 def test_teacher_model_options(tmp_path):
     """--teacher_model (on-policy distillation): --reward_funcs optional; a teacher of
-    another vocabulary, a vision-language or MoE teacher, a missing folder, and the options
-    of one advantage per completion are refused with the fix."""
+    another vocabulary, a vision-language teacher, an MoE teacher whose experts the EP size
+    does not divide, a missing folder, and the options of one advantage per completion are
+    refused with the fix."""
     student = _model_folder(tmp_path, "student")
     teacher = _model_folder(tmp_path, "teacher", num_hidden_layers=4)
     cfg = parse_rlhf_args(["--model", student, "--dataset", COUNTDOWN, "--teacher_model", teacher,
@@ -477,9 +478,10 @@ def test_teacher_model_options(tmp_path):
         (["--teacher_model", _model_folder(tmp_path, "other_vocab", vocab_size=151936)],
          ["has vocab_size 151936", "--model", "999", "one vocabulary"]),
         (["--teacher_model", _model_folder(tmp_path, "vl", vision_config={})],
-         ["is a vision-language model", "dense text model"]),
-        (["--teacher_model", _model_folder(tmp_path, "moe", num_experts=4)],
-         ["is a mixture-of-experts model"]),
+         ["is a vision-language model", "a text model"]),
+        (["--teacher_model", _model_folder(tmp_path, "moe6", num_experts=6),
+          "--expert_model_parallel_size", "4"],
+         ["has 6 experts, which --expert_model_parallel_size 4 does not divide"]),
         (["--teacher_model", str(tmp_path / "nowhere")], ["no config.json there"]),
         (["--teacher_model", teacher, "--loss_type", "real", "--micro_batch_size", "8"],
          ["--teacher_model with --loss_type real", "advantage per completion"]),

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.test_trainer_e2e import ROOT, _metrics, _run
+from tests.test_trainer_e2e import ROOT, _length_reward, _metrics, _run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -81,3 +81,24 @@ def test_router_replay_policy_with_a_dense_teacher(tmp_path, tiny_model):
     rows = _metrics(out)
     assert [m["step"] for m in rows] == [1, 2]
     assert all(m["teacher_kl"] > 0 and math.isfinite(m["teacher_kl"]) for m in rows), rows
+
+
+def test_moe_teacher_is_the_policy_at_step_one(tmp_path):
+    """--teacher_model = --model for an MoE policy at EP=2: a frozen copy whose experts are
+    split over EP like the policy's. Its log-probs of the sampled tokens are the policy's
+    before the first update (both route for themselves): teacher_kl exactly 0 at step 1."""
+    from tools.quickstart import build_tiny
+
+    model = build_tiny(str(tmp_path), "tiny-qwen3-moe")
+    out = str(tmp_path / "out")
+    rewards = _length_reward(tmp_path)      # the first step trains whatever is sampled
+    r = _run(["--config", os.path.join(ROOT, "configs", "quickstart_moe_cpu.yaml"),
+              "--model", model, "--output_dir", out, "--train_iters", "2",
+              "--teacher_model", model, "--report_to", "none", "--save_steps", "1000",
+              "--lr_warmup_iters", "0",            # (the config's warmup: lr 0 at step 1)
+              "--log_completions", "false", "--reward_funcs", *rewards["reward_funcs"],
+              "--external_plugins", *rewards["external_plugins"]])
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _metrics(out)
+    assert rows[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-9), rows[0]
+    assert rows[1]["teacher_kl"] > 1e-4, rows[1]

@@ -49,11 +49,16 @@ def check_model(cfg: "GRPOConfig") -> ModelFacts:
         sequence_parallel=p.sequence_parallel, dtype=dtype, ep=p.expert_model_parallel_size,
         etp=p.expert_tensor_parallel_size, moe=MoEOptions.from_config(cfg))
     if cfg.model.teacher_model:      # the teacher in the same layout (train/setup.py)
+        teacher = load_hf_config(cfg.model.teacher_model)
+        experts = dict(ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+                       moe=MoEOptions.from_config(cfg)) \
+            if teacher.get("num_experts") or teacher.get("num_local_experts") else {}
         try:
             build_transformer_config(
                 cfg.model.teacher_model, tp=p.tensor_model_parallel_size,
                 pp=p.pipeline_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
-                cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel, dtype=dtype)
+                cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel, dtype=dtype,
+                **experts)
         except ValueError as e:
             raise ValueError(f"--teacher_model {cfg.model.teacher_model!r}: {e}") from None
     hf = load_hf_config(cfg.model.model)

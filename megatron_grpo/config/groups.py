@@ -158,8 +158,8 @@ class ModelOptions(_Group):
                     "vLLM, single-turn rollouts, vLLM prefix caching off. R2 (replaying the old "
                     "policy's routing) is not supported yet. disabled: each router picks its own.")
     teacher_model: Optional[str] = opt(
-        None, "On-policy distillation (ms-swift's OPD-RL): a local Hugging Face folder of a dense "
-              "text model with --model's vocabulary, loaded frozen in the same TP/PP/CP layout. "
+        None, "On-policy distillation (ms-swift's OPD-RL): a local Hugging Face folder of a text "
+              "model with --model's vocabulary, loaded frozen in the same TP/PP/CP(/EP) layout. "
               "Each sampled token's advantage gets --teacher_kl_coef x (teacher - old log-prob "
               "of that token); logged as teacher_kl (k3: it should fall). --reward_funcs becomes "
               "optional (none: pure distillation). With LoRA, --teacher_model = --model is the "

@@ -112,11 +112,14 @@ def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
                      "Hugging Face model folder (megatron-grpo does not download models)"):
         return
     hf, student = _hf_config(teacher) or {}, _hf_config(cfg.model.model)
-    kind = ("a vision-language model" if "vision_config" in hf else
-            "a mixture-of-experts model" if hf.get("num_experts") or hf.get("num_local_experts")
-            else None)
-    p.require(kind is None, f"--teacher_model {teacher!r} is {kind}: a teacher must be a dense "
-                            "text model (Llama, Qwen2, Qwen3) for now")
+    p.require("vision_config" not in hf, f"--teacher_model {teacher!r} is a vision-language "
+                                         "model: a teacher must be a text model for now")
+    experts, ep = int(hf.get("num_experts") or hf.get("num_local_experts") or 0), \
+        cfg.parallel.expert_model_parallel_size
+    p.require(not experts or ep < 1 or experts % ep == 0,
+              f"--teacher_model {teacher!r} has {experts} experts, which --expert_model_parallel_size "
+              f"{ep} does not divide: the teacher's experts are split like the policy's. Fix: "
+              f"an expert parallel size that divides both models' experts")
     if student is not None:
         p.require("vision_config" not in student,
                   f"--teacher_model with the vision-language model {cfg.model.model!r} is not "

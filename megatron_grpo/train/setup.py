@@ -25,7 +25,7 @@ from bridge.mappings.vision import sync_filter
 
 from ..algorithms import LossTypeParams
 from ..data.vision import resolve_max_pixels
-from ..model import build_model, build_transformer_config, wrap_ddp
+from ..model import build_model, build_transformer_config, load_hf_config, wrap_ddp
 from ..model.kv_replication import count_kv_once_in_grad_norm
 from ..model.lora import LoraSettings, apply_lora, parse_modules_to_save, parse_target_modules
 from ..model.moe import MoEOptions
@@ -75,12 +75,15 @@ def _dtype(cfg) -> str:
 
 def build_chunks(cfg, load_weights: bool = True, model: Optional[str] = None):
     """Megatron chunks of this rank with the HF weights loaded by the bridge: of --model, or
-    of the dense `model` (the teacher) in the same layout."""
+    of `model` (the teacher) in the same layout (its experts, if any, over the same EP)."""
     p, t = cfg.parallel, cfg.training
     path = model or cfg.model.model
-    experts = {} if model else dict(   # a dense teacher: no experts
-        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
-        moe=MoEOptions.from_config(cfg))
+    experts = dict(ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+                   moe=MoEOptions.from_config(cfg))
+    if model:   # the teacher: a dense one has no experts; an MoE one routes for itself
+        hf = load_hf_config(model)
+        experts = (dict(experts, moe=dataclasses.replace(experts["moe"], routing_replay=False))
+                   if hf.get("num_experts") or hf.get("num_local_experts") else {})
     config, args = build_transformer_config(
         path, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
@@ -188,7 +191,7 @@ def vision_sync_include(cfg) -> Optional[Callable[[str], bool]]:
 
 def build_reference(cfg, model: Optional[str] = None) -> list:
     """Frozen reference chunks (beta > 0): the initial HF weights, eval mode, no grads; of
-    the dense `model` instead for the teacher of on-policy distillation (--teacher_model)."""
+    `model` instead for the teacher of on-policy distillation (--teacher_model)."""
     _, _, chunks = build_chunks(cfg, model=model)
     for c in chunks:
         c.eval()
