@@ -14,8 +14,7 @@
 # Differences from ms-swift's script, each on purpose:
 #   --model / --teacher_model / --dataset   local folders / file (nothing is downloaded)
 #   --freeze_vit false       dropped: ms-swift's Qwen3.5 is a vision-language model, the tiny
-#                            student is text-only (a VL student with a teacher is not
-#                            supported yet)
+#                            student is text-only (a Qwen2.5-VL student and teacher take it)
 #   --attention_backend      auto (flash needs Transformer Engine on a GPU)
 #   --bf16                   false on CPU
 #   --global_batch_size 16, --max_length 4096, --max_completion_length 2048,

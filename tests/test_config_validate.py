@@ -459,8 +459,8 @@ def _model_folder(root, name, **config):
 
 def test_teacher_model_options(tmp_path):
     """--teacher_model (on-policy distillation): --reward_funcs optional; a teacher of
-    another vocabulary, a vision-language teacher, an MoE teacher whose experts the EP size
-    does not divide, a missing folder, and the options of one advantage per completion are
+    another vocabulary, a vision-language teacher of a text policy, an MoE teacher whose
+    experts the EP size does not divide, a missing folder, and the options of one advantage per completion are
     refused with the fix."""
     student = _model_folder(tmp_path, "student")
     teacher = _model_folder(tmp_path, "teacher", num_hidden_layers=4)
@@ -477,8 +477,10 @@ def test_teacher_model_options(tmp_path):
     cases = [
         (["--teacher_model", _model_folder(tmp_path, "other_vocab", vocab_size=151936)],
          ["has vocab_size 151936", "--model", "999", "one vocabulary"]),
-        (["--teacher_model", _model_folder(tmp_path, "vl", vision_config={})],
-         ["is a vision-language model", "a text model"]),
+        (["--teacher_model", _model_folder(tmp_path, "vl", model_type="qwen2_5_vl",
+                                           vision_config={})],
+         ["(qwen2_5_vl) for --model", "(qwen2): a vision-language policy needs a teacher of its "
+          "own model type, which sees its images, and a text policy a text teacher"]),
         (["--teacher_model", _model_folder(tmp_path, "moe6", num_experts=6),
           "--expert_model_parallel_size", "4"],
          ["has 6 experts, which --expert_model_parallel_size 4 does not divide"]),
@@ -492,6 +494,11 @@ def test_teacher_model_options(tmp_path):
         message = error_of(args(student, *extra))
         for part in expected:
             assert part in message, (extra, message)
+    vl = _model_folder(tmp_path, "vl_policy", model_type="qwen2_5_vl", vision_config={})
+    vl_teacher = _model_folder(tmp_path, "vl_teacher", model_type="qwen2_5_vl", vision_config={})
+    assert parse_rlhf_args(args(vl, "--teacher_model", vl_teacher)).model.teacher_model == vl_teacher
+    assert "a vision-language policy needs a teacher of its own model type" in error_of(
+        args(vl, "--teacher_model", teacher))
     assert "--offload_teacher_model true needs --teacher_model" in error_of(
         args(student, "--offload_teacher_model", "true"))
     message = error_of(["--model", student, "--dataset", COUNTDOWN, "--teacher_model", teacher,

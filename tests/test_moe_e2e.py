@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.test_trainer_e2e import ROOT, _length_reward, _metrics, _run
+from tests.test_trainer_e2e import ROOT, _varied_reward, _metrics, _run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -91,7 +91,7 @@ def test_moe_teacher_is_the_policy_at_step_one(tmp_path):
 
     model = build_tiny(str(tmp_path), "tiny-qwen3-moe")
     out = str(tmp_path / "out")
-    rewards = _length_reward(tmp_path)      # the first step trains whatever is sampled
+    rewards = _varied_reward(tmp_path)      # the first step trains whatever is sampled
     r = _run(["--config", os.path.join(ROOT, "configs", "quickstart_moe_cpu.yaml"),
               "--model", model, "--output_dir", out, "--train_iters", "2",
               "--teacher_model", model, "--report_to", "none", "--save_steps", "1000",

@@ -298,16 +298,17 @@ def test_dp2_offload_sleep_dynamic_sample_two_iterations(tiny, tmp_path):
     assert "timing/sync" not in rows[0]      # vLLM is synced once per generation batch
 
 
-def _length_reward(tmp_path) -> dict:
-    """The digits reward and one that differs between almost any two completions (their
-    length in characters), as _argv options: the first step trains whatever the tiny model samples
-    (digits is often 0 for all of them, and then only weight decay moves the policy)."""
-    plugin = tmp_path / "length_reward.py"
+def _varied_reward(tmp_path) -> dict:
+    """The digits reward and one that differs between almost any two different completions
+    (a checksum of their characters), as _argv options: the first step trains whatever the
+    tiny model samples (digits is often 0 for all of them, and then only weight decay moves
+    the policy)."""
+    plugin = tmp_path / "checksum_reward.py"
     plugin.write_text("from megatron_grpo.rewards import register_reward\n\n\n"
-                      "@register_reward('text_length')\n"
-                      "def text_length(completions, **kwargs):\n"
-                      "    return [len(c) / 100 for c in completions]\n")
-    return dict(reward_funcs=["digits", "text_length"],
+                      "@register_reward('text_checksum')\n"
+                      "def text_checksum(completions, **kwargs):\n"
+                      "    return [sum(map(ord, c)) % 97 / 97 for c in completions]\n")
+    return dict(reward_funcs=["digits", "text_checksum"],
                 external_plugins=[os.path.join(ROOT, "examples/plugins/digits_reward.py"),
                                   str(plugin)])
 
@@ -321,7 +322,7 @@ def test_teacher_is_the_policy_at_step_one_under_pp2(tiny, tmp_path):
     out = str(tmp_path / "run")
     r = _run(_argv(tiny, out, teacher_model=tiny, pipeline_model_parallel_size=2,
                    train_iters=2, lr=2e-2, offload_teacher_model="true",
-                   **_length_reward(tmp_path)))
+                   **_varied_reward(tmp_path)))
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"teacher: {tiny} (frozen, same layout, offloaded between rollouts)" in r.stdout, \
         r.stdout
@@ -338,7 +339,7 @@ def test_lora_teacher_is_the_base_with_the_adapters_off(tiny, tmp_path):
     out = str(tmp_path / "run")
     r = _run(_argv(tiny, out, teacher_model=tiny, tuner_type="lora", lora_rank=8,
                    lora_alpha=32, target_modules="all-linear", train_iters=2, lr=2e-2,
-                   **_length_reward(tmp_path)))
+                   **_varied_reward(tmp_path)))
     assert r.returncode == 0, r.stderr[-4000:]
     assert "teacher: --model with its adapters off (no second model)" in r.stdout, r.stdout
     rows = _metrics(out)

@@ -135,3 +135,24 @@ def test_vl_grpo_tp2_colocate_learns_colours(colour_data, tmp_path):
     with open(os.path.join(out, "completions.jsonl")) as f:
         done = [json.loads(line) for line in f]
     assert len(done) == STEPS * 64 and {d["image_tokens"] for d in done} == want, done[0]
+
+
+def test_vl_teacher_is_the_policy_at_step_one(colour_data, tmp_path):
+    """On-policy distillation of a vision-language policy at TP=2: --teacher_model =
+    --model, a frozen copy that gets the images of every micro-batch (its tower and mrope
+    positions). Its log-probs of the sampled tokens are the policy's before the first update
+    (teacher_kl exactly 0; without the images its logits would move by ~4, with other
+    positions by ~1.6), and not after it."""
+    from tests.test_trainer_e2e import _varied_reward
+
+    out = str(tmp_path / "run")
+    model = colour_data["model"]
+    r = _run(_argv(model, out, dataset=colour_data["train"], teacher_model=model,
+                   max_completion_length=4, num_generations=4, generation_batch_size=8,
+                   global_batch_size=8, micro_batch_size=2, tensor_model_parallel_size=2,
+                   bf16="false", lr=1e-2, max_pixels=BUDGET, vllm_max_model_len=256,
+                   train_iters=2, **_varied_reward(tmp_path)))
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _metrics(out)
+    assert rows[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-9), rows[0]
+    assert rows[1]["teacher_kl"] > 1e-4, rows[1]

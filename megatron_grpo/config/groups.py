@@ -158,8 +158,9 @@ class ModelOptions(_Group):
                     "vLLM, single-turn rollouts, vLLM prefix caching off. R2 (replaying the old "
                     "policy's routing) is not supported yet. disabled: each router picks its own.")
     teacher_model: Optional[str] = opt(
-        None, "On-policy distillation (ms-swift's OPD-RL): a local Hugging Face folder of a text "
-              "model with --model's vocabulary, loaded frozen in the same TP/PP/CP(/EP) layout. "
+        None, "On-policy distillation (ms-swift's OPD-RL): a local Hugging Face folder of a model "
+              "with --model's vocabulary (a vision-language policy: one of its model type, "
+              "fed the same images), loaded frozen in the same TP/PP/CP(/EP) layout. "
               "Each sampled token's advantage gets --teacher_kl_coef x (teacher - old log-prob "
               "of that token); logged as teacher_kl (k3: it should fall). --reward_funcs becomes "
               "optional (none: pure distillation). With LoRA, --teacher_model = --model is the "

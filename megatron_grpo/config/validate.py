@@ -112,8 +112,6 @@ def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
                      "Hugging Face model folder (megatron-grpo does not download models)"):
         return
     hf, student = _hf_config(teacher) or {}, _hf_config(cfg.model.model)
-    p.require("vision_config" not in hf, f"--teacher_model {teacher!r} is a vision-language "
-                                         "model: a teacher must be a text model for now")
     experts, ep = int(hf.get("num_experts") or hf.get("num_local_experts") or 0), \
         cfg.parallel.expert_model_parallel_size
     p.require(not experts or ep < 1 or experts % ep == 0,
@@ -121,9 +119,17 @@ def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
               f"{ep} does not divide: the teacher's experts are split like the policy's. Fix: "
               f"an expert parallel size that divides both models' experts")
     if student is not None:
-        p.require("vision_config" not in student,
-                  f"--teacher_model with the vision-language model {cfg.model.model!r} is not "
-                  "supported yet (the teacher would need the images)")
+        # A vision-language teacher sees the policy's images: one of the same model type
+        # (processor, image tokens, positions); a text model cannot score an image prompt.
+        vision = ("vision_config" in student, "vision_config" in hf)
+        p.require(vision == (False, False) or (all(vision) and hf.get("model_type") ==
+                                               student.get("model_type")),
+                  f"--teacher_model {teacher!r} ({hf.get('model_type')}) for --model "
+                  f"{cfg.model.model!r} ({student.get('model_type')}): a vision-language "
+                  "policy needs a teacher of its own model type, which sees its images, and a "
+                  "text policy a text teacher. Fix: a teacher of the policy's model type")
+        hf, student = (hf.get("text_config") or hf, student.get("text_config") or student) \
+            if all(vision) else (hf, student)
         p.require(hf.get("vocab_size") == student.get("vocab_size"),
                   f"--teacher_model {teacher!r} has vocab_size {hf.get('vocab_size')}, --model "
                   f"{cfg.model.model!r} {student.get('vocab_size')}: the teacher scores the "
