@@ -26,13 +26,13 @@ from ..data.vision import VisionProcessor, is_vision_language
 from ..model.lora import lora_settings
 from ..rewards import build_reward_funcs, load_plugins
 from ..rewards.registry import flat_args
-from ..rollout.offload import offload_model
 from ..rollout.sync import WeightSync
 from ..rollout.trajectory import MultiTurnRollout
 from .engine import LossOptions
 from .evaluate import build_evaluator
 from .logger import RunLogger
 from .setup import (Policy, build_parallel, build_policy, build_reference, build_sampler,
+                    build_teacher,
                     loss_options, seed_everything, total_steps)
 
 
@@ -118,19 +118,7 @@ def build_run(cfg) -> Run:
     # so is a teacher that is --model itself (ms-swift: no second model).
     lora = t.tuner_type in ("lora", "lora_llm")
     ref = None if g.beta == 0.0 else policy.chunks if lora else build_reference(cfg)
-    teacher = None
-    if cfg.model.teacher_model:
-        itself = os.path.realpath(cfg.model.teacher_model) == os.path.realpath(cfg.model.model)
-        teacher = policy.chunks if lora and itself else build_reference(cfg, cfg.model.teacher_model)
-        if cfg.rollout.offload_teacher_model and teacher is not policy.chunks:
-            offload_model(teacher)
-        if dist.get_rank() == 0:
-            print("[megatron-grpo] teacher: " + ("--model with its adapters off (no second model)"
-                                                 if teacher is policy.chunks else
-                                                 f"{cfg.model.teacher_model} (frozen, same layout"
-                                                 + (", offloaded between rollouts)"
-                                                    if cfg.rollout.offload_teacher_model
-                                                    else ")")), flush=True)
+    teacher = build_teacher(cfg, policy, lora)
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
     reward_names = list(cfg.reward.reward_funcs)
@@ -184,11 +172,12 @@ def _pending_batch(saved: Optional[dict], path: str, teacher: Optional[str] = No
     if saved is None:
         return None
     scored = saved.get("teacher") is not None      # (the same on every rank)
-    why = (f"by another layout ({saved['layout']}, now {_layout()})"
-           if saved["layout"] != _layout() else
-           f"{'with' if scored else 'without'} a teacher, and this run has "
-           f"{'none' if scored else 'one'}" if scored != (teacher is not None) else None)
-    if why is None:
+    if saved["layout"] != _layout():
+        why = f"by another layout ({saved['layout']}, now {_layout()})"
+    elif scored != (teacher is not None):
+        why = (f"{'with' if scored else 'without'} a teacher, and this run has "
+               f"{'none' if scored else 'one'}")
+    else:
         return saved["rollout"], saved["next"]
     if dist.get_rank() == 0:
         print(f"[megatron-grpo] warning: {path} was saved in the middle of a generation batch "

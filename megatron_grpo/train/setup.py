@@ -3,7 +3,7 @@
     dims = build_parallel(cfg)                       # torch.distributed + Megatron groups
     model = build_policy(cfg)                        # chunks (DDP), optimizer, scheduler
     ref = build_reference(cfg, model) if beta > 0    # frozen chunks, same layout
-    teacher = build_reference(cfg, teacher_model)    # --teacher_model: frozen, same layout
+    teacher = build_teacher(cfg, model, lora)        # --teacher_model: frozen, same layout
     engine = build_sampler(cfg)                      # colocated vLLM or a server client
 
 Options travel whole: `loss_options(cfg)` and `engine_settings(cfg)` read each stage's
@@ -32,6 +32,7 @@ from ..model.moe import MoEOptions
 from ..platform import ParallelDims, init_parallel, init_process_group
 from ..rollout.colocate import ColocateEngine, EngineSettings
 from ..rollout.kv_cache import sequences_per_engine
+from ..rollout.offload import offload_model
 from .engine import LossOptions
 
 
@@ -198,6 +199,29 @@ def build_reference(cfg, model: Optional[str] = None) -> list:
         for p in c.parameters():
             p.requires_grad_(False)
     return chunks
+
+
+def build_teacher(cfg, policy: Policy, lora: bool) -> Optional[list]:
+    """--teacher_model's frozen chunks, None without one. Under LoRA a teacher that is
+    --model itself is the policy (its adapters off in rollout_step.fill_logps, as the
+    reference); otherwise a model of its own in the run's layout, held off the device
+    between rollouts with --offload_teacher_model."""
+    import torch.distributed as dist
+
+    path = cfg.model.teacher_model
+    if path is None:
+        return None
+    if lora and os.path.realpath(path) == os.path.realpath(cfg.model.model):
+        teacher, what = policy.chunks, "--model with its adapters off (no second model)"
+    else:
+        teacher, what = build_reference(cfg, path), f"{path} (frozen, same layout"
+        if cfg.rollout.offload_teacher_model:
+            offload_model(teacher)
+            what += ", offloaded between rollouts"
+        what += ")"
+    if dist.get_rank() == 0:
+        print(f"[megatron-grpo] teacher: {what}", flush=True)
+    return teacher
 
 
 def build_sampler(cfg):
