@@ -494,6 +494,19 @@ def test_teacher_model_options(tmp_path):
         message = error_of(args(student, *extra))
         for part in expected:
             assert part in message, (extra, message)
+    # Tokenizers: every token of the policy's must keep its id in the teacher's (more added
+    # tokens in the teacher's are fine); a vocab_size alike is not enough.
+    def tokenizer(folder, vocab, added=()):
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            json.dump({"model": {"type": "BPE", "vocab": vocab},
+                       "added_tokens": [{"id": i, "content": c} for c, i in added]}, f)
+    tokenizer(student, {"a": 0, "b": 1, "ab": 2}, [("<|end|>", 3)])
+    tokenizer(teacher, {"a": 0, "b": 1, "ab": 2}, [("<|end|>", 3), ("<think>", 4)])
+    assert parse_rlhf_args(args(student, "--teacher_model", teacher)).model.teacher_model == teacher
+    other = _model_folder(tmp_path, "other_tokenizer")
+    tokenizer(other, {"a": 0, "ab": 1, "b": 2}, [("<|end|>", 3)])
+    message = error_of(args(student, "--teacher_model", other))
+    assert "its tokenizer gives 2 of --model's 4 tokens other ids or none" in message, message
     vl = _model_folder(tmp_path, "vl_policy", model_type="qwen2_5_vl", vision_config={})
     vl_teacher = _model_folder(tmp_path, "vl_teacher", model_type="qwen2_5_vl", vision_config={})
     assert parse_rlhf_args(args(vl, "--teacher_model", vl_teacher)).model.teacher_model == vl_teacher

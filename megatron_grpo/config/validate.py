@@ -130,11 +130,35 @@ def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
                   "text policy a text teacher. Fix: a teacher of the policy's model type")
         hf, student = (hf.get("text_config") or hf, student.get("text_config") or student) \
             if all(vision) else (hf, student)
-        p.require(hf.get("vocab_size") == student.get("vocab_size"),
-                  f"--teacher_model {teacher!r} has vocab_size {hf.get('vocab_size')}, --model "
-                  f"{cfg.model.model!r} {student.get('vocab_size')}: the teacher scores the "
-                  "policy's tokens, so both need one vocabulary. Fix: a teacher of the same "
-                  "tokenizer family")
+        if p.require(hf.get("vocab_size") == student.get("vocab_size"),
+                     f"--teacher_model {teacher!r} has vocab_size {hf.get('vocab_size')}, --model "
+                     f"{cfg.model.model!r} {student.get('vocab_size')}: the teacher scores the "
+                     "policy's tokens, so both need one vocabulary. Fix: a teacher of the same "
+                     "tokenizer family"):
+            ours, theirs = _token_ids(cfg.model.model), _token_ids(teacher)
+            # Every token the policy may write must be the same id to the teacher (a teacher
+            # with more added tokens, as Qwen3's over Qwen2.5's, is fine).
+            differ = [t for t in ours if theirs.get(t) != ours[t]] if ours and theirs else []
+            p.require(not differ,
+                      f"--teacher_model {teacher!r}: its tokenizer gives {len(differ)} of --model's "
+                      f"{len(ours or {})} tokens other ids or none (e.g. {differ[:3]}): it would "
+                      "score other tokens than the policy samples. Fix: a teacher of the same "
+                      "tokenizer family")
+
+
+def _token_ids(model: str) -> Optional[dict]:
+    """token -> id of a model folder's tokenizer.json (its BPE/WordPiece vocabulary, added
+    tokens included), or None when it has none to read (e.g. a sentencepiece model file)."""
+    path = os.path.join(model, "tokenizer.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    vocab = (data.get("model") or {}).get("vocab")
+    if not isinstance(vocab, dict):
+        return None
+    return {**vocab, **{t["content"]: t["id"] for t in data.get("added_tokens") or []}}
 
 
 # A hub dataset id as ms-swift takes it: `org/name`, optionally `:subset`, never a file name.
