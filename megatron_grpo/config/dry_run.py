@@ -37,28 +37,16 @@ class ModelFacts:
 
 def check_model(cfg: "GRPOConfig") -> ModelFacts:
     """The model's config.json against the parallel sizes; ValueError naming the option."""
-    # model/ imports torch and Megatron; this module is imported by the CLI parent
-    from ..model import build_transformer_config, load_hf_config
-    from ..model.moe import MoEOptions
+    # model/ and train/ import torch and Megatron; this module is imported by the CLI parent
+    from ..model import load_hf_config
+    from ..train.setup import transformer_config
 
-    p, v = cfg.parallel, cfg.rollout
+    v = cfg.rollout
     dtype = "bfloat16" if cfg.training.bf16 else "float32"     # as train/setup.py
-    _, args = build_transformer_config(
-        cfg.model.model, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-        vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
-        sequence_parallel=p.sequence_parallel, dtype=dtype, ep=p.expert_model_parallel_size,
-        etp=p.expert_tensor_parallel_size, moe=MoEOptions.from_config(cfg))
-    if cfg.model.teacher_model:      # the teacher in the same layout (train/setup.py)
-        teacher = load_hf_config(cfg.model.teacher_model)
-        experts = dict(ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
-                       moe=MoEOptions.from_config(cfg)) \
-            if teacher.get("num_experts") or teacher.get("num_local_experts") else {}
+    _, args = transformer_config(cfg)
+    if cfg.model.teacher_model:      # the teacher in the same layout, as the trainer builds it
         try:
-            build_transformer_config(
-                cfg.model.teacher_model, tp=p.tensor_model_parallel_size,
-                pp=p.pipeline_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
-                cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel, dtype=dtype,
-                **experts)
+            transformer_config(cfg, cfg.model.teacher_model)
         except ValueError as e:
             raise ValueError(f"--teacher_model {cfg.model.teacher_model!r}: {e}") from None
     hf = load_hf_config(cfg.model.model)

@@ -21,6 +21,12 @@ def text_config(model_dir: str) -> Dict[str, Any]:
     return {**config, **text} if isinstance(text, dict) else config
 
 
+def num_experts(hf: Dict[str, Any]) -> int:
+    """Routed experts per layer of a config dict, 0 for a dense model: `num_experts`
+    (Qwen's checkpoints), or `num_local_experts` (what transformers 5 writes for Qwen3-MoE)."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
 def model_max_len(model_dir: str) -> int:
     """The context length vLLM takes when max_model_len is not given."""
     config = text_config(model_dir)

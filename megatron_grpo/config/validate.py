@@ -29,7 +29,7 @@ from .errors import Problems
 from .groups import (DEFAULT_KL_IN_REWARD, DEFAULT_NUM_TRAIN_EPOCHS, DEFAULT_SCALE_REWARDS,
                      LORA_TARGET_MODULES, adapter_covers_tower)
 from .hf_model import (BF16_CPU_FLAGS, VLLM_CPU_HEAD_SIZES, cpu_has_bf16, head_dim,
-                       model_max_len, vllm_is_cpu_build)
+                       model_max_len, num_experts, vllm_is_cpu_build)
 from .parallel import ParallelDims, divisors
 from .sizes import parse_size
 
@@ -112,8 +112,7 @@ def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
                      "Hugging Face model folder (megatron-grpo does not download models)"):
         return
     hf, student = _hf_config(teacher) or {}, _hf_config(cfg.model.model)
-    experts, ep = int(hf.get("num_experts") or hf.get("num_local_experts") or 0), \
-        cfg.parallel.expert_model_parallel_size
+    experts, ep = num_experts(hf), cfg.parallel.expert_model_parallel_size
     p.require(not experts or ep < 1 or experts % ep == 0,
               f"--teacher_model {teacher!r} has {experts} experts, which --expert_model_parallel_size "
               f"{ep} does not divide: the teacher's experts are split like the policy's. Fix: "
@@ -496,7 +495,7 @@ def _check_moe(cfg: "GRPOConfig", p: Problems) -> None:
     hf = _hf_config(m.model)
     if hf is None:
         return
-    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    experts = num_experts(hf)
     p.require(experts or m.router_replay_mode == "disabled",
               f"--router_replay_mode {m.router_replay_mode} needs a mixture-of-experts model; "
               f"--model {m.model!r} is dense. Fix: --router_replay_mode disabled")
@@ -897,7 +896,7 @@ def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:
 
         try:
             hf = text_config(model)
-            experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+            experts = num_experts(hf)
         except (OSError, ValueError, TypeError):
             experts = 0
         p.require(experts == 0,

@@ -49,6 +49,7 @@ from dataclasses import dataclass, fields
 from bridge.params import unwrap
 from megatron_grpo.platform.compat.megatron import moe_step_losses
 
+from ..config.hf_model import num_experts
 from ..platform.compat import megatron as compat
 from .families import Family
 from .te import use_transformer_engine
@@ -126,12 +127,6 @@ def check_hf_moe(hf: dict) -> None:
                          "supported yet; every layer must be sparse (decoder_sparse_step 1)")
     if not num_experts(hf):
         raise ValueError("config.json of an MoE model has no num_experts")
-
-
-def num_experts(hf: dict) -> int:
-    """Routed experts per layer: `num_experts` (Qwen's checkpoints), or `num_local_experts`
-    (what transformers 5 writes for Qwen3-MoE)."""
-    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
 def moe_config_kwargs(hf: dict, family: Family, *, tp: int, ep: int = 1, etp: int | None = None,

@@ -354,8 +354,19 @@ def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
     if not need_old and ref is None and teacher is None:
         return
     with _onloaded(teacher if offload_teacher else None):
-        _fill_logps(policy_chunks, ref, mine, mbs, pad, need_old, temperature, vocab_size,
-                    teacher)
+        for part in mine:
+            batches = micro_batches(part, mbs, pad_to_length=pad)
+            if need_old:
+                _per_token(policy_chunks, batches, part, "old_logps", temperature, vocab_size)
+            if ref is not None:   # LoRA: `ref` is the policy; adapters off = the base model
+                with adapters_disabled(ref):
+                    _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
+            if teacher is not None:   # LoRA with --teacher_model = --model: the base, as `ref`
+                own = teacher is not policy_chunks    # another model: it routes for itself (R3)
+                with adapters_disabled(teacher):
+                    _per_token(teacher, [{k: v for k, v in b.items() if k != "routed_experts"}
+                                         for b in batches] if own else batches,
+                               part, "teacher_logps", temperature, vocab_size)
 
 
 @contextlib.contextmanager
@@ -369,22 +380,6 @@ def _onloaded(chunks):
         yield
     finally:
         offload_model(chunks)
-
-
-def _fill_logps(policy_chunks, ref, mine, mbs, pad, need_old, temperature, vocab_size, teacher):
-    for part in mine:
-        batches = micro_batches(part, mbs, pad_to_length=pad)
-        if need_old:
-            _per_token(policy_chunks, batches, part, "old_logps", temperature, vocab_size)
-        if ref is not None:   # LoRA: `ref` is the policy; adapters off = the base model
-            with adapters_disabled(ref):
-                _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
-        if teacher is not None:   # LoRA with --teacher_model = --model: the base, as `ref`
-            own = teacher is not policy_chunks    # another model: it routes for itself (R3)
-            with adapters_disabled(teacher):
-                _per_token(teacher, [{k: v for k, v in b.items() if k != "routed_experts"}
-                                     for b in batches] if own else batches,
-                           part, "teacher_logps", temperature, vocab_size)
 
 
 def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int, group: int = 1) -> torch.Tensor:

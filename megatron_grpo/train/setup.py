@@ -24,6 +24,7 @@ from bridge import load_hf_weights
 from bridge.mappings.vision import sync_filter
 
 from ..algorithms import LossTypeParams
+from ..config.hf_model import num_experts
 from ..data.vision import resolve_max_pixels
 from ..model import build_model, build_transformer_config, load_hf_config, wrap_ddp
 from ..model.kv_replication import count_kv_once_in_grad_norm
@@ -74,28 +75,33 @@ def _dtype(cfg) -> str:
     return "float32"
 
 
-def build_chunks(cfg, load_weights: bool = True, model: Optional[str] = None):
-    """Megatron chunks of this rank with the HF weights loaded by the bridge: of --model, or
-    of `model` (the teacher) in the same layout (its experts, if any, over the same EP)."""
+def transformer_config(cfg, model: Optional[str] = None):
+    """(TransformerConfig, ModelArgs) of --model in the run's layout, or of `model` (the
+    teacher) in the same one: forward only (no recompute), its experts, if any, over the
+    same EP and routing for themselves. The trainer's and the dry run's."""
     p, t = cfg.parallel, cfg.training
-    path = model or cfg.model.model
     experts = dict(ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
                    moe=MoEOptions.from_config(cfg))
-    if model:   # the teacher: a dense one has no experts; an MoE one routes for itself
-        hf = load_hf_config(model)
+    if model:
         experts = (dict(experts, moe=dataclasses.replace(experts["moe"], routing_replay=False))
-                   if hf.get("num_experts") or hf.get("num_local_experts") else {})
-    config, args = build_transformer_config(
-        path, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-        vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
-        sequence_parallel=p.sequence_parallel, dtype=_dtype(cfg),
-        recompute=None if model else dict(   # the teacher runs forward only
+                   if num_experts(load_hf_config(model)) else {})
+    return build_transformer_config(
+        model or cfg.model.model, tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
+        cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel, dtype=_dtype(cfg),
+        recompute=None if model else dict(
             recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
             recompute_num_layers=t.recompute_num_layers, recompute_modules=recompute_modules_of(t)),
         attention_backend=cfg.model.attention_backend, **experts)
-    chunks = build_model(config, args, padding_free=t.padding_free)
+
+
+def build_chunks(cfg, load_weights: bool = True, model: Optional[str] = None):
+    """Megatron chunks of this rank with the HF weights loaded by the bridge: of --model, or
+    of `model` (the teacher) in the same layout (`transformer_config`)."""
+    config, args = transformer_config(cfg, model)
+    chunks = build_model(config, args, padding_free=cfg.training.padding_free)
     if load_weights:
-        load_hf_weights(chunks, config, args, path)
+        load_hf_weights(chunks, config, args, model or cfg.model.model)
     return config, args, chunks
 
 
