@@ -58,6 +58,13 @@ def _rlhf(argv: list[str]) -> int:
 
         with problems.section():
             dataset, val_dataset = load_datasets(cfg.data, cfg.evaluation, seed=cfg.training.seed)
+        if dataset is not None and cfg.model.teacher_model_server is not None and \
+                not problems.names_any(("teacher_model_server",)):
+            from .config.validate import route_rows, teacher_servers
+
+            with problems.section():      # every prompt has its teacher
+                route_rows(teacher_servers(cfg.model.teacher_model_server), dataset,
+                           cfg.model.teacher_tag_key)
     if cfg.training.dry_run and not problems:
         return _dry_run(cfg, spec, dataset, val_dataset, problems)
     problems.raise_if_any()

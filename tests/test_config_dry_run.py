@@ -1,4 +1,5 @@
 """`megatron rlhf --dry_run true`: every check without starting a process, then the plan."""
+import json
 import os
 import re
 
@@ -114,16 +115,37 @@ def test_dry_run_mentions_the_evaluation(dry_runs):
 @pytest.mark.slow  # two CLI processes (dry runs)
 def test_dry_run_checks_the_teacher_in_the_run_layout(model, tiny_model, tmp_path):
     """--teacher_model: the plan names the teacher; a teacher that the run's layout cannot
-    split (1 layer over PP=2) fails the dry run naming --teacher_model."""
+    split (1 layer over PP=2) fails the dry run naming --teacher_model. Served teachers
+    (--teacher_model_server): the plan names them; a prompt that no teacher's tags take
+    fails before any start-up."""
     teacher = str(tiny_model(family="qwen2", hidden_size=128, seed=1))
     shallow = str(tiny_model(family="qwen2", hidden_size=128, num_layers=1, seed=1))
+
+    def served(*tags):
+        return json.dumps([{"url": "http://t1:8000", "tags": [tags[0]]},
+                           {"url": "http://t2:8001", "tags": [tags[1]]}])
+
     results = run_together({
         "ok": _dry_run_argv(model, str(tmp_path / "ok"), "--teacher_model", teacher,
                             "--teacher_kl_coef", "0.5", "--num_generations", "4", nproc=2),
         "pp2": _dry_run_argv(model, str(tmp_path / "pp2"), "--teacher_model", shallow,
                              "--pipeline_model_parallel_size", "2", "--num_generations", "4",
-                             nproc=2)}, cwd=ROOT)
+                             nproc=2),
+        "served": _dry_run_argv(model, str(tmp_path / "served"), "--teacher_model_server",
+                                served("math.jsonl", COUNTDOWN), "--num_generations", "4",
+                                nproc=2),
+        "unrouted": _dry_run_argv(model, str(tmp_path / "unrouted"), "--teacher_model_server",
+                                  served("math.jsonl", "code.jsonl"), "--num_generations", "4",
+                                  nproc=2)}, cwd=ROOT)
     ok, pp2 = results["ok"], results["pp2"]
+    assert results["served"].returncode == 0, results["served"].stderr
+    assert "teacher served at http://t1:8000, http://t2:8001 (teacher_kl_coef 1)" in \
+        _line(results["served"].stdout, "model")
+    unrouted = results["unrouted"]
+    assert unrouted.returncode == 2, unrouted.stdout
+    assert f"--teacher_model_server: a prompt of {COUNTDOWN} has --dataset entry " \
+           f"{COUNTDOWN!r}, which no teacher's tags hold (['code.jsonl', 'math.jsonl'])" in \
+        unrouted.stderr, unrouted.stderr
     assert ok.returncode == 0, ok.stderr
     assert f"teacher {teacher} (frozen, same layout, teacher_kl_coef 0.5)" in _line(ok.stdout, "model")
     assert pp2.returncode == 2, pp2.stdout

@@ -518,3 +518,59 @@ def test_teacher_model_options(tmp_path):
                         "--dynamic_sample", "true", "--scale_rewards", "gdpo"])
     assert "--dynamic_sample true needs --reward_funcs" in message
     assert "--scale_rewards gdpo needs --reward_funcs" in message
+
+
+def test_teacher_model_server_options(tmp_path):
+    """--teacher_model_server: a URL or ms-swift's JSON list of teachers with their tags;
+    malformed lists, several teachers without tags or sharing one, a local teacher beside it,
+    --offload_teacher_model and a vision-language policy are refused with the fix."""
+    from megatron_grpo.config.validate import TeacherServer, route_rows, teacher_servers
+    from megatron_grpo.data.loading import PromptDataset
+
+    student = _model_folder(tmp_path, "student")
+    cfg = parse_rlhf_args(["--model", student, "--dataset", COUNTDOWN, "--num_generations", "1",
+                           "--teacher_model_server", "http://127.0.0.1:8000/"])
+    assert (cfg.model.has_teacher, cfg.reward.reward_funcs, cfg.model.teacher_tag_key) == \
+        (True, [], "dataset")
+    assert teacher_servers(cfg.model.teacher_model_server) == \
+        [TeacherServer("http://127.0.0.1:8000", ())]
+    two = '[{"url": "http://t1:8000", "tags": ["a.jsonl"]}, {"url": "http://t2:8001", "tags": [7]}]'
+    assert teacher_servers(two) == [TeacherServer("http://t1:8000", ("a.jsonl",)),
+                                    TeacherServer("http://t2:8001", ("7",))]
+    cases = [
+        ("localhost:8000", "url 'localhost:8000' must start with http:// or https://"),
+        ("[{'url': 1}]", "--teacher_model_server is not valid JSON"),
+        ("[]", "the JSON list needs one object"),
+        ('[{"url": "http://a:1"}, {"url": "http://b:1", "tags": ["x"]}]',
+         "with several teachers each needs its tags"),
+        ('[{"url": "http://a:1", "tags": ["x"]}, {"url": "http://b:1", "tags": ["x"]}]',
+         "tag 'x' belongs to teachers 0 and 1"),
+        ('[{"url": "http://a:1", "tags": "x"}]', "teacher 0: tags 'x' must be a list"),
+    ]
+    for value, expected in cases:
+        message = error_of(args(student, "--teacher_model_server", value))
+        assert expected in message, (value, message)
+    assert "one teacher, local or served" in error_of(
+        args(student, "--teacher_model_server", "http://a:1", "--teacher_model", student))
+    assert "--offload_teacher_model true needs --teacher_model: a served teacher" in error_of(
+        args(student, "--teacher_model_server", "http://a:1", "--offload_teacher_model", "true"))
+    assert "--teacher_model_server with --loss_type real" in error_of(
+        args(student, "--teacher_model_server", "http://a:1", "--loss_type", "real",
+             "--micro_batch_size", "8"))
+    vl = _model_folder(tmp_path, "vl_policy", model_type="qwen2_5_vl", vision_config={})
+    assert "a served teacher is sent token ids only" in error_of(
+        args(vl, "--teacher_model_server", "http://a:1"))
+    # Routing: by a column, or by the --dataset entry of each row; a row no tags name fails.
+    data = PromptDataset(messages=[[]] * 3, columns={"domain": ["x", "y", "x"]},
+                         sources=["m.jsonl", "c.jsonl", "m.jsonl"])
+    servers = teacher_servers('[{"url": "http://a:1", "tags": ["m.jsonl", "y"]}, '
+                              '{"url": "http://b:1", "tags": ["c.jsonl", "x"]}]')
+    assert route_rows(servers, data, "dataset") == [0, 1, 0]
+    assert route_rows(servers, data, "domain") == [1, 0, 1]
+    assert route_rows(servers[:1], data, "nothing") == [0, 0, 0]     # the only teacher
+    with pytest.raises(ValueError, match="a prompt of c.jsonl has --dataset entry 'c.jsonl', "
+                                         r"which no teacher's tags hold \(\['m.jsonl', 'q'\]\)"):
+        route_rows([TeacherServer("http://a:1", ("m.jsonl",)), TeacherServer("http://b:1", ("q",))],
+                   data, "dataset")
+    with pytest.raises(ValueError, match="--teacher_tag_key 'nothing': the dataset has no such"):
+        route_rows(servers, data, "nothing")

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
+from .validate import teacher_servers
+
 if TYPE_CHECKING:
     from . import GRPOConfig
     from .validate import WorldPlan
@@ -85,6 +87,7 @@ def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, npro
     from ..train.setup import total_steps  # train/ imports torch (see check_model)
 
     p, t, g, v = cfg.parallel, cfg.training, cfg.grpo, cfg.rollout
+    server = cfg.model.teacher_model_server
     G = g.num_generations
     vpp = p.virtual_pipeline_model_parallel_size
     steps = total_steps(cfg, num_prompts)
@@ -105,7 +108,9 @@ def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, npro
         f"{model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads, "
         f"{model.num_kv_heads} kv heads, vocab {model.vocab_size}, {model.dtype}"
         + (f"; teacher {cfg.model.teacher_model} (frozen, same layout, teacher_kl_coef "
-           f"{g.teacher_kl_coef:g})" if cfg.model.teacher_model else ""),
+           f"{g.teacher_kl_coef:g})" if cfg.model.teacher_model else "")
+        + (f"; teacher served at {', '.join(s.url for s in teacher_servers(server))} "
+           f"(teacher_kl_coef {g.teacher_kl_coef:g})" if server else ""),
         f"  dataset    {_count(num_prompts, 'prompt')} from {_count(num_files, 'file')}"
         + (f" ({num_val_prompts} more held out for evaluation)" if num_val_prompts is not None
            and not cfg.evaluation.val_dataset else "") + "; "

@@ -165,6 +165,23 @@ class ModelOptions(_Group):
               "of that token); logged as teacher_kl (k3: it should fall). --reward_funcs becomes "
               "optional (none: pure distillation). With LoRA, --teacher_model = --model is the "
               "base with the adapters off (no second model).")
+    teacher_model_server: Optional[str] = opt(
+        None, "On-policy distillation with the teacher behind a vLLM OpenAI server instead of "
+              "--teacher_model (`megatron rollout --model TEACHER` or `vllm serve TEACHER`, "
+              "sharing --model's tokenizer): a URL, or a JSON list of teachers "
+              "'[{\"url\": \"http://t1:8000\", \"tags\": [\"math.jsonl\"]}, ...]', each "
+              "sample scored by the one whose tags hold its --teacher_tag_key. The sampled tokens "
+              "are scored through /v1/completions' prompt_logprobs, which vLLM computes at "
+              "temperature 1. Text models only.")
+    teacher_tag_key: str = opt(
+        "dataset", "Multi-teacher --teacher_model_server: the dataset column whose value picks "
+                   "a sample's teacher; `dataset` (when no such column) is the --dataset entry "
+                   "the row came from, as written (without #N).")
+
+    @property
+    def has_teacher(self) -> bool:
+        """On-policy distillation: --teacher_model or --teacher_model_server."""
+        return self.teacher_model is not None or self.teacher_model_server is not None
 
 
 @dataclass
@@ -388,7 +405,7 @@ class GRPOOptions(_Group):
     log_rollout_offpolicy_metrics: bool = opt(False, "Log rollout_correction/* even without "
                                                      "rollout_importance_sampling_mode.")
     teacher_kl_coef: float = opt(1.0, "Weight of the teacher's per-token log-ratio in the "
-                                      "advantage (--teacher_model).")
+                                      "advantage (--teacher_model, --teacher_model_server).")
 
 
 @dataclass

@@ -232,9 +232,8 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         undesirable_weight calculate_KL center_rewards_coefficient gkd_logits_topk lmbda
         seq_kd sft_alpha
     """,
-    "on-policy distillation: a teacher server, a hub teacher, multi-teacher routing "
-    "(--teacher_model takes a local folder)": """
-        teacher_model_type teacher_model_revision teacher_model_server teacher_tag_key
+    "on-policy distillation from a hub teacher (--teacher_model takes a local folder)": """
+        teacher_model_type teacher_model_revision
     """,
     "reward models": "reward_model reward_model_plugin",
     "reference model sync (TR-DPO style)": "sync_ref_model ref_model_sync_steps ref_model_mixup_alpha",

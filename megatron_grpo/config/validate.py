@@ -19,7 +19,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, NamedTuple, Optional
 
 from megatron_grpo.data.loading import parse_dataset_spec
 from megatron_grpo.multi_turn import check_scheduler, env_names, scheduler_names
@@ -87,26 +87,99 @@ def _check_model(cfg: "GRPOConfig", p: Problems) -> None:
               "(config.json + tokenizer + *.safetensors), e.g. one written by tools/make_tiny_model.py")
 
 
+class TeacherServer(NamedTuple):
+    url: str
+    tags: tuple      # the --teacher_tag_key values it scores; () for the only teacher
+
+
+def teacher_servers(value: str) -> List[TeacherServer]:
+    """--teacher_model_server: one URL, or a JSON list of {"url", "tags"} (ms-swift's
+    format; several teachers need disjoint, non-empty tags). ValueError naming the fix."""
+    def url_of(url, where):
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--teacher_model_server {where}: url {url!r} must start with "
+                             "http:// or https://. Fix: e.g. http://127.0.0.1:8000")
+        return url.rstrip("/")
+
+    text = value.strip()
+    if not text.startswith("["):
+        return [TeacherServer(url_of(text, "is not a URL or a JSON list"), ())]
+    try:
+        entries = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--teacher_model_server is not valid JSON ({e}). Fix: "
+                         '\'[{"url": "http://t1:8000", "tags": ["math.jsonl"]}, ...]\'') from None
+    if not entries or not all(isinstance(e, dict) for e in entries):
+        raise ValueError("--teacher_model_server: the JSON list needs one object "
+                         '{"url": ..., "tags": [...]} per teacher')
+    servers, owner = [], {}
+    for i, entry in enumerate(entries):
+        tags = entry.get("tags") or []
+        if not isinstance(tags, list):
+            raise ValueError(f"--teacher_model_server teacher {i}: tags {tags!r} must be a list")
+        servers.append(TeacherServer(url_of(entry.get("url"), f"teacher {i}"),
+                                     tuple(str(t) for t in tags)))
+        for tag in servers[-1].tags:
+            if tag in owner:
+                raise ValueError(f"--teacher_model_server: tag {tag!r} belongs to teachers "
+                                 f"{owner[tag]} and {i}; each sample needs one teacher")
+            owner[tag] = i
+    if len(servers) > 1 and not all(s.tags for s in servers):
+        raise ValueError("--teacher_model_server: with several teachers each needs its tags "
+                         "(the --teacher_tag_key values, e.g. --dataset entries, it scores)")
+    return servers
+
+
+def route_rows(servers, dataset, tag_key: str) -> List[int]:
+    """The teacher (index into `servers`, from teacher_servers) of each row of `dataset` (a
+    data.PromptDataset): the only one, else the one whose tags hold the row's `tag_key`
+    column, or for `dataset` without such a column its --dataset entry. ValueError for a
+    row no teacher's tags name."""
+    if len(servers) == 1:
+        return [0] * len(dataset)
+    owner = {tag: i for i, s in enumerate(servers) for tag in s.tags}
+    column, what = dataset.columns.get(tag_key), f"column {tag_key!r}"
+    if column is None and tag_key == "dataset":
+        column, what = dataset.sources, "--dataset entry"
+    if column is None:
+        raise ValueError(f"--teacher_tag_key {tag_key!r}: the dataset has no such column to "
+                         f"route its prompts to the {len(servers)} teachers of "
+                         "--teacher_model_server. Fix: a column the rows carry, or `dataset` "
+                         "(each row's --dataset entry)")
+    for row, tag in enumerate(column):
+        if str(tag) not in owner:
+            where = f" of {dataset.sources[row]}" if dataset.sources else ""
+            raise ValueError(f"--teacher_model_server: a prompt{where} has {what} {str(tag)!r}, "
+                             f"which no teacher's tags hold ({sorted(owner)}). Fix: add it to "
+                             "one teacher's tags")
+    return [owner[str(tag)] for tag in column]
+
+
 def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
     """--teacher_model (on-policy distillation): a local dense text model with the policy's
-    vocabulary, and the options whose meaning needs one advantage per completion."""
-    teacher, g = cfg.model.teacher_model, cfg.grpo
-    if teacher is None:
+    vocabulary, or --teacher_model_server; and the options whose meaning needs one
+    advantage per completion."""
+    teacher, server, g = cfg.model.teacher_model, cfg.model.teacher_model_server, cfg.grpo
+    if not cfg.model.has_teacher:
         p.require(not cfg.rollout.offload_teacher_model,
                   "--offload_teacher_model true needs --teacher_model. Fix: drop it")
         return
+    which = "--teacher_model" if teacher is not None else "--teacher_model_server"
     for name, bad in (("loss_type", g.loss_type in ("real", "fipo")),
                       ("off_policy_sequence_mask_delta", g.off_policy_sequence_mask_delta is not None)):
-        p.require(not bad, f"--teacher_model with --{name} {getattr(g, name)}: it needs one "
+        p.require(not bad, f"{which} with --{name} {getattr(g, name)}: it needs one "
                            "advantage per completion, and the teacher's advantages are per token. "
                            f"Fix: drop --{name} (loss types grpo, bnpo, dr_grpo, dapo, cispo, sapo)")
     if not cfg.reward.reward_funcs:
         p.require(not g.dynamic_sample, "--dynamic_sample true needs --reward_funcs (it keeps "
-                                        "groups whose rewards differ); with --teacher_model alone "
+                                        f"groups whose rewards differ); with {which} alone "
                                         "every reward is 0. Fix: add --reward_funcs or drop it")
         p.require(g.scale_rewards != "gdpo", "--scale_rewards gdpo needs --reward_funcs (it "
                                              "normalises each one). Fix: add --reward_funcs or "
                                              "another --scale_rewards")
+    if server is not None:
+        _check_teacher_server(cfg, p)
+        return
     if not p.require(os.path.isfile(os.path.join(teacher, "config.json")),
                      f"--teacher_model {teacher!r}: no config.json there. Fix: pass a local "
                      "Hugging Face model folder (megatron-grpo does not download models)"):
@@ -143,6 +216,26 @@ def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
                       f"{len(ours or {})} tokens other ids or none (e.g. {differ[:3]}): it would "
                       "score other tokens than the policy samples. Fix: a teacher of the same "
                       "tokenizer family")
+
+
+def _check_teacher_server(cfg: "GRPOConfig", p: Problems) -> None:
+    server = cfg.model.teacher_model_server
+    if not p.require(cfg.model.teacher_model is None,
+                     f"--teacher_model {cfg.model.teacher_model!r} and --teacher_model_server "
+                     f"{server!r}: one teacher, local or served. Fix: drop one of them"):
+        return
+    try:
+        teacher_servers(server)
+    except ValueError as e:
+        p.add(str(e))
+    p.require(not cfg.rollout.offload_teacher_model,
+              "--offload_teacher_model true needs --teacher_model: a served teacher holds no "
+              "memory here. Fix: drop it")
+    student = _hf_config(cfg.model.model)
+    p.require(student is None or "vision_config" not in student,
+              f"--teacher_model_server with the vision-language --model {cfg.model.model!r}: a "
+              "served teacher is sent token ids only (/v1/completions), not the images. Fix: "
+              "--teacher_model (a local teacher of the policy's model type)")
 
 
 def _token_ids(model: str) -> Optional[dict]:
@@ -561,7 +654,7 @@ def _check_batches(cfg: "GRPOConfig", p: Problems) -> None:
     _positive(p, "num_iterations", g.num_iterations)
     # With a teacher each token has its own advantage: a prompt needs no group (ms-swift's
     # opd_rl.sh samples 1 completion each).
-    least = 1 if cfg.model.teacher_model else 2
+    least = 1 if cfg.model.has_teacher else 2
     groups_ok = p.require(g.num_generations >= least,
                           f"--num_generations {g.num_generations} is not valid: GRPO needs at least 2 "
                           "completions per prompt to compare (1 with --teacher_model). Fix: e.g. "
@@ -668,7 +761,7 @@ def _check_rewards(cfg: "GRPOConfig", p: Problems) -> None:
         # ms-swift: the environment's total reward is one more reward column.
         r.reward_funcs = [*r.reward_funcs, "gym_reward"]
     names = registry.registered_names()
-    p.require(bool(r.reward_funcs) or cfg.model.teacher_model is not None,
+    p.require(bool(r.reward_funcs) or cfg.model.has_teacher,
               f"--reward_funcs is required (unless --teacher_model distils): one or more of "
               f"{names}. Fix: e.g. --reward_funcs accuracy format")
     for name in r.reward_funcs:

@@ -86,7 +86,12 @@ class RolloutClient:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  repetition_penalty: float = 1.0, max_completion_length: int = 512,
                  num_generations: int = 1, seed: Optional[int] = None,
-                 logprobs: bool = True) -> None:
+                 logprobs: bool = True, role: str = "rollout server",
+                 option: str = "vllm_server_host/vllm_server_port (or vllm_server_base_url)"
+                 ) -> None:
+        # role, option: what the errors call the server and the option that names it (the
+        # sampler's, or --teacher_model_server's: rollout/teacher.py)
+        self.role, self.option = role, option
         self.base_urls = server_urls(vllm_server_host, vllm_server_port, vllm_server_base_url)
         self.base_url = self.base_urls[0]
         if vllm_server_timeout <= 0:
@@ -123,13 +128,13 @@ class RolloutClient:
             detail = e.read().decode(errors="replace")[:2000]
             if NON_FINITE_JSON in detail:
                 detail += NON_FINITE_HELP
-            raise RolloutServerError(f"rollout server {url} answered HTTP {e.code}: {detail}") \
+            raise RolloutServerError(f"{self.role} {url} answered HTTP {e.code}: {detail}") \
                 from None
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError,
                 socket.timeout, TimeoutError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise RolloutServerError(
-                f"rollout server {url} failed: {type(reason).__name__}: {reason}. Is "
+                f"{self.role} {url} failed: {type(reason).__name__}: {reason}. Is "
                 "`megatron rollout` still running there? (it may have crashed or been stopped)"
             ) from None
         return json.loads(data) if data else None
@@ -179,18 +184,22 @@ class RolloutClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RolloutServerError(
-                    f"no rollout server answered at {self.base_urls[server]} within "
+                    f"no {self.role} answered at {self.base_urls[server]} within "
                     f"vllm_server_timeout={self.timeout:g}s (last error: {last}). Start one with "
-                    "`megatron rollout --model DIR --host H --port P` and point "
-                    "vllm_server_host/vllm_server_port (or vllm_server_base_url) at it")
+                    f"`megatron rollout --model DIR --host H --port P` and point {self.option} "
+                    "at it")
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 5.0)
+
+    def model_card(self, server: int = 0) -> dict:
+        """vLLM's /v1/models entry of the served model (id, max_model_len, ...)."""
+        return self._request("GET", "/v1/models", server=server)["data"][0]
 
     @property
     def model(self) -> str:
         """The served model's name (vLLM's /v1/models)."""
         if self._model is None:
-            self._model = self._request("GET", "/v1/models")["data"][0]["id"]
+            self._model = self.model_card()["id"]
         return self._model
 
     # ------------------------------------------------------------------ sampling

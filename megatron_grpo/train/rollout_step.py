@@ -96,7 +96,8 @@ def checked_rollout_logps(logps, loss_mask, num_tokens: int, where: str):
 
 def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int], reward_funcs,
                        num_generations: int, render, max_prompt_length=None,
-                       multi_turn=None, vision=None, trainer_state=None) -> GenerationBatch:
+                       multi_turn=None, vision=None, trainer_state=None,
+                       teacher=None) -> GenerationBatch:
     """Sample `num_generations` completions for each prompt index and score them.
 
     `multi_turn` (a rollout.trajectory.MultiTurnRollout): whole trajectories instead of
@@ -104,7 +105,9 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     the last model message as the completion (plus `messages` and `rollout_infos`).
     Advantages and reward metrics are left to `finish_batch` (after dynamic sampling).
     `vision` (data.vision.VisionProcessor): a dataset with images (module docstring).
-    `trainer_state` (rewards.TrainerState): handed to the reward functions."""
+    `trainer_state` (rewards.TrainerState): handed to the reward functions. `teacher`
+    (rollout.teacher.ServedTeacher, --teacher_model_server): scores the completions each
+    rank sampled, beside their rewards (a local --teacher_model scores in `fill_logps`)."""
     t0 = time.perf_counter()
     # Each rank samples a contiguous share of the prompts (vLLM TP groups pool their
     # members' shares inside `engine.generate`), then every rank gathers everything.
@@ -140,9 +143,13 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     # ~1 ms apiece over gloo on a small CPU node).
     rows = _score(reward_funcs, dataset, prompt_indices, payload, trainer_state)
     t2 = time.perf_counter()
+    taught = teacher.score([x[1] for x in payload], [x[2] for x in payload],
+                           [prompt_indices[x[0]] for x in payload]) \
+        if teacher is not None and payload else [None] * len(payload)
+    t_teacher = time.perf_counter() - t2
     gathered = sorted((x for part in all_gather_objects(
-        [item + (row,) for item, row in zip(payload, rows.tolist())]) for x in part),
-        key=lambda x: x[0])                                  # stable: keeps sample order
+        [item + (row, t) for item, row, t in zip(payload, rows.tolist(), taught)])
+        for x in part), key=lambda x: x[0])                  # stable: keeps sample order
     if len(gathered) != len(prompt_indices) * num_generations:
         raise RuntimeError(f"expected {len(prompt_indices) * num_generations} completions, "
                            f"gathered {len(gathered)}")
@@ -151,7 +158,8 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     t3 = time.perf_counter()
 
     samples, impossible = [], 0
-    for j, (pi, prompt_ids, tokens, text, truncated, logps, extra, routed, _) in enumerate(gathered):
+    for j, (pi, prompt_ids, tokens, text, truncated, logps, extra, routed, _, taught) in \
+            enumerate(gathered):
         meta = {"prompt_index": prompt_indices[pi], "rewards": rewards[j].tolist()}
         if extra:
             meta.update(messages=extra["messages"],
@@ -165,7 +173,10 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
                               truncated=bool(truncated),
                               # [] (every token's was -inf): kept, the micro-batch keeps the field
                               rollout_logps=list(logps) if logps is not None else None, meta=meta,
-                              loss_mask=loss_mask, images=images.get(pi), routed_experts=routed))
+                              loss_mask=loss_mask, images=images.get(pi), routed_experts=routed,
+                              teacher_logps=None if taught is None else torch.tensor(
+                                  [x for k, x in enumerate(taught) if loss_mask is None or
+                                   loss_mask[k]], dtype=torch.float32)))
     if impossible and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"[megatron-grpo] {impossible} sampled token(s) had rollout log-prob -inf (vLLM "
               "drew a token its own top_k/top_p/min_p had excluded): left out of the loss",
@@ -173,8 +184,10 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     rendered = {}
     prompts = [g[6]["prompt"] if g[6] else rendered.setdefault(
         g[0], render(tokenizer, dataset.messages[prompt_indices[g[0]]])) for g in gathered]
-    return GenerationBatch(samples, texts, prompts, rewards, {},
-                           {"timing/generate": (t1 - t0) + (t3 - t2), "timing/score": t2 - t1})
+    timing = {"timing/generate": (t1 - t0) + (t3 - t2 - t_teacher), "timing/score": t2 - t1}
+    if teacher is not None:
+        timing["timing/teacher"] = t_teacher
+    return GenerationBatch(samples, texts, prompts, rewards, {}, timing)
 
 
 def _score(reward_funcs, dataset, prompt_indices, payload, trainer_state) -> torch.Tensor:
@@ -438,7 +451,8 @@ def rollout_phase(run) -> RolloutBatch:
             num_generations=g.num_generations, render=run.render,
             max_prompt_length=cfg.data.max_length, multi_turn=run.multi_turn,
             vision=run.vision, trainer_state=TrainerState(
-                run.step, run.total_steps, cfg.training.global_batch_size)),
+                run.step, run.total_steps, cfg.training.global_batch_size),
+            teacher=run.served_teacher),
         prompts, g.num_generations, dynamic_sample=g.dynamic_sample,
         max_resample_times=g.max_resample_times, reward_weights=cfg.reward.reward_weights)
     run.sync.take_back()

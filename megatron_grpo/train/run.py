@@ -20,6 +20,8 @@ from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
 from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter, vision_state
 
 from .. import checkpoint as ckpt
+from ..config.hf_model import model_max_len
+from ..config.validate import teacher_servers
 from ..data import (PromptSampler, drop_long_prompts, load_datasets, prompt_length,
                     render_prompt)
 from ..data.vision import VisionProcessor, is_vision_language
@@ -27,6 +29,7 @@ from ..model.lora import lora_settings
 from ..rewards import build_reward_funcs, load_plugins
 from ..rewards.registry import flat_args
 from ..rollout.sync import WeightSync
+from ..rollout.teacher import ServedTeacher
 from ..rollout.trajectory import MultiTurnRollout
 from .engine import LossOptions
 from .evaluate import build_evaluator
@@ -62,6 +65,7 @@ class Run:
     # checkpoint saved mid-batch was training, for the loop to finish first; else None.
     pending: Any = None
     teacher: Optional[list] = None   # frozen teacher chunks (--teacher_model), else None
+    served_teacher: Any = None       # rollout.teacher.ServedTeacher (--teacher_model_server)
 
     @property
     def per_step(self) -> int:
@@ -93,7 +97,7 @@ class Run:
         before the first update), or a teacher (its advantage term compares with them)."""
         g = self.cfg.grpo
         return (g.steps_per_generation > 1 or g.num_iterations > 1 or self.kl_in_reward
-                or self.cfg.model.teacher_model is not None)
+                or self.cfg.model.has_teacher)
 
 
 def build_run(cfg) -> Run:
@@ -110,6 +114,7 @@ def build_run(cfg) -> Run:
     render = functools.partial(render_prompt, enable_thinking=cfg.data.enable_thinking)
     vision = _vision_processor(cfg, dataset, val_dataset)
     dataset = _drop_long_prompts(cfg, dataset, prompt_length(dataset, tokenizer, render, vision))
+    served_teacher = _served_teacher(cfg, dataset)      # before the models: a quick failure
     sampler = PromptSampler(len(dataset), g.generation_batch_size // g.num_generations,
                             seed=t.seed, shuffle=cfg.data.dataset_shuffle)
     steps = total_steps(cfg, len(dataset))
@@ -130,7 +135,7 @@ def build_run(cfg) -> Run:
     if state:   # None: a fresh run, or --finetune (the weights only; step 0)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-        pending = _pending_batch(state.get("batch"), resume_from, cfg.model.teacher_model)
+        pending = _pending_batch(state.get("batch"), resume_from, cfg.model.has_teacher)
     # A fresh run keeps vLLM's seeding of the generators (every fresh run's stream); a resumed
     # one the states its checkpoint restored.
     engine = build_sampler_keeping_generators(cfg) if state else build_sampler(cfg)
@@ -151,7 +156,27 @@ def build_run(cfg) -> Run:
     return Run(cfg, loss, policy, ref, engine, sync, tokenizer, render, dataset, sampler,
                reward_funcs, reward_names, logger, evaluator, steps, step,
                ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-               multi_turn=multi_turn, vision=vision, pending=pending, teacher=teacher)
+               multi_turn=multi_turn, vision=vision, pending=pending, teacher=teacher,
+               served_teacher=served_teacher)
+
+
+def _served_teacher(cfg, dataset):
+    """--teacher_model_server's teachers, reachable and long enough for the samples, and the
+    teacher of each prompt; None without them."""
+    if cfg.model.teacher_model_server is None:
+        return None
+    v, g = cfg.rollout, cfg.grpo
+    # The longest sample: the sampler's context, or (single-turn) a whole prompt and completion
+    longest = v.vllm_max_model_len or model_max_len(cfg.model.model)
+    if v.multi_turn_scheduler is None and cfg.data.max_length:
+        longest = min(longest, cfg.data.max_length + g.max_completion_length)
+    teacher = ServedTeacher(teacher_servers(cfg.model.teacher_model_server), dataset,
+                            tag_key=cfg.model.teacher_tag_key, timeout=v.vllm_server_timeout,
+                            max_sequence=longest)
+    if dist.get_rank() == 0:
+        print(f"[megatron-grpo] teacher: served at {teacher.describe()} (scores at temperature "
+              f"1{'' if v.temperature == 1 else f'; sampling at {v.temperature:g}'})", flush=True)
+    return teacher
 
 
 def _layout() -> dict:
@@ -165,16 +190,17 @@ def _layout() -> dict:
             "dp": ps.get_data_parallel_world_size()}
 
 
-def _pending_batch(saved: Optional[dict], path: str, teacher: Optional[str] = None):
+def _pending_batch(saved: Optional[dict], path: str, teacher: bool = False):
     """(RolloutBatch, next schedule index) from a checkpoint saved in the middle of a
     generation batch, when this run's layout is the saving one's and it has a teacher
-    (--teacher_model) where that batch's samples have the teacher's log-probs; else None."""
+    (--teacher_model, --teacher_model_server) where that batch's samples have the teacher's
+    log-probs; else None."""
     if saved is None:
         return None
     scored = saved.get("teacher") is not None      # (the same on every rank)
     if saved["layout"] != _layout():
         why = f"by another layout ({saved['layout']}, now {_layout()})"
-    elif scored != (teacher is not None):
+    elif scored != teacher:
         why = (f"{'with' if scored else 'without'} a teacher, and this run has "
                f"{'none' if scored else 'one'}")
     else:
@@ -272,7 +298,8 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool,
                  "config": run.cfg.to_flat()}
         if next_in_batch is not None and run.step < run.total_steps:
             state["batch"] = {"rollout": batch, "next": next_in_batch, "layout": _layout(),
-                              "teacher": run.cfg.model.teacher_model}
+                              "teacher": run.cfg.model.teacher_model
+                              or run.cfg.model.teacher_model_server}
         ckpt.save_checkpoint(log.output_dir, run.step, p.chunks, p.optimizer, p.scheduler,
                              state,
                              save_total_limit=log.save_total_limit,
