@@ -347,6 +347,24 @@ def test_lora_teacher_is_the_base_with_the_adapters_off(tiny, tmp_path):
     assert rows[1]["teacher_kl"] > 1e-7, rows[1]
 
 
+def test_eval_teacher_kl_of_a_policy_that_has_not_moved_is_zero(tiny, tmp_path):
+    """eval/teacher_kl at DP=2 with a teacher that is the policy and an lr of 1e-12 (the
+    policy stays the teacher to ~1e-12): 5 validation completions, split 3 / 2 over the DP
+    ranks and padded to whole micro-batches, whose policy and teacher log-probs come from
+    their own forwards; ~0 unless a token's two log-probs are misaligned."""
+    val = tmp_path / "val.jsonl"
+    with open(os.path.join(ROOT, "megatron_grpo/data/builtin/arithmetic.jsonl")) as f:
+        val.write_text("".join(f.readlines()[:5]))
+    out = str(tmp_path / "run")
+    r = _run(_argv(tiny, out, teacher_model=tiny, lr=1e-12, train_iters=1, val_dataset=str(val),
+                   eval_steps=1, num_generations_eval=1, **_varied_reward(tmp_path)))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "eval at step 1: 5 prompts x 1" in r.stdout, r.stdout
+    row = _metrics(out)[0]
+    assert row["teacher_kl"] == pytest.approx(0.0, abs=1e-9), row
+    assert row["eval/teacher_kl"] == pytest.approx(0.0, abs=1e-9), row
+
+
 def test_served_teachers_route_and_score_like_the_policy(tiny, tmp_path):
     """--teacher_model_server with two teachers (ms-swift's JSON list, routed by --dataset
     entry), both the policy's model behind one `megatron rollout` server (two URLs): the
@@ -413,17 +431,21 @@ def test_pure_distillation_moves_the_policy_to_the_teacher(tiny, tiny_model, tmp
     """--teacher_model alone (no --reward_funcs: ms-swift's pure OPD-RL, one completion per
     prompt as its opd_rl.sh) at TP=2: every reward is 0, the advantages are the teacher's
     per-token log-ratios, and the policy moves toward a teacher of other random weights: the
-    logged teacher_kl falls, and so does the exact KL(policy || teacher) of the first
-    completion token over 32 of the prompts."""
+    logged teacher_kl falls, so does eval/teacher_kl on 32 held-out prompts (the same ones
+    at steps 12 and 24), and so does the exact KL(policy || teacher) of the first
+    completion token over those prompts."""
     teacher = str(tiny_model(family="qwen2", num_layers=2, hidden_size=128,
                              num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=256, vocab_size=999, seed=1))
     out = str(tmp_path / "run")
     # 32 completions a step at lr 1e-3: the exact KL fell to 0.64-0.65 of its start with
     # seeds 1-3 (8 a step at lr 3e-3: 0.84, 0.87, and once 1.12; docs/benchmarks.md).
+    with open(os.path.join(ROOT, "megatron_grpo/data/builtin/arithmetic.jsonl")) as f:
+        (tmp_path / "val.jsonl").write_text("".join(f.readlines()[:32]))
     argv = _argv(tiny, out, teacher_model=teacher, tensor_model_parallel_size=2,
                  num_generations=1, generation_batch_size=32, global_batch_size=32,
-                 micro_batch_size=4, train_iters=24, lr=1e-3)
+                 micro_batch_size=4, train_iters=24, lr=1e-3,
+                 val_dataset=str(tmp_path / "val.jsonl"), eval_steps=12)
     for flag in ("--reward_funcs", "--external_plugins"):
         i = argv.index(flag)
         del argv[i:i + 2]
@@ -435,6 +457,9 @@ def test_pure_distillation_moves_the_policy_to_the_teacher(tiny, tiny_model, tmp
                for row in rows)
     kl = [row["teacher_kl"] for row in rows]
     assert sum(kl[-4:]) < 0.85 * sum(kl[:4]), [round(x, 3) for x in kl]
+    # The same 32 held-out prompts at steps 12 and 24: nearer the teacher at 24.
+    evals = [row["eval/teacher_kl"] for row in rows if "eval/teacher_kl" in row]
+    assert len(evals) == 2 and 0 < evals[1] < evals[0], evals
     with open(os.path.join(ROOT, "megatron_grpo/data/builtin/arithmetic.jsonl")) as f:
         prompts = [[{"role": "user", "content": json.loads(line)["query"]}] for line in f][:32]
     before = _first_token_kl(tiny, teacher, prompts)

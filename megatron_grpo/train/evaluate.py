@@ -14,7 +14,10 @@ callbacks/default_flow.py, grpo_trainer.py in eval mode), and so what this does:
     evaluations compare the same prompts;
   - metrics: ms-swift's reward metrics under eval/: eval/reward, eval/reward_std,
     eval/frac_reward_zero_std, eval/rewards/{name}/mean|std, and
-    eval/completions/mean_length|min_length|max_length|clipped_ratio.
+    eval/completions/mean_length|min_length|max_length|clipped_ratio; with a teacher
+    (on-policy distillation) eval/teacher_kl, the training metric's k3 distance to the
+    teacher on the evaluation completions (a forward of the policy, and of a local teacher,
+    over them: rollout_step.eval_teacher_kl), which pure distillation has no reward for.
 Left out on purpose: ms-swift also runs the GRPO loss forward-only on the evaluation
 batch (eval/loss, clip ratios); on freshly sampled completions the ratio is 1 and the
 loss says nothing the rewards do not. The eval reward has no KL term (kl_in_reward).
@@ -108,7 +111,8 @@ class Evaluator:
     """
 
     def __init__(self, cfg, dataset, *, engine, tokenizer, render, reward_funcs, reward_names,
-                 total_steps: int, sync, logger, multi_turn=None, vision=None) -> None:
+                 total_steps: int, sync, logger, multi_turn=None, vision=None,
+                 served_teacher=None, teacher_kl=None) -> None:
         e, g = cfg.evaluation, cfg.grpo
         self.cfg, self.dataset, self.engine = cfg, dataset, engine
         self.tokenizer, self.render = tokenizer, render
@@ -116,6 +120,8 @@ class Evaluator:
         self.total_steps, self.sync, self.logger = total_steps, sync, logger
         self.multi_turn = multi_turn     # rollout.trajectory.MultiTurnRollout, or None
         self.vision = vision             # data.vision.VisionProcessor (image prompts), or None
+        self.served_teacher = served_teacher  # rollout.teacher.ServedTeacher, or None
+        self.teacher_kl = teacher_kl     # samples -> eval/teacher_kl (with a teacher), or None
         self.n = e.num_generations_eval
         # Prompts per engine call: a generation batch's worth of completions.
         self.chunk = max(1, g.generation_batch_size // self.n)
@@ -143,11 +149,13 @@ class Evaluator:
         try:
             batch = _concat([self._generate(index[i:i + self.chunk], state)
                              for i in range(0, len(index), self.chunk)])
-        finally:
-            self.sync.take_back(keep_awake=vllm_fresh)
+        finally:   # vLLM sleeps through the forwards of eval/teacher_kl
+            self.sync.take_back(keep_awake=vllm_fresh and self.teacher_kl is None)
         metrics = evaluation_metrics(batch, self.n, self.reward_names,
                                      reward_weights=self.cfg.reward.reward_weights,
                                      scale_rewards=self.cfg.grpo.scale_rewards)
+        if self.teacher_kl is not None:
+            metrics["eval/teacher_kl"] = self.teacher_kl(batch.samples)
         metrics["timing/eval"] = time.perf_counter() - t0
         self._log(step, index, batch, metrics)
         return metrics
@@ -158,7 +166,7 @@ class Evaluator:
             dataset=self.dataset, prompt_indices=prompt_indices, reward_funcs=self.reward_funcs,
             num_generations=self.n, render=self.render,
             max_prompt_length=self.cfg.data.max_length, multi_turn=self.multi_turn,
-            vision=self.vision, trainer_state=state)
+            vision=self.vision, trainer_state=state, teacher=self.served_teacher)
 
     def _log(self, step: int, index: List[int], batch: GenerationBatch, metrics: dict) -> None:
         rows = [i for i in index for _ in range(self.n)]
@@ -172,7 +180,8 @@ class Evaluator:
                                 self.reward_names, extra=extra, file="eval_completions.jsonl")
         if dist.get_rank() == 0:
             shown = ", ".join(f"{k[5:]}={metrics[k]:.4g}" for k in
-                              ["eval/reward", "eval/reward_std", "eval/completions/mean_length"])
+                              ["eval/reward", "eval/reward_std", "eval/completions/mean_length",
+                               "eval/teacher_kl"] if k in metrics)
             print(f"[megatron-grpo] eval at step {step}: {len(index)} prompts x {self.n}: {shown}",
                   flush=True)
 

@@ -418,6 +418,36 @@ def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int, group: 
                         dtype=torch.float64)
 
 
+def eval_teacher_kl(samples: list[Sample], policy_chunks, teacher, *, micro_batch_size: int,
+                    temperature: float, vocab_size: int, offload_teacher: bool = False,
+                    pad_multiple: int = 1) -> float:
+    """eval/teacher_kl of a scored evaluation batch (`samples`, the same on every rank): the
+    token mean of k3 = exp(d) - d - 1, d = teacher - policy log-prob of each model token, as
+    the training metric. The policy's log-probs (and a local teacher's, `teacher`: its
+    chunks; a served teacher's are on the samples already) come from a forward of every
+    dp-th sample on each DP rank, padded with copies of the first to the same number of
+    whole micro-batches on every rank (pipeline stages and expert all-to-alls need it); one
+    rank per DP rank (last stage, TP and CP rank 0) contributes its sums."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = list(samples[dp_rank::dp])
+    real = len(mine)
+    count = -(-len(samples) // dp)
+    mine += [samples[0]] * (-(-count // micro_batch_size) * micro_batch_size - real)
+    pad = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
+    fill_logps(policy_chunks, None, [mine], micro_batch_size, -(-pad // pad_multiple) * pad_multiple,
+               need_old=True, temperature=temperature, vocab_size=vocab_size, teacher=teacher,
+               offload_teacher=offload_teacher)
+    local = None
+    if is_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
+            ps.get_context_parallel_rank() == 0:
+        d = [s.teacher_logps.double() - s.old_logps.double() for s in mine[:real]]
+        local = (sum(float((torch.exp(x) - x - 1).sum()) for x in d), sum(x.numel() for x in d))
+    parts = [x for x in all_gather_objects(local) if x is not None]
+    return sum(x[0] for x in parts) / max(1, sum(x[1] for x in parts))
+
+
 def _sequence_kl(s: Sample) -> float:
     old, ref = s.old_logps.double()[None], s.ref_logps.double()[None]
     return float(sequence_kl_for_reward(old, ref, torch.ones_like(old, dtype=torch.bool))[0])

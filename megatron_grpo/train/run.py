@@ -33,6 +33,7 @@ from ..rollout.teacher import ServedTeacher
 from ..rollout.trajectory import MultiTurnRollout
 from .engine import LossOptions
 from .evaluate import build_evaluator
+from .rollout_step import eval_teacher_kl
 from .logger import RunLogger
 from .setup import (Policy, build_parallel, build_policy, build_reference, build_sampler,
                     build_teacher,
@@ -88,8 +89,7 @@ class Run:
     def teacher_offloaded(self) -> bool:
         """--offload_teacher_model with a teacher of its own (not the policy's base): held
         off the device except while it scores a rollout (rollout_step.fill_logps)."""
-        return bool(self.cfg.rollout.offload_teacher_model and self.teacher is not None
-                    and self.teacher is not self.policy.chunks)
+        return _teacher_offloaded(self.cfg, self.teacher, self.policy)
 
     @property
     def need_old_logps(self) -> bool:
@@ -149,15 +149,28 @@ def build_run(cfg) -> Run:
                        wandb_project=log.wandb_project, wandb_exp_name=log.wandb_exp_name,
                        swanlab_project=log.swanlab_project, swanlab_exp_name=log.swanlab_exp_name)
     multi_turn = build_multi_turn(cfg, tokenizer)
+    teacher_kl = functools.partial(
+        eval_teacher_kl, policy_chunks=policy.chunks, teacher=teacher,
+        micro_batch_size=t.micro_batch_size, temperature=loss.temperature,
+        vocab_size=policy.args.vocab_size,
+        offload_teacher=_teacher_offloaded(cfg, teacher, policy),
+        pad_multiple=cfg.parallel.tensor_model_parallel_size
+        if policy.config.sequence_parallel else 1) if cfg.model.has_teacher else None
     evaluator = build_evaluator(cfg, val_dataset, engine=engine, tokenizer=tokenizer,
                                 render=render, reward_funcs=reward_funcs,
                                 reward_names=reward_names, total_steps=steps,
-                                sync=sync, logger=logger, multi_turn=multi_turn, vision=vision)
+                                sync=sync, logger=logger, multi_turn=multi_turn, vision=vision,
+                                served_teacher=served_teacher, teacher_kl=teacher_kl)
     return Run(cfg, loss, policy, ref, engine, sync, tokenizer, render, dataset, sampler,
                reward_funcs, reward_names, logger, evaluator, steps, step,
                ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
                multi_turn=multi_turn, vision=vision, pending=pending, teacher=teacher,
                served_teacher=served_teacher)
+
+
+def _teacher_offloaded(cfg, teacher, policy) -> bool:
+    return bool(cfg.rollout.offload_teacher_model and teacher is not None
+                and teacher is not policy.chunks)
 
 
 def _served_teacher(cfg, dataset):
