@@ -155,6 +155,44 @@ def test_rollout_logprobs_nan_fails_and_minus_inf_leaves_the_loss():
         ([-1.0, -2.0], [1, 0, 0, 1], 1)
 
 
+def test_served_teacher_scores_every_token_and_the_loss_keeps_the_model_tokens():
+    """--teacher_model_server (a stand-in for rollout.teacher.ServedTeacher and the engine):
+    the teacher is asked for each sampled completion with its prompt ids and dataset row,
+    and of its per-token log-probs a Sample keeps those of the tokens that stay in the loss
+    (here a token the sampler drew at -inf leaves it), as old_logps has them."""
+    from megatron_grpo.rollout.colocate import Completion
+    from megatron_grpo.train.rollout_step import generate_and_score
+
+    class Engine:
+        tp_size = 1
+
+        def generate(self, ids):
+            return [Completion(k, [7, 8, 9], "x", False, [-0.5, float("-inf"), -1.25])
+                    for k in range(len(ids))]
+
+    class Teacher:
+        asked = []
+
+        def score(self, prompt_ids, completion_ids, rows):
+            self.asked.append((prompt_ids, completion_ids, rows))
+            return [[-0.1 * (r + 1), -0.2, -0.3] for r in rows]
+
+    class Data:
+        messages = [[{"role": "user", "content": "q"}]] * 4
+
+        def reward_columns(self, indices, n):
+            return {}
+
+    batch = generate_and_score(
+        engine=Engine(), tokenizer=lambda text, add_special_tokens: {"input_ids": [1, 2]},
+        dataset=Data(), prompt_indices=[3, 1], reward_funcs=[lambda c, **kw: [1.0] * len(c)],
+        num_generations=1, render=lambda t, m: "", teacher=Teacher())
+    assert Teacher.asked == [([[1, 2], [1, 2]], [[7, 8, 9], [7, 8, 9]], [3, 1])]
+    assert [s.teacher_logps.tolist() for s in batch.samples] == \
+        [pytest.approx([-0.4, -0.3]), pytest.approx([-0.2, -0.3])]
+    assert "timing/teacher" in batch.timing
+
+
 def test_reward_functions_get_ms_swift_keywords():
     """A reward function written to ms-swift's documented signature
     `__call__(completions, solution, trainer_state, **kwargs)` runs, and sees ms-swift's
