@@ -173,8 +173,8 @@ def test_served_teacher_scores_every_token_and_the_loss_keeps_the_model_tokens()
     class Teacher:
         asked = []
 
-        def score(self, prompt_ids, completion_ids, rows):
-            self.asked.append((prompt_ids, completion_ids, rows))
+        def score(self, prompt_ids, completion_ids, rows, dataset):
+            self.asked.append((prompt_ids, completion_ids, rows, type(dataset).__name__))
             return [[-0.1 * (r + 1), -0.2, -0.3] for r in rows]
 
     class Data:
@@ -187,7 +187,7 @@ def test_served_teacher_scores_every_token_and_the_loss_keeps_the_model_tokens()
         engine=Engine(), tokenizer=lambda text, add_special_tokens: {"input_ids": [1, 2]},
         dataset=Data(), prompt_indices=[3, 1], reward_funcs=[lambda c, **kw: [1.0] * len(c)],
         num_generations=1, render=lambda t, m: "", teacher=Teacher())
-    assert Teacher.asked == [([[1, 2], [1, 2]], [[7, 8, 9], [7, 8, 9]], [3, 1])]
+    assert Teacher.asked == [([[1, 2], [1, 2]], [[7, 8, 9], [7, 8, 9]], [3, 1], "Data")]
     assert [s.teacher_logps.tolist() for s in batch.samples] == \
         [pytest.approx([-0.4, -0.3]), pytest.approx([-0.2, -0.3])]
     assert "timing/teacher" in batch.timing

@@ -370,7 +370,7 @@ def test_served_teachers_route_and_score_like_the_policy(tiny, tmp_path):
     entry), both the policy's model behind one `megatron rollout` server (two URLs): the
     served log-probs equal HF transformers' (float32), a server too short for the samples
     is refused at start-up, and in a run teacher_kl is ~0 at step 1 and above 0 once the
-    policy has moved. Samples scored by the wrong teacher call or put back in another order
+    policy has moved, on the training prompts and (eval/teacher_kl) the validation ones. Samples scored by the wrong teacher call or put back in another order
     would not give ~0."""
     from megatron_grpo.config.validate import teacher_servers
     from megatron_grpo.data.loading import load_prompt_dataset
@@ -380,26 +380,30 @@ def test_served_teachers_route_and_score_like_the_policy(tiny, tmp_path):
     from tests.test_rollout_colocate import hf_logprobs, max_diff
 
     first = os.path.join(ROOT, "megatron_grpo/data/builtin/arithmetic.jsonl")
-    second = str(tmp_path / "arithmetic_copy.jsonl")
+    second, val = str(tmp_path / "arithmetic_copy.jsonl"), str(tmp_path / "val.jsonl")
     shutil.copy(first, second)
+    with open(first) as f:
+        open(val, "w").write("".join(f.readlines()[:5]))
     with rollout_server(tiny, tmp_path / "teacher.log", "--vllm_max_model_len", "129",
                         "--vllm_enforce_eager", "true", "--vllm_engine_kwargs",
                         '{"dtype": "float32"}') as proc:
         urls = [f"http://127.0.0.1:{proc.port}", f"http://localhost:{proc.port}"]
-        spec = json.dumps([{"url": urls[0], "tags": [first]}, {"url": urls[1], "tags": [second]}])
+        spec = json.dumps([{"url": urls[0], "tags": [first]},
+                           {"url": urls[1], "tags": [second, val]}])
         data = load_prompt_dataset([first, second])
         with pytest.raises(RolloutServerError, match="with max_model_len 129, but the policy's "
                                                      "samples reach 129 tokens"):
-            ServedTeacher(teacher_servers(spec), data, max_sequence=129)
-        teacher = ServedTeacher(teacher_servers(spec), data, max_sequence=128)
+            ServedTeacher(teacher_servers(spec), [data], max_sequence=129)
+        teacher = ServedTeacher(teacher_servers(spec), [data], max_sequence=128)
         prompts, completions = [[5, 17, 230, 41], [400, 12], [7, 8, 9]], [[99, 3], [1], [30, 31]]
         rows = [0, len(data) - 1, 1]                 # teachers 0, 1, 0
-        assert [teacher.routes[r] for r in rows] == [0, 1, 0]
-        assert max_diff(teacher.score(prompts, completions, rows),
+        assert max_diff(teacher.score(prompts, completions, rows, data),
                         hf_logprobs(tiny, prompts, completions)) < 1e-5
         out = str(tmp_path / "run")
+        # Evaluation (step 2) scores validation prompts, routed by their own file.
         r = _run(_argv(tiny, out, dataset=[first, second], teacher_model_server=spec,
-                       train_iters=2, lr=2e-2, **_varied_reward(tmp_path)))
+                       val_dataset=val, eval_steps=2, train_iters=2, lr=2e-2,
+                       **_varied_reward(tmp_path)))
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"teacher: served at {', '.join(urls)} (scores at temperature 1)" in r.stdout, r.stdout
     rows = _metrics(out)
@@ -407,6 +411,7 @@ def test_served_teachers_route_and_score_like_the_policy(tiny, tmp_path):
     assert "timing/teacher" in rows[0]
     assert rows[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-8), rows[0]
     assert rows[1]["teacher_kl"] > 1e-4, rows[1]
+    assert rows[1]["eval/teacher_kl"] > 1e-4, rows[1]
 
 
 def _first_token_kl(student, teacher, prompts):

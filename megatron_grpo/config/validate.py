@@ -130,13 +130,14 @@ def teacher_servers(value: str) -> List[TeacherServer]:
     return servers
 
 
-def route_rows(servers, dataset, tag_key: str) -> List[int]:
+def route_rows(servers, dataset, tag_key: str, rows: Optional[List[int]] = None) -> List[int]:
     """The teacher (index into `servers`, from teacher_servers) of each row of `dataset` (a
-    data.PromptDataset): the only one, else the one whose tags hold the row's `tag_key`
-    column, or for `dataset` without such a column its --dataset entry. ValueError for a
-    row no teacher's tags name."""
+    data.PromptDataset), or of its `rows`: the only one, else the one whose tags hold the
+    row's `tag_key` column, or for `dataset` without such a column its --dataset entry.
+    ValueError for a row no teacher's tags name."""
+    rows = range(len(dataset)) if rows is None else rows
     if len(servers) == 1:
-        return [0] * len(dataset)
+        return [0] * len(rows)
     owner = {tag: i for i, s in enumerate(servers) for tag in s.tags}
     column, what = dataset.columns.get(tag_key), f"column {tag_key!r}"
     if column is None and tag_key == "dataset":
@@ -146,13 +147,13 @@ def route_rows(servers, dataset, tag_key: str) -> List[int]:
                          f"route its prompts to the {len(servers)} teachers of "
                          "--teacher_model_server. Fix: a column the rows carry, or `dataset` "
                          "(each row's --dataset entry)")
-    for row, tag in enumerate(column):
-        if str(tag) not in owner:
+    for row in rows:
+        if str(column[row]) not in owner:
             where = f" of {dataset.sources[row]}" if dataset.sources else ""
-            raise ValueError(f"--teacher_model_server: a prompt{where} has {what} {str(tag)!r}, "
-                             f"which no teacher's tags hold ({sorted(owner)}). Fix: add it to "
-                             "one teacher's tags")
-    return [owner[str(tag)] for tag in column]
+            raise ValueError(f"--teacher_model_server: a prompt{where} has {what} "
+                             f"{str(column[row])!r}, which no teacher's tags hold "
+                             f"({sorted(owner)}). Fix: add it to one teacher's tags")
+    return [owner[str(column[row])] for row in rows]
 
 
 def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:

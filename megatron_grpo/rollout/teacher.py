@@ -1,8 +1,8 @@
 """--teacher_model_server: the teacher of on-policy distillation behind vLLM OpenAI servers.
 
-    teacher = ServedTeacher(teacher_servers(url_or_json), dataset, tag_key="dataset",
-                            timeout=240, max_sequence=policy_max_model_len)
-    logps = teacher.score(prompt_ids, completion_ids, prompt_indices)   # per completion token
+    teacher = ServedTeacher(teacher_servers(url_or_json), [dataset, val_dataset],
+                            tag_key="dataset", timeout=240, max_sequence=policy_max_model_len)
+    logps = teacher.score(prompt_ids, completion_ids, rows, dataset)   # per completion token
 
 Each server (`megatron rollout --model TEACHER`, `vllm serve TEACHER`) scores token ids it is
 sent: the prompt and the sampled completion as one prompt of /v1/completions with
@@ -12,9 +12,10 @@ prompt log-probs from the raw logits, so at temperature 1 whatever --temperature
 its tokenizer, which a server cannot be asked for; a token id beyond the teacher's vocabulary
 fails the request with vLLM's message.
 
-Several teachers (a JSON list with tags): each dataset row is routed once, at start-up, by its
---teacher_tag_key column, or for `dataset` without such a column by the --dataset entry it came
-from; a row no teacher's tags name is an error then, not in the middle of training.
+Several teachers (a JSON list with tags): each sample goes to the teacher whose tags hold its
+row's --teacher_tag_key column, or for `dataset` without such a column the --dataset (or
+--val_dataset) entry it came from; every row is checked at start-up, so that a row no
+teacher's tags name is an error then, not in the middle of training.
 """
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ class ServedTeacher:
     """The teachers of --teacher_model_server (config.validate.teacher_servers) and the
     teacher of every dataset row. Every rank scores the completions it sampled."""
 
-    def __init__(self, servers, dataset, *, tag_key: str = "dataset", timeout: float = 240.0,
+    def __init__(self, servers, datasets, *, tag_key: str = "dataset", timeout: float = 240.0,
                  max_sequence: Optional[int] = None, api_key: Optional[str] = None) -> None:
+        self.servers, self.tag_key = list(servers), tag_key
         self.urls = [s.url for s in servers]
-        self.routes = route_rows(servers, dataset, tag_key)
+        for dataset in datasets:     # every prompt has its teacher, or the run does not start
+            route_rows(self.servers, dataset, tag_key)
         self.clients = [RolloutClient(vllm_server_base_url=s.url, vllm_server_timeout=timeout,
                                       api_key=api_key, role="teacher server", option=OPTION)
                         for s in servers]
@@ -62,12 +65,14 @@ class ServedTeacher:
         return ", ".join(self.urls)
 
     def score(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-              prompt_indices: Sequence[int]) -> List[List[float]]:
+              prompt_indices: Sequence[int], dataset) -> List[List[float]]:
         """The teacher's log-prob of every completion token (temperature 1); `prompt_indices`:
-        each sample's dataset row, which picks its teacher. The teachers are asked at once."""
+        each sample's row of `dataset` (training or validation prompts), which picks its
+        teacher. The teachers are asked at once."""
         by_teacher: dict = {}
-        for k, row in enumerate(prompt_indices):
-            by_teacher.setdefault(self.routes[row], []).append(k)
+        for k, teacher in enumerate(route_rows(self.servers, dataset, self.tag_key,
+                                               list(prompt_indices))):
+            by_teacher.setdefault(teacher, []).append(k)
         out: List[Optional[List[float]]] = [None] * len(prompt_ids)
 
         def ask(teacher: int) -> None:

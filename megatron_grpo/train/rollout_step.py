@@ -144,7 +144,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     rows = _score(reward_funcs, dataset, prompt_indices, payload, trainer_state)
     t2 = time.perf_counter()
     taught = teacher.score([x[1] for x in payload], [x[2] for x in payload],
-                           [prompt_indices[x[0]] for x in payload]) \
+                           [prompt_indices[x[0]] for x in payload], dataset) \
         if teacher is not None and payload else [None] * len(payload)
     t_teacher = time.perf_counter() - t2
     gathered = sorted((x for part in all_gather_objects(

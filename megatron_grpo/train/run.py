@@ -114,7 +114,7 @@ def build_run(cfg) -> Run:
     render = functools.partial(render_prompt, enable_thinking=cfg.data.enable_thinking)
     vision = _vision_processor(cfg, dataset, val_dataset)
     dataset = _drop_long_prompts(cfg, dataset, prompt_length(dataset, tokenizer, render, vision))
-    served_teacher = _served_teacher(cfg, dataset)      # before the models: a quick failure
+    served_teacher = _served_teacher(cfg, [d for d in (dataset, val_dataset) if d is not None])
     sampler = PromptSampler(len(dataset), g.generation_batch_size // g.num_generations,
                             seed=t.seed, shuffle=cfg.data.dataset_shuffle)
     steps = total_steps(cfg, len(dataset))
@@ -173,9 +173,9 @@ def _teacher_offloaded(cfg, teacher, policy) -> bool:
                 and teacher is not policy.chunks)
 
 
-def _served_teacher(cfg, dataset):
-    """--teacher_model_server's teachers, reachable and long enough for the samples, and the
-    teacher of each prompt; None without them."""
+def _served_teacher(cfg, datasets):
+    """--teacher_model_server's teachers, reachable and long enough for the samples, one for
+    every prompt of `datasets`; None without them. Before the models: a quick failure."""
     if cfg.model.teacher_model_server is None:
         return None
     v, g = cfg.rollout, cfg.grpo
@@ -183,7 +183,7 @@ def _served_teacher(cfg, dataset):
     longest = v.vllm_max_model_len or model_max_len(cfg.model.model)
     if v.multi_turn_scheduler is None and cfg.data.max_length:
         longest = min(longest, cfg.data.max_length + g.max_completion_length)
-    teacher = ServedTeacher(teacher_servers(cfg.model.teacher_model_server), dataset,
+    teacher = ServedTeacher(teacher_servers(cfg.model.teacher_model_server), datasets,
                             tag_key=cfg.model.teacher_tag_key, timeout=v.vllm_server_timeout,
                             max_sequence=longest)
     if dist.get_rank() == 0:
