@@ -115,6 +115,7 @@ def test_rollout_logprobs_nan_fails_and_minus_inf_leaves_the_loss():
 
     class Data:
         messages = [[{"role": "user", "content": "q"}]]
+        columns: dict = {}
 
         def reward_columns(self, indices, n):
             return {}
@@ -155,11 +156,12 @@ def test_rollout_logprobs_nan_fails_and_minus_inf_leaves_the_loss():
         ([-1.0, -2.0], [1, 0, 0, 1], 1)
 
 
-def test_served_teacher_scores_every_token_and_the_loss_keeps_the_model_tokens():
+def test_served_teacher_scores_every_token_behind_its_prompt_and_the_loss_keeps_model_tokens():
     """--teacher_model_server (a stand-in for rollout.teacher.ServedTeacher and the engine):
-    the teacher is asked for each sampled completion with its prompt ids and dataset row,
-    and of its per-token log-probs a Sample keeps those of the tokens that stay in the loss
-    (here a token the sampler drew at -inf leaves it), as old_logps has them."""
+    the teacher is asked for each sampled completion with its prompt ids (OPSD: the row's
+    teacher_prompt in place of its last user message, cut as the policy's prompt) and
+    dataset row, and of its per-token log-probs a Sample keeps those of the tokens that stay
+    in the loss (here a token the sampler drew at -inf leaves it), as old_logps has them."""
     from megatron_grpo.rollout.colocate import Completion
     from megatron_grpo.train.rollout_step import generate_and_score
 
@@ -178,18 +180,28 @@ def test_served_teacher_scores_every_token_and_the_loss_keeps_the_model_tokens()
             return [[-0.1 * (r + 1), -0.2, -0.3] for r in rows]
 
     class Data:
-        messages = [[{"role": "user", "content": "q"}]] * 4
+        messages = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}]] * 4
+        # OPSD: row 3's teacher sees a privileged prompt in place of the last user message
+        columns = {"teacher_prompt": [None, None, None, "q; the answer is 7"]}
 
         def reward_columns(self, indices, n):
             return {}
 
+    def tokenizer(text, add_special_tokens):          # a token per character
+        return {"input_ids": [ord(c) for c in text]}
+
     batch = generate_and_score(
-        engine=Engine(), tokenizer=lambda text, add_special_tokens: {"input_ids": [1, 2]},
-        dataset=Data(), prompt_indices=[3, 1], reward_funcs=[lambda c, **kw: [1.0] * len(c)],
-        num_generations=1, render=lambda t, m: "", teacher=Teacher())
-    assert Teacher.asked == [([[1, 2], [1, 2]], [[7, 8, 9], [7, 8, 9]], [3, 1], "Data")]
+        engine=Engine(), tokenizer=tokenizer, dataset=Data(), prompt_indices=[3, 1],
+        reward_funcs=[lambda c, **kw: [1.0] * len(c)], num_generations=1,
+        render=lambda t, m: "|".join(x["content"] for x in m), max_prompt_length=12,
+        teacher=Teacher())
+    plain, privileged = tokenizer("be brief|q", 0)["input_ids"], \
+        tokenizer("be brief|q; the answer is 7", 0)["input_ids"][-12:]
+    assert Teacher.asked == [([privileged, plain], [[7, 8, 9], [7, 8, 9]], [3, 1], "Data")]
     assert [s.teacher_logps.tolist() for s in batch.samples] == \
         [pytest.approx([-0.4, -0.3]), pytest.approx([-0.2, -0.3])]
+    assert [s.teacher_prompt_ids for s in batch.samples] == [privileged, None]
+    assert [s.prompt_ids for s in batch.samples] == [plain, plain]
     assert "timing/teacher" in batch.timing
 
 

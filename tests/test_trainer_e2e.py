@@ -365,6 +365,31 @@ def test_eval_teacher_kl_of_a_policy_that_has_not_moved_is_zero(tiny, tmp_path):
     assert row["eval/teacher_kl"] == pytest.approx(0.0, abs=1e-9), row
 
 
+def test_opsd_the_policy_scores_behind_each_rows_teacher_prompt(tiny, tmp_path):
+    """OPSD without a teacher flag (ms-swift's dynamic self-distillation): rows with a
+    `teacher_prompt` column are scored by the current policy behind that prompt. Training
+    rows whose teacher_prompt is their own question (the teacher's view is the student's,
+    through the teacher's own micro-batches) give teacher_kl exactly 0 at every step;
+    validation rows whose teacher_prompt also states the answer give eval/teacher_kl > 0."""
+    with open(os.path.join(ROOT, "megatron_grpo/data/builtin/arithmetic.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train.write_text("".join(json.dumps(dict(r, teacher_prompt=r["query"])) + "\n"
+                             for r in rows[5:]))
+    val.write_text("".join(json.dumps(dict(r, teacher_prompt=f"{r['query']} It is "
+                                           f"{r['solution']}.")) + "\n" for r in rows[:5]))
+    out = str(tmp_path / "run")
+    r = _run(_argv(tiny, out, dataset=str(train), val_dataset=str(val), eval_steps=2,
+                   train_iters=2, lr=2e-2, **_varied_reward(tmp_path)))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "teacher: the policy itself, scoring on each row's teacher_prompt (OPSD, dynamic)" \
+        in r.stdout, r.stdout
+    rows = _metrics(out)
+    _check_metrics(rows, 2, extra=("teacher_kl",))
+    assert [row["teacher_kl"] for row in rows] == [0.0, 0.0], rows
+    assert rows[1]["eval/teacher_kl"] > 1e-3, rows[1]
+
+
 def test_served_teachers_route_and_score_like_the_policy(tiny, tmp_path):
     """--teacher_model_server with two teachers (ms-swift's JSON list, routed by --dataset
     entry), both the policy's model behind one `megatron rollout` server (two URLs): the

@@ -69,6 +69,8 @@ class Sample:
     routed_experts: Optional[torch.Tensor] = None  # [P + C - 1, layers, k]: the experts vLLM
                                                    # routed each input token to (R3)
     teacher_logps: Optional[torch.Tensor] = None   # --teacher_model's, like old_logps
+    teacher_prompt_ids: Optional[list[int]] = None  # OPSD: the prompt the teacher scores the
+                                                    # completion with (the row's teacher_prompt)
 
     @property
     def model_tokens(self) -> int:

@@ -22,6 +22,7 @@ and training forwards see the pixels and positions vLLM sampled from.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -107,8 +108,17 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     `vision` (data.vision.VisionProcessor): a dataset with images (module docstring).
     `trainer_state` (rewards.TrainerState): handed to the reward functions. `teacher`
     (rollout.teacher.ServedTeacher, --teacher_model_server): scores the completions each
-    rank sampled, beside their rewards (a local --teacher_model scores in `fill_logps`)."""
+    rank sampled, beside their rewards (a local --teacher_model scores in `fill_logps`).
+    A row with a `teacher_prompt` column (OPSD) gives its samples the prompt the teacher
+    sees instead (`teacher_prompt_ids`)."""
     t0 = time.perf_counter()
+    views: dict = {}          # dataset row -> the teacher's prompt ids (OPSD), or None
+
+    def view(row):
+        if row not in views:
+            views[row] = teacher_prompt_ids(dataset, row, tokenizer, render, max_prompt_length)
+        return views[row]
+
     # Each rank samples a contiguous share of the prompts (vLLM TP groups pool their
     # members' shares inside `engine.generate`), then every rank gathers everything.
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -143,8 +153,9 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     # ~1 ms apiece over gloo on a small CPU node).
     rows = _score(reward_funcs, dataset, prompt_indices, payload, trainer_state)
     t2 = time.perf_counter()
-    taught = teacher.score([x[1] for x in payload], [x[2] for x in payload],
-                           [prompt_indices[x[0]] for x in payload], dataset) \
+    taught = teacher.score([view(prompt_indices[x[0]]) or x[1] for x in payload],
+                           [x[2] for x in payload], [prompt_indices[x[0]] for x in payload],
+                           dataset) \
         if teacher is not None and payload else [None] * len(payload)
     t_teacher = time.perf_counter() - t2
     gathered = sorted((x for part in all_gather_objects(
@@ -176,7 +187,8 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
                               loss_mask=loss_mask, images=images.get(pi), routed_experts=routed,
                               teacher_logps=None if taught is None else torch.tensor(
                                   [x for k, x in enumerate(taught) if loss_mask is None or
-                                   loss_mask[k]], dtype=torch.float32)))
+                                   loss_mask[k]], dtype=torch.float32),
+                              teacher_prompt_ids=view(prompt_indices[pi])))
     if impossible and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"[megatron-grpo] {impossible} sampled token(s) had rollout log-prob -inf (vLLM "
               "drew a token its own top_k/top_p/min_p had excluded): left out of the loss",
@@ -188,6 +200,24 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     if teacher is not None:
         timing["timing/teacher"] = t_teacher
     return GenerationBatch(samples, texts, prompts, rewards, {}, timing)
+
+
+def teacher_prompt_ids(dataset, row: int, tokenizer, render, max_prompt_length=None):
+    """OPSD (ms-swift's on-policy self-distillation): the prompt ids the teacher scores a
+    sample of `row` with, the row's messages with its last user message replaced by its
+    `teacher_prompt` column (privileged information, e.g. a reference solution), rendered
+    and cut as the policy's prompt; None for a row without one."""
+    column = dataset.columns.get("teacher_prompt")
+    text = column[row] if column is not None else None
+    if not text:
+        return None
+    messages = [dict(m) for m in dataset.messages[row]]
+    users = [m for m in messages if m["role"] == "user"]
+    if not users:
+        raise ValueError(f"teacher_prompt of a prompt without a user message: {messages}")
+    users[-1]["content"] = text
+    ids = tokenizer(render(tokenizer, messages), add_special_tokens=False)["input_ids"]
+    return ids[-max_prompt_length:] if max_prompt_length else ids
 
 
 def _score(reward_funcs, dataset, prompt_indices, payload, trainer_state) -> torch.Tensor:
@@ -358,12 +388,16 @@ def _per_token(chunks, batches, samples, field, temperature, vocab_size):
 
 def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
                temperature: float, vocab_size: int, teacher=None,
-               offload_teacher: bool = False) -> None:
+               offload_teacher: bool = False, teacher_is_policy: bool = False,
+               pad_multiple: int = 1) -> None:
     """Old (sampling-policy), reference and teacher (`teacher`: --teacher_model's chunks)
     log-probs of this rank's samples (`mine`: one list per optimizer step), before any
     update of the generation batch. On-policy with beta 0 and no teacher there is nothing
     to compute, and no micro-batch is built. `offload_teacher`: the teacher is held off the
-    device (--offload_teacher_model) and comes back for this call only."""
+    device (--offload_teacher_model) and comes back for this call only.
+    `teacher_is_policy`: OPSD's dynamic teacher, the policy itself (its adapters on).
+    OPSD: a sample with `teacher_prompt_ids` is scored by the teacher behind that prompt
+    (micro-batches of their own, padded to a multiple of `pad_multiple`)."""
     if not need_old and ref is None and teacher is None:
         return
     with _onloaded(teacher if offload_teacher else None):
@@ -374,12 +408,23 @@ def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
             if ref is not None:   # LoRA: `ref` is the policy; adapters off = the base model
                 with adapters_disabled(ref):
                     _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
-            if teacher is not None:   # LoRA with --teacher_model = --model: the base, as `ref`
-                own = teacher is not policy_chunks    # another model: it routes for itself (R3)
-                with adapters_disabled(teacher):
-                    _per_token(teacher, [{k: v for k, v in b.items() if k != "routed_experts"}
-                                         for b in batches] if own else batches,
-                               part, "teacher_logps", temperature, vocab_size)
+            if teacher is None:
+                continue
+            # LoRA with --teacher_model = --model: the base, as `ref` (not OPSD's dynamic one)
+            base = contextlib.nullcontext() if teacher_is_policy else adapters_disabled(teacher)
+            views = [dataclasses.replace(s, prompt_ids=s.teacher_prompt_ids, routed_experts=None)
+                     if s.teacher_prompt_ids else s for s in part]
+            if any(v is not s for v, s in zip(views, part)):       # OPSD
+                longest = max(len(v.prompt_ids) + len(v.completion_ids) - 1 for v in views)
+                batches = micro_batches(views, mbs, pad_to_length=max(
+                    pad, -(-longest // pad_multiple) * pad_multiple))
+            own = teacher is not policy_chunks    # another model: it routes for itself (R3)
+            with base:
+                _per_token(teacher, [{k: v for k, v in b.items() if k != "routed_experts"}
+                                     for b in batches] if own else batches,
+                           views, "teacher_logps", temperature, vocab_size)
+            for v, s in zip(views, part):
+                s.teacher_logps = v.teacher_logps
 
 
 @contextlib.contextmanager
@@ -420,7 +465,7 @@ def reward_kl_values(mine, n: int, per_step: int, dp: int, dp_rank: int, group: 
 
 def eval_teacher_kl(samples: list[Sample], policy_chunks, teacher, *, micro_batch_size: int,
                     temperature: float, vocab_size: int, offload_teacher: bool = False,
-                    pad_multiple: int = 1) -> float:
+                    teacher_is_policy: bool = False, pad_multiple: int = 1) -> float:
     """eval/teacher_kl of a scored evaluation batch (`samples`, the same on every rank): the
     token mean of k3 = exp(d) - d - 1, d = teacher - policy log-prob of each model token, as
     the training metric. The policy's log-probs (and a local teacher's, `teacher`: its
@@ -438,7 +483,8 @@ def eval_teacher_kl(samples: list[Sample], policy_chunks, teacher, *, micro_batc
     pad = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
     fill_logps(policy_chunks, None, [mine], micro_batch_size, -(-pad // pad_multiple) * pad_multiple,
                need_old=True, temperature=temperature, vocab_size=vocab_size, teacher=teacher,
-               offload_teacher=offload_teacher)
+               offload_teacher=offload_teacher, teacher_is_policy=teacher_is_policy,
+               pad_multiple=pad_multiple)
     local = None
     if is_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
             ps.get_context_parallel_rank() == 0:
@@ -497,7 +543,9 @@ def rollout_phase(run) -> RolloutBatch:
     fill_logps(run.policy.chunks, run.ref, mine, cfg.training.micro_batch_size, pad,
                need_old=run.need_old_logps, temperature=run.loss.temperature,
                vocab_size=run.policy.args.vocab_size, teacher=run.teacher,
-               offload_teacher=run.teacher_offloaded)
+               offload_teacher=run.teacher_offloaded, teacher_is_policy=run.teacher_is_policy,
+               pad_multiple=cfg.parallel.tensor_model_parallel_size
+               if run.policy.config.sequence_parallel else 1)
     kl_values = reward_kl_values(mine, len(samples), per_step, run.dp, run.dp_rank, run.dp_group) \
         if run.kl_in_reward else None
     logprobs_seconds = time.perf_counter() - t0

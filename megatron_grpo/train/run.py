@@ -67,6 +67,11 @@ class Run:
     pending: Any = None
     teacher: Optional[list] = None   # frozen teacher chunks (--teacher_model), else None
     served_teacher: Any = None       # rollout.teacher.ServedTeacher (--teacher_model_server)
+    teacher_is_policy: bool = False  # OPSD without a teacher: `teacher` is the policy itself
+
+    @property
+    def has_teacher(self) -> bool:
+        return self.teacher is not None or self.served_teacher is not None
 
     @property
     def per_step(self) -> int:
@@ -97,7 +102,7 @@ class Run:
         before the first update), or a teacher (its advantage term compares with them)."""
         g = self.cfg.grpo
         return (g.steps_per_generation > 1 or g.num_iterations > 1 or self.kl_in_reward
-                or self.cfg.model.has_teacher)
+                or self.has_teacher)
 
 
 def build_run(cfg) -> Run:
@@ -115,6 +120,7 @@ def build_run(cfg) -> Run:
     vision = _vision_processor(cfg, dataset, val_dataset)
     dataset = _drop_long_prompts(cfg, dataset, prompt_length(dataset, tokenizer, render, vision))
     served_teacher = _served_teacher(cfg, [d for d in (dataset, val_dataset) if d is not None])
+    opsd = _teacher_prompts(dataset, val_dataset, vision)
     sampler = PromptSampler(len(dataset), g.generation_batch_size // g.num_generations,
                             seed=t.seed, shuffle=cfg.data.dataset_shuffle)
     steps = total_steps(cfg, len(dataset))
@@ -124,6 +130,12 @@ def build_run(cfg) -> Run:
     lora = t.tuner_type in ("lora", "lora_llm")
     ref = None if g.beta == 0.0 else policy.chunks if lora else build_reference(cfg)
     teacher = build_teacher(cfg, policy, lora)
+    teacher_is_policy = teacher is None and served_teacher is None and opsd
+    if teacher_is_policy:     # ms-swift's dynamic self-distillation: the current weights
+        teacher = policy.chunks
+        if dist.get_rank() == 0:
+            print("[megatron-grpo] teacher: the policy itself, scoring on each row's "
+                  "teacher_prompt (OPSD, dynamic)", flush=True)
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
     reward_names = list(cfg.reward.reward_funcs)
@@ -135,7 +147,8 @@ def build_run(cfg) -> Run:
     if state:   # None: a fresh run, or --finetune (the weights only; step 0)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-        pending = _pending_batch(state.get("batch"), resume_from, cfg.model.has_teacher)
+        pending = _pending_batch(state.get("batch"), resume_from,
+                                 teacher is not None or served_teacher is not None)
     # A fresh run keeps vLLM's seeding of the generators (every fresh run's stream); a resumed
     # one the states its checkpoint restored.
     engine = build_sampler_keeping_generators(cfg) if state else build_sampler(cfg)
@@ -154,8 +167,10 @@ def build_run(cfg) -> Run:
         micro_batch_size=t.micro_batch_size, temperature=loss.temperature,
         vocab_size=policy.args.vocab_size,
         offload_teacher=_teacher_offloaded(cfg, teacher, policy),
+        teacher_is_policy=teacher_is_policy,
         pad_multiple=cfg.parallel.tensor_model_parallel_size
-        if policy.config.sequence_parallel else 1) if cfg.model.has_teacher else None
+        if policy.config.sequence_parallel else 1) \
+        if teacher is not None or served_teacher is not None else None
     evaluator = build_evaluator(cfg, val_dataset, engine=engine, tokenizer=tokenizer,
                                 render=render, reward_funcs=reward_funcs,
                                 reward_names=reward_names, total_steps=steps,
@@ -165,7 +180,18 @@ def build_run(cfg) -> Run:
                reward_funcs, reward_names, logger, evaluator, steps, step,
                ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
                multi_turn=multi_turn, vision=vision, pending=pending, teacher=teacher,
-               served_teacher=served_teacher)
+               served_teacher=served_teacher, teacher_is_policy=teacher_is_policy)
+
+
+def _teacher_prompts(dataset, val_dataset, vision) -> bool:
+    """Whether a row of the datasets has a `teacher_prompt` (OPSD: the teacher scores its
+    samples behind that prompt); refused with images (their tokens are in the prompt)."""
+    opsd = any(v for d in (dataset, val_dataset) if d is not None
+               for v in d.columns.get("teacher_prompt") or ())
+    if opsd and vision is not None:
+        raise ValueError("a dataset row has a teacher_prompt (OPSD) and the prompts have images: "
+                         "OPSD takes text prompts only here. Fix: drop the teacher_prompt column")
+    return opsd
 
 
 def _teacher_offloaded(cfg, teacher, policy) -> bool:
@@ -206,8 +232,8 @@ def _layout() -> dict:
 def _pending_batch(saved: Optional[dict], path: str, teacher: bool = False):
     """(RolloutBatch, next schedule index) from a checkpoint saved in the middle of a
     generation batch, when this run's layout is the saving one's and it has a teacher
-    (--teacher_model, --teacher_model_server) where that batch's samples have the teacher's
-    log-probs; else None."""
+    (--teacher_model, --teacher_model_server, OPSD's) where that batch's samples have the
+    teacher's log-probs; else None."""
     if saved is None:
         return None
     scored = saved.get("teacher") is not None      # (the same on every rank)
@@ -311,8 +337,7 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool,
                  "config": run.cfg.to_flat()}
         if next_in_batch is not None and run.step < run.total_steps:
             state["batch"] = {"rollout": batch, "next": next_in_batch, "layout": _layout(),
-                              "teacher": run.cfg.model.teacher_model
-                              or run.cfg.model.teacher_model_server}
+                              "teacher": True if run.has_teacher else None}
         ckpt.save_checkpoint(log.output_dir, run.step, p.chunks, p.optimizer, p.scheduler,
                              state,
                              save_total_limit=log.save_total_limit,
