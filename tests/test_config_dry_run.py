@@ -117,9 +117,14 @@ def test_dry_run_checks_the_teacher_in_the_run_layout(model, tiny_model, tmp_pat
     """--teacher_model: the plan names the teacher; a teacher that the run's layout cannot
     split (1 layer over PP=2) fails the dry run naming --teacher_model. Served teachers
     (--teacher_model_server): the plan names them; a prompt that no teacher's tags take
-    fails before any start-up."""
+    fails before any start-up. A teacher_prompt column: the plan says it is OPSD."""
     teacher = str(tiny_model(family="qwen2", hidden_size=128, seed=1))
     shallow = str(tiny_model(family="qwen2", hidden_size=128, num_layers=1, seed=1))
+
+    opsd = tmp_path / "opsd.jsonl"      # OPSD: a teacher_prompt column
+    opsd.write_text("".join(json.dumps({"query": f"Make {n}", "target": n, "nums": [n],
+                                        "teacher_prompt": f"Make {n}: it is {n}"}) + "\n"
+                            for n in range(8)))
 
     def served(*tags):
         return json.dumps([{"url": "http://t1:8000", "tags": [tags[0]]},
@@ -136,7 +141,13 @@ def test_dry_run_checks_the_teacher_in_the_run_layout(model, tiny_model, tmp_pat
                                 nproc=2),
         "unrouted": _dry_run_argv(model, str(tmp_path / "unrouted"), "--teacher_model_server",
                                   served("math.jsonl", "code.jsonl"), "--num_generations", "4",
-                                  nproc=2)}, cwd=ROOT)
+                                  nproc=2),
+        "opsd": _dry_run_argv(model, str(tmp_path / "opsd"), "--dataset", str(opsd),
+                              "--num_generations", "4", nproc=2)}, cwd=ROOT)
+    assert results["opsd"].returncode == 0, results["opsd"].stderr
+    assert "reward columns: nums, target, teacher_prompt; teacher_prompt: OPSD, the teacher scores " \
+           "behind it (no teacher flag: the policy itself)" in \
+        _line(results["opsd"].stdout, "dataset"), results["opsd"].stdout
     ok, pp2 = results["ok"], results["pp2"]
     assert results["served"].returncode == 0, results["served"].stderr
     assert "teacher served at http://t1:8000, http://t2:8001 (teacher_kl_coef 1)" in \

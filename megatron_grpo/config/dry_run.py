@@ -114,7 +114,10 @@ def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, npro
         f"  dataset    {_count(num_prompts, 'prompt')} from {_count(num_files, 'file')}"
         + (f" ({num_val_prompts} more held out for evaluation)" if num_val_prompts is not None
            and not cfg.evaluation.val_dataset else "") + "; "
-        f"reward columns: {', '.join(reward_columns) or 'none'}",
+        f"reward columns: {', '.join(reward_columns) or 'none'}"
+        + ("; teacher_prompt: OPSD, the teacher scores behind it" + (
+            "" if cfg.model.has_teacher else " (no teacher flag: the policy itself)")
+           if "teacher_prompt" in reward_columns else ""),
         f"  world      {_count(plan.world_size, 'process', 'processes')} = NPROC_PER_NODE {nproc_per_node} x "
         f"NNODES {nnodes}",
         f"  parallel   DP {plan.dp} x TP {p.tensor_model_parallel_size} x PP "
