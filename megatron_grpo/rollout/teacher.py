@@ -43,8 +43,26 @@ class ServedTeacher:
                         for s in servers]
         for client in self.clients:
             client.wait_until_ready()
+            self._check_scores_token_ids(client)
             if max_sequence is not None:
                 self._check_length(client, max_sequence)
+
+    @staticmethod
+    def _check_scores_token_ids(client: RolloutClient) -> None:
+        """One token scored behind another: what every rollout asks, asked once at start-up,
+        so that a server of another kind fails here with what it must be."""
+        try:
+            values = client.score([[0]], [[0]])
+            ok = len(values) == 1 and len(values[0]) == 1 and float(values[0][0]) <= 0
+        except (RolloutServerError, KeyError, IndexError, TypeError, ValueError) as e:
+            ok, values = False, f"{type(e).__name__}: {e}"
+        if not ok:
+            raise RolloutServerError(
+                f"{OPTION} {client.base_url} did not score token ids: a teacher server must be a "
+                "vLLM OpenAI server (`megatron rollout --model TEACHER`, `vllm serve TEACHER`), "
+                "whose /v1/completions takes prompts as token ids and answers prompt_logprobs per "
+                "choice; ms-swift's `swift deploy` takes text prompts only. Its answer to one "
+                f"token: {str(values)[:500]}")
 
     @staticmethod
     def _check_length(client: RolloutClient, max_sequence: int) -> None:
