@@ -12,7 +12,9 @@ shifted by one token, or tool tokens counted, would move them by ~1. The [cp2_pa
 run is also the suite's `--padding_free true` end-to-end run (it was
 tests/test_train_packing.py's own CLI run before): every forward (old, reference,
 training) runs packed in 2*cp chunks, every logged metric is finite, and the KL is 0 at
-step 1 (policy == reference) and not after.
+step 1 (policy == reference) and not after. Both runs have a teacher (--teacher_model: a
+frozen copy of the start): teacher_kl is 0 on the first generation's two steps and not on
+the second's, and the evaluation logs eval/teacher_kl.
 
 test_calculator_learns_to_call_the_tool, test_guess_number_learns_to_guess: each
 built-in example learns something measurable on a tiny model in a few dozen steps (the
@@ -46,7 +48,8 @@ def test_gym_multi_turn(tiny, tmp_path, parallel):  # noqa: F811
                  max_length=400, vllm_max_model_len=512, **parallel,
                  log_rollout_offpolicy_metrics="true", log_completions="true", bf16="false",
                  beta=0.04, generation_batch_size=16, global_batch_size=8, train_iters=4,
-                 split_dataset_ratio=0.25, eval_steps=4)     # 2 held-out prompts, multi-turn too
+                 split_dataset_ratio=0.25, eval_steps=4,     # 2 held-out prompts, multi-turn too
+                 teacher_model=tiny)                         # a frozen copy of the start
     for flag in ("--reward_funcs", "--external_plugins"):   # the environment's reward only
         i = argv.index(flag)
         del argv[i:i + 2]
@@ -69,6 +72,11 @@ def test_gym_multi_turn(tiny, tmp_path, parallel):  # noqa: F811
         assert row["rollout_correction/log_ppl_abs_diff"] < 1e-4, row
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)     # policy == reference at step 1
     assert all(row["kl"] > 0 for row in rows[1:]), [row["kl"] for row in rows]
+    # The teacher (the start) scored the first generation's trajectories as the policy that
+    # sampled them (old log-probs, model tokens only), the second's not; and the held-out ones.
+    kl = [row["teacher_kl"] for row in rows]
+    assert kl[:2] == [pytest.approx(0.0, abs=1e-9)] * 2 and min(kl[2:]) > 0, kl
+    assert rows[-1]["eval/teacher_kl"] > 0, rows[-1]
     for row in rows:
         assert 1 <= row["num_turns"] <= 3 and "rewards/gym_reward/mean" in row
         assert row["completions/max_length"] <= 3 * 8          # model tokens only
