@@ -307,6 +307,26 @@ def _any_rank(flag: bool) -> bool:
     return any(flags)
 
 
+def _layers_partly_frozen(chunks) -> bool:
+    """Whether a parameter trains in some decoder layers (or experts) and is frozen in
+    others, on any rank (--freeze_parameters decoder.layers.3, say). Megatron stacks a parameter's layers
+    into one sharded tensor, so the optimizer state of the training layers alone is not a
+    whole tensor, which a fully reshardable save refuses: such a run saves its optimizer
+    state as each rank's buffers (dp_reshardable: a resume keeps the TP/PP layout)."""
+    trains: dict = {}
+    for chunk in chunks:
+        for name, param in unwrap(chunk).named_parameters():
+            key = re.sub(r"\.\d+\.", ".N.", name)    # layers, experts: stacked
+            trains.setdefault(key, set()).add(param.requires_grad)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, trains)
+    merged: dict = {}
+    for part in gathered:
+        for key, values in part.items():
+            merged.setdefault(key, set()).update(values)
+    return any(len(values) > 1 for values in merged.values())
+
+
 def _sharded_state_dict(chunks, optimizer, scheduler, is_loading: bool,
                         optim_sharding_type: str, extra_metadata: Optional[dict] = None) -> dict:
     # Megatron's own key names: "model" for one chunk, "model{i}" per virtual stage.
@@ -389,6 +409,9 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
         optim_status = "not_saved"
     elif optimizer is not None:
         optim_status = "saved" if _any_rank(_optimizer_has_state(optimizer)) else "fresh"
+    if optim_status == "saved" and optim_sharding_type == "fully_reshardable" and \
+            _layers_partly_frozen(chunks):
+        optim_sharding_type = "dp_reshardable"
     sd = _sharded_state_dict(chunks, optimizer if optim_status == "saved" else None,
                              scheduler, False, optim_sharding_type)
     in_process_save_results()          # a synchronous save: no Manager process to start

@@ -574,3 +574,27 @@ def test_teacher_model_server_options(tmp_path):
                    data, "dataset")
     with pytest.raises(ValueError, match="--teacher_tag_key 'nothing': the dataset has no such"):
         route_rows(servers, data, "nothing")
+
+
+def test_freeze_parameters_options(tmp_path):
+    """--freeze_parameters* / --trainable_parameters* (model/freeze.py): full training only,
+    regexes that compile, a ratio in [0, 1) and not under pipeline or expert parallelism."""
+    student = _model_folder(tmp_path, "student")
+    cfg = parse_rlhf_args(args(student, "--freeze_parameters", "embedding", "decoder.layers.0",
+                               "--trainable_parameters_regex", r"mlp\.linear_fc2",
+                               "--freeze_parameters_ratio", "0.25"))
+    t = cfg.training
+    assert (t.freeze_parameters, t.trainable_parameters_regex, t.freeze_parameters_ratio) == \
+        (["embedding", "decoder.layers.0"], r"mlp\.linear_fc2", 0.25)
+    cases = [
+        (["--freeze_parameters", "embedding", "--tuner_type", "lora"],
+         "--freeze_parameters with --tuner_type lora: they choose what trains in full-parameter"),
+        (["--freeze_parameters_regex", "layers.("],
+         "--freeze_parameters_regex 'layers.(' is not a regular expression"),
+        (["--freeze_parameters_ratio", "1"], "--freeze_parameters_ratio 1.0 is not valid"),
+        (["--freeze_parameters_ratio", "0.5", "--pipeline_model_parallel_size", "2"],
+         "--freeze_parameters_ratio 0.5 with --pipeline_model_parallel_size 2"),
+    ]
+    for extra, expected in cases:
+        message = error_of(args(student, *extra))
+        assert expected in message, (extra, message)

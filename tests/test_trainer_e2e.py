@@ -347,6 +347,38 @@ def test_lora_teacher_is_the_base_with_the_adapters_off(tiny, tmp_path):
     assert rows[1]["teacher_kl"] > 1e-7, rows[1]
 
 
+def test_freeze_parameters_by_global_names_under_pp2(tiny, tmp_path):
+    """--freeze_parameters embedding decoder.layers.1 with --trainable_parameters_regex for
+    that layer's down projection, at PP=2 (layer 1 is the second stage's local layer 0):
+    in the trained model the embedding and layer 1 are the start's to the bit, but for the
+    down projection, which trained, as did layer 0 and the output layer. A parameter that
+    trains in one layer only has optimizer state for part of its stacked tensor: the
+    checkpoint of step 1 holds it per rank (dp_reshardable), and a run resumed from it ends
+    with the same weights to the bit."""
+    from safetensors.torch import load_file
+
+    out, resumed = str(tmp_path / "run"), str(tmp_path / "resumed")
+    argv = _argv(tiny, out, pipeline_model_parallel_size=2,
+                 freeze_parameters=["embedding", "decoder.layers.1"],
+                 trainable_parameters_regex=r"layers\.1\.mlp\.linear_fc2", train_iters=2,
+                 lr=2e-2, save_steps=1, **_varied_reward(tmp_path))
+    r = _run(argv)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "by --freeze_parameters, --trainable_parameters_regex" in r.stdout, r.stdout
+    with open(os.path.join(out, "checkpoint-1", "checkpoint.json")) as f:
+        assert json.load(f)["optim_sharding_type"] == "dp_reshardable"
+    r = _run(argv + ["--resume", os.path.join(out, "checkpoint-1"), "--output_dir", resumed])
+    assert r.returncode == 0, r.stderr[-4000:]
+    start = load_file(os.path.join(tiny, "model.safetensors"))
+    trained = load_file(os.path.join(out, "final_hf", "model.safetensors"))
+    same = {k for k in start if torch.equal(start[k], trained[k])}
+    layer1 = {k for k in start if k.startswith("model.layers.1.")}
+    assert same == {"model.embed_tokens.weight"} | layer1 - {
+        "model.layers.1.mlp.down_proj.weight"}, sorted(set(start) - same)
+    again = load_file(os.path.join(resumed, "final_hf", "model.safetensors"))
+    assert all(torch.equal(again[k], trained[k]) for k in trained)
+
+
 def test_eval_teacher_kl_of_a_policy_that_has_not_moved_is_zero(tiny, tmp_path):
     """eval/teacher_kl at DP=2 with a teacher that is the policy and an lr of 1e-12 (the
     policy stays the teacher to ~1e-12): 5 validation completions, split 3 / 2 over the DP

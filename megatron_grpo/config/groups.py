@@ -294,6 +294,22 @@ class TrainingOptions(_Group):
                                      "--tuner_type lora: adapters on its linears).")
     freeze_llm: bool = opt(False, "Vision-language models: keep the language model frozen "
                                   "(train only what freeze_vit / freeze_aligner leave on).")
+    freeze_parameters: List[str] = opt(
+        help="--tuner_type full: freeze every parameter whose Megatron name starts with one of "
+             "these prefixes (embedding, decoder.layers.3, output_layer, ...: "
+             "model/freeze.py; a decoder layer has its index in the whole model on every "
+             "pipeline stage).", factory=list)
+    freeze_parameters_regex: Optional[str] = opt(
+        None, "--tuner_type full: freeze every parameter whose name this regex matches "
+              "(re.search).")
+    freeze_parameters_ratio: float = opt(
+        0.0, "--tuner_type full: freeze the first share (0 <= R < 1) of the parameters' "
+             "values, in model order (not with pipeline or expert parallelism).")
+    trainable_parameters: List[str] = opt(
+        help="--tuner_type full: train again the parameters whose names start with these "
+             "prefixes, after the freeze options.", factory=list)
+    trainable_parameters_regex: Optional[str] = opt(
+        None, "--tuner_type full: train again the parameters whose names this regex matches.")
     lora_rank: int = opt(8, "LoRA rank r (tuner_type lora).")
     lora_alpha: float = opt(32, "LoRA alpha: adapters are scaled by alpha / r (alpha / sqrt(r) "
                                 "with use_rslora).")

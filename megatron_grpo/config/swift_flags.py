@@ -223,10 +223,6 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
     "best-checkpoint selection and validation perplexity (evaluation logs eval/* rewards)": """
         metric_for_best_model greater_is_better log_validation_ppl_to_tensorboard
     """,
-    "parameter freezing": """
-        freeze_parameters freeze_parameters_regex freeze_parameters_ratio
-        trainable_parameters trainable_parameters_regex
-    """,
     "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented": """
         rpo_alpha reference_free label_smoothing f_divergence_type desirable_weight
         undesirable_weight calculate_KL center_rewards_coefficient gkd_logits_topk lmbda

@@ -349,9 +349,41 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
     _check_freeze(cfg, p)
 
 
+def _check_freeze_parameters(cfg: "GRPOConfig", p: Problems) -> None:
+    """--freeze_parameters* / --trainable_parameters* (model/freeze.py)."""
+    t, par = cfg.training, cfg.parallel
+    used = [f"--{name}" for name in ("freeze_parameters", "freeze_parameters_regex",
+                                     "trainable_parameters", "trainable_parameters_regex")
+            if getattr(t, name)] + (["--freeze_parameters_ratio"]
+                                    if t.freeze_parameters_ratio else [])
+    if not used:
+        return
+    p.require(t.tuner_type == "full",
+              f"{' '.join(used)} with --tuner_type {t.tuner_type}: they choose what trains in "
+              "full-parameter training (LoRA trains its adapters only). Fix: --tuner_type full, "
+              "or drop them")
+    for name in ("freeze_parameters_regex", "trainable_parameters_regex"):
+        if getattr(t, name) is not None:
+            try:
+                re.compile(getattr(t, name))
+            except re.error as e:
+                p.add(f"--{name} {getattr(t, name)!r} is not a regular expression: {e}")
+    ratio = t.freeze_parameters_ratio
+    if p.require(0 <= ratio < 1, f"--freeze_parameters_ratio {ratio} is not valid: it must be in "
+                                 "[0, 1). Fix: e.g. --freeze_parameters_ratio 0.5") and ratio:
+        p.require(par.pipeline_model_parallel_size == 1 and
+                  par.expert_model_parallel_size == 1,
+                  f"--freeze_parameters_ratio {ratio} with --pipeline_model_parallel_size "
+                  f"{par.pipeline_model_parallel_size} / --expert_model_parallel_size "
+                  f"{par.expert_model_parallel_size}: the first share of the parameters is "
+                  "counted on one rank's whole model (as ms-swift). Fix: --freeze_parameters "
+                  "prefixes, or PP and EP 1")
+
+
 def _check_freeze(cfg: "GRPOConfig", p: Problems) -> None:
     """--freeze_vit / --freeze_aligner / --freeze_llm (model/vision.py apply_freeze): they
     choose what trains in a vision-language model; the defaults fit every model."""
+    _check_freeze_parameters(cfg, p)
     t = cfg.training
     flags = (f"--freeze_vit {str(t.freeze_vit).lower()} --freeze_aligner "
              f"{str(t.freeze_aligner).lower()} --freeze_llm {str(t.freeze_llm).lower()}")

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from bridge import load_hf_weights
 from bridge.mappings.vision import sync_filter
@@ -27,6 +28,7 @@ from ..algorithms import LossTypeParams
 from ..config.hf_model import num_experts
 from ..data.vision import resolve_max_pixels
 from ..model import build_model, build_transformer_config, load_hf_config, wrap_ddp
+from ..model.freeze import check_and_summarise, freeze_parameters
 from ..model.kv_replication import count_kv_once_in_grad_norm
 from ..model.lora import LoraSettings, apply_lora, parse_modules_to_save, parse_target_modules
 from ..model.moe import MoEOptions
@@ -62,8 +64,6 @@ def loss_options(cfg) -> LossOptions:
 
 
 def build_parallel(cfg):
-    import torch.distributed as dist
-
     init_process_group()
     dims = ParallelDims.from_options(cfg.parallel, dist.get_world_size())
     return init_parallel(dims, seed=cfg.training.seed)
@@ -166,6 +166,7 @@ def build_policy(cfg, steps: int) -> Policy:
 
     apply_freeze(chunks, freeze_vit=t.freeze_vit, freeze_aligner=t.freeze_aligner,
                  freeze_llm=t.freeze_llm)
+    freeze_by_name(cfg, chunks)                # --freeze_parameters* (full training)
     apply_tuner(cfg, config, args, chunks)     # LoRA: base frozen before DDP sees it
     chunks = wrap_ddp(config, chunks,
                       use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
@@ -183,6 +184,35 @@ def build_policy(cfg, steps: int) -> Policy:
         wd_incr_steps=max(steps, 1), wd_incr_style="constant")
     sync_include = vision_sync_include(cfg) if args.family.vision else None
     return Policy(config, args, chunks, optimizer, scheduler, sync_include)
+
+
+def freeze_by_name(cfg, chunks) -> None:
+    """ms-swift's --freeze_parameters* / --trainable_parameters* (model/freeze.py), checked
+    across the ranks: a rule that names no parameter of the whole model, or one that leaves
+    nothing to train, fails on every rank."""
+    from megatron.core import parallel_state as ps
+
+    t = cfg.training
+    rules = {k: v for k, v in (("freeze_parameters", t.freeze_parameters),
+                               ("freeze_parameters_regex", [t.freeze_parameters_regex]
+                                if t.freeze_parameters_regex else []),
+                               ("trainable_parameters", t.trainable_parameters),
+                               ("trainable_parameters_regex", [t.trainable_parameters_regex]
+                                if t.trainable_parameters_regex else [])) if v}
+    if not rules and not t.freeze_parameters_ratio:
+        return
+    result = freeze_parameters(chunks, ratio=t.freeze_parameters_ratio,
+                               prefixes=t.freeze_parameters, regex=t.freeze_parameters_regex,
+                               trainable=t.trainable_parameters,
+                               trainable_regex=t.trainable_parameters_regex,
+                               tp=ps.get_tensor_model_parallel_world_size())
+    first = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+             and ps.get_context_parallel_rank() == 0)    # one replica, each stage once
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result if first else None)
+    line = check_and_summarise([r for r in gathered if r is not None], rules)
+    if dist.get_rank() == 0:
+        print(f"[megatron-grpo] {line}", flush=True)
 
 
 def vision_sync_include(cfg) -> Optional[Callable[[str], bool]]:
