@@ -64,26 +64,17 @@ def freeze_parameters(chunks, *, ratio: float = 0.0, prefixes: Sequence[str] = (
             frozen.add(name)
             used += size
     matched = set()
-    pattern = re.compile(regex) if regex else None
-    back = re.compile(trainable_regex) if trainable_regex else None
-    for name, _ in named:
-        names = _aliases(name, tied)
-        for prefix in prefixes:
-            if any(n.startswith(prefix) for n in names):
-                frozen.add(name)
-                matched.add(prefix)
-        if pattern is not None and any(pattern.search(n) for n in names):
-            frozen.add(name)
-            matched.add(regex)
-    for name, _ in named:
-        names = _aliases(name, tied)
-        for prefix in trainable:
-            if any(n.startswith(prefix) for n in names):
-                frozen.discard(name)
-                matched.add(prefix)
-        if back is not None and any(back.search(n) for n in names):
-            frozen.discard(name)
-            matched.add(trainable_regex)
+    for rule_prefixes, rule_regex, freeze in ((prefixes, regex, True),
+                                              (trainable, trainable_regex, False)):
+        pattern = re.compile(rule_regex) if rule_regex else None
+        for name, _ in named:
+            names = _aliases(name, tied)
+            hits = {p for p in rule_prefixes if any(n.startswith(p) for n in names)}
+            if pattern is not None and any(pattern.search(n) for n in names):
+                hits.add(rule_regex)
+            if hits:
+                (frozen.add if freeze else frozen.discard)(name)
+                matched |= hits
     for name, param in named:
         param.requires_grad_(name not in frozen)
     return {"matched": matched,
