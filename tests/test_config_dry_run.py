@@ -117,7 +117,8 @@ def test_dry_run_checks_the_teacher_in_the_run_layout(model, tiny_model, tmp_pat
     """--teacher_model: the plan names the teacher; a teacher that the run's layout cannot
     split (1 layer over PP=2) fails the dry run naming --teacher_model. Served teachers
     (--teacher_model_server): the plan names them; a prompt that no teacher's tags take
-    fails before any start-up. A teacher_prompt column: the plan says it is OPSD."""
+    fails before any start-up. A teacher_prompt column: the plan says it is OPSD. The plan
+    names a --ref_model."""
     teacher = str(tiny_model(family="qwen2", hidden_size=128, seed=1))
     shallow = str(tiny_model(family="qwen2", hidden_size=128, num_layers=1, seed=1))
 
@@ -143,7 +144,11 @@ def test_dry_run_checks_the_teacher_in_the_run_layout(model, tiny_model, tmp_pat
                                   served("math.jsonl", "code.jsonl"), "--num_generations", "4",
                                   nproc=2),
         "opsd": _dry_run_argv(model, str(tmp_path / "opsd"), "--dataset", str(opsd),
-                              "--num_generations", "4", nproc=2)}, cwd=ROOT)
+                              "--num_generations", "4", nproc=2),
+        "ref": _dry_run_argv(model, str(tmp_path / "ref"), "--ref_model", teacher, "--beta",
+                             "0.04", "--num_generations", "4", nproc=2)}, cwd=ROOT)
+    assert results["ref"].returncode == 0, results["ref"].stderr
+    assert f"reference {teacher} (frozen, same layout)" in _line(results["ref"].stdout, "model")
     assert results["opsd"].returncode == 0, results["opsd"].stderr
     assert "reward columns: nums, target, teacher_prompt; teacher_prompt: OPSD, the teacher scores " \
            "behind it (no teacher flag: the policy itself)" in \

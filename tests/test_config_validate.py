@@ -598,3 +598,23 @@ def test_freeze_parameters_options(tmp_path):
     for extra, expected in cases:
         message = error_of(args(student, *extra))
         assert expected in message, (extra, message)
+
+
+def test_ref_model_options(tmp_path):
+    """--ref_model: the KL term's reference, checked as a teacher is (vocabulary, kind,
+    folder); refused with --beta 0, which has no KL term."""
+    student = _model_folder(tmp_path, "student")
+    ref = _model_folder(tmp_path, "ref", num_hidden_layers=4)
+    assert parse_rlhf_args(args(student, "--ref_model", ref)).model.ref_model == ref
+    cases = [
+        (["--ref_model", ref, "--beta", "0"], "--ref_model " + repr(ref) + " with --beta 0"),
+        (["--ref_model", _model_folder(tmp_path, "other_vocab", vocab_size=151936)],
+         "has vocab_size 151936, --model"),
+        (["--ref_model", str(tmp_path / "nowhere")], "no config.json there"),
+        (["--ref_model", _model_folder(tmp_path, "vl", model_type="qwen2_5_vl",
+                                       vision_config={})],
+         "a vision-language policy needs a reference of its own model type"),
+    ]
+    for extra, expected in cases:
+        message = error_of(args(student, *extra))
+        assert expected in message, (extra, message)

@@ -313,23 +313,30 @@ def _varied_reward(tmp_path) -> dict:
                                   str(plugin)])
 
 
-def test_teacher_is_the_policy_at_step_one_under_pp2(tiny, tmp_path):
+def test_teacher_is_the_policy_at_step_one_under_pp2(tiny, tiny_model, tmp_path):
     """--teacher_model = --model (a frozen copy, PP=2, a reward beside it, held off the
     device between rollouts: --offload_teacher_model): the teacher's log-probs of the sampled
     tokens are the policy's before its first update, so teacher_kl is 0 at step 1, and above
     0 once the policy has moved. A misaligned teacher (other tokens, positions or stage) or
-    one not fully brought back would not give 0."""
+    one not fully brought back would not give 0. The KL term's reference is another model
+    (--ref_model, other random weights): kl is above 0 from step 1 (with --model's start it
+    is 0 there, as the other runs check)."""
+    other = str(tiny_model(family="qwen2", num_layers=2, hidden_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=256, vocab_size=999,
+                           seed=1))
     out = str(tmp_path / "run")
     r = _run(_argv(tiny, out, teacher_model=tiny, pipeline_model_parallel_size=2,
-                   train_iters=2, lr=2e-2, offload_teacher_model="true",
-                   **_varied_reward(tmp_path)))
+                   train_iters=2, lr=2e-2, offload_teacher_model="true", beta=0.04,
+                   ref_model=other, **_varied_reward(tmp_path)))
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"teacher: {tiny} (frozen, same layout, offloaded between rollouts)" in r.stdout, \
         r.stdout
+    assert f"reference: {other} (frozen, same layout)" in r.stdout, r.stdout
     rows = _metrics(out)
-    _check_metrics(rows, 2, extra=("teacher_kl",))
+    _check_metrics(rows, 2, extra=("teacher_kl", "kl"))
     assert rows[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-9), rows[0]
     assert rows[1]["teacher_kl"] > 1e-4, rows[1]
+    assert rows[0]["kl"] > 1e-3, rows[0]
 
 
 def test_lora_teacher_is_the_base_with_the_adapters_off(tiny, tmp_path):

@@ -46,11 +46,13 @@ def check_model(cfg: "GRPOConfig") -> ModelFacts:
     v = cfg.rollout
     dtype = "bfloat16" if cfg.training.bf16 else "float32"     # as train/setup.py
     _, args = transformer_config(cfg)
-    if cfg.model.teacher_model:      # the teacher in the same layout, as the trainer builds it
-        try:
-            transformer_config(cfg, cfg.model.teacher_model)
-        except ValueError as e:
-            raise ValueError(f"--teacher_model {cfg.model.teacher_model!r}: {e}") from None
+    for option in ("teacher_model", "ref_model"):   # in the same layout, as the trainer builds
+        path = getattr(cfg.model, option)
+        if path and (option != "ref_model" or cfg.grpo.beta):
+            try:
+                transformer_config(cfg, path)
+            except ValueError as e:
+                raise ValueError(f"--{option} {path!r}: {e}") from None
     hf = load_hf_config(cfg.model.model)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
@@ -110,7 +112,9 @@ def format_plan(cfg: "GRPOConfig", plan: "WorldPlan", model: ModelFacts, *, npro
         + (f"; teacher {cfg.model.teacher_model} (frozen, same layout, teacher_kl_coef "
            f"{g.teacher_kl_coef:g})" if cfg.model.teacher_model else "")
         + (f"; teacher served at {', '.join(s.url for s in teacher_servers(server))} "
-           f"(teacher_kl_coef {g.teacher_kl_coef:g})" if server else ""),
+           f"(teacher_kl_coef {g.teacher_kl_coef:g})" if server else "")
+        + (f"; reference {cfg.model.ref_model} (frozen, same layout)"
+           if cfg.model.ref_model and g.beta else ""),
         f"  dataset    {_count(num_prompts, 'prompt')} from {_count(num_files, 'file')}"
         + (f" ({num_val_prompts} more held out for evaluation)" if num_val_prompts is not None
            and not cfg.evaluation.val_dataset else "") + "; "

@@ -165,6 +165,11 @@ class ModelOptions(_Group):
               "of that token); logged as teacher_kl (k3: it should fall). --reward_funcs becomes "
               "optional (none: pure distillation). With LoRA, --teacher_model = --model is the "
               "base with the adapters off (no second model).")
+    ref_model: Optional[str] = opt(
+        None, "The reference policy of the KL term (--beta > 0): a local Hugging Face folder "
+              "of a model with --model's vocabulary (a vision-language policy: one of its "
+              "model type), loaded frozen in the same TP/PP/CP(/EP) layout. Unset (or "
+              "--model): --model's start (under LoRA: the policy with its adapters off).")
     teacher_model_server: Optional[str] = opt(
         None, "On-policy distillation with the teacher behind a vLLM OpenAI server instead of "
               "--teacher_model (`megatron rollout --model TEACHER` or `vllm serve TEACHER`, "

@@ -234,7 +234,8 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
     "reward models": "reward_model reward_model_plugin",
     "reference model sync (TR-DPO style)": "sync_ref_model ref_model_sync_steps ref_model_mixup_alpha",
     "asynchronous generation": "async_generate",
-    "a reference model other than the initial policy": "ref_model mcore_ref_model ref_load",
+    "a reference model from a Megatron checkpoint (--ref_model takes an HF folder)":
+        "mcore_ref_model ref_load",
     "starting from a Megatron checkpoint (pass the HF folder as --model; --resume continues a run)": """
         mcore_model load auto_detect_ckpt_format exit_on_missing_checkpoint
     """,

@@ -64,7 +64,7 @@ def finalize(cfg: "GRPOConfig", problems: Optional[Problems] = None) -> None:
     """Resolve dependent defaults in place and check the options. Every problem goes into
     `problems`; without it they are raised together as one ConfigError."""
     p = Problems() if problems is None else problems
-    for check in (_check_model, _check_teacher, _check_model_options, _check_moe, _check_data,
+    for check in (_check_model, _check_teacher, _check_ref_model, _check_model_options, _check_moe, _check_data,
                   _check_training, _check_parallel, _check_batches, _check_loss, _check_rewards,
                   _check_multi_turn, _check_rollout, _check_logging, _check_eval):
         with p.section():
@@ -181,42 +181,62 @@ def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
     if server is not None:
         _check_teacher_server(cfg, p)
         return
-    if not p.require(os.path.isfile(os.path.join(teacher, "config.json")),
-                     f"--teacher_model {teacher!r}: no config.json there. Fix: pass a local "
+    _check_scoring_model(cfg, "teacher_model", "teacher", p)
+
+
+def _check_scoring_model(cfg: "GRPOConfig", option: str, role: str, p: Problems) -> None:
+    """A model that scores the policy's samples (--teacher_model, --ref_model): a local
+    folder, the policy's vocabulary and tokenizer, its kind (a vision-language policy's
+    sees the same images), experts the EP size divides (they are split like the policy's)."""
+    path = getattr(cfg.model, option)
+    if not p.require(os.path.isfile(os.path.join(path, "config.json")),
+                     f"--{option} {path!r}: no config.json there. Fix: pass a local "
                      "Hugging Face model folder (megatron-grpo does not download models)"):
         return
-    hf, student = _hf_config(teacher) or {}, _hf_config(cfg.model.model)
+    hf, student = _hf_config(path) or {}, _hf_config(cfg.model.model)
     experts, ep = num_experts(hf), cfg.parallel.expert_model_parallel_size
     p.require(not experts or ep < 1 or experts % ep == 0,
-              f"--teacher_model {teacher!r} has {experts} experts, which --expert_model_parallel_size "
-              f"{ep} does not divide: the teacher's experts are split like the policy's. Fix: "
+              f"--{option} {path!r} has {experts} experts, which --expert_model_parallel_size "
+              f"{ep} does not divide: the {role}'s experts are split like the policy's. Fix: "
               f"an expert parallel size that divides both models' experts")
-    if student is not None:
-        # A vision-language teacher sees the policy's images: one of the same model type
-        # (processor, image tokens, positions); a text model cannot score an image prompt.
-        vision = ("vision_config" in student, "vision_config" in hf)
-        p.require(vision == (False, False) or (all(vision) and hf.get("model_type") ==
-                                               student.get("model_type")),
-                  f"--teacher_model {teacher!r} ({hf.get('model_type')}) for --model "
-                  f"{cfg.model.model!r} ({student.get('model_type')}): a vision-language "
-                  "policy needs a teacher of its own model type, which sees its images, and a "
-                  "text policy a text teacher. Fix: a teacher of the policy's model type")
-        hf, student = (hf.get("text_config") or hf, student.get("text_config") or student) \
-            if all(vision) else (hf, student)
-        if p.require(hf.get("vocab_size") == student.get("vocab_size"),
-                     f"--teacher_model {teacher!r} has vocab_size {hf.get('vocab_size')}, --model "
-                     f"{cfg.model.model!r} {student.get('vocab_size')}: the teacher scores the "
-                     "policy's tokens, so both need one vocabulary. Fix: a teacher of the same "
-                     "tokenizer family"):
-            ours, theirs = _token_ids(cfg.model.model), _token_ids(teacher)
-            # Every token the policy may write must be the same id to the teacher (a teacher
-            # with more added tokens, as Qwen3's over Qwen2.5's, is fine).
-            differ = [t for t in ours if theirs.get(t) != ours[t]] if ours and theirs else []
-            p.require(not differ,
-                      f"--teacher_model {teacher!r}: its tokenizer gives {len(differ)} of --model's "
-                      f"{len(ours or {})} tokens other ids or none (e.g. {differ[:3]}): it would "
-                      "score other tokens than the policy samples. Fix: a teacher of the same "
-                      "tokenizer family")
+    if student is None:
+        return
+    # A vision-language one sees the policy's images: one of the same model type
+    # (processor, image tokens, positions); a text model cannot score an image prompt.
+    vision = ("vision_config" in student, "vision_config" in hf)
+    p.require(vision == (False, False) or (all(vision) and hf.get("model_type") ==
+                                           student.get("model_type")),
+              f"--{option} {path!r} ({hf.get('model_type')}) for --model "
+              f"{cfg.model.model!r} ({student.get('model_type')}): a vision-language "
+              f"policy needs a {role} of its own model type, which sees its images, and a "
+              f"text policy a text {role}. Fix: a {role} of the policy's model type")
+    hf, student = (hf.get("text_config") or hf, student.get("text_config") or student) \
+        if all(vision) else (hf, student)
+    if p.require(hf.get("vocab_size") == student.get("vocab_size"),
+                 f"--{option} {path!r} has vocab_size {hf.get('vocab_size')}, --model "
+                 f"{cfg.model.model!r} {student.get('vocab_size')}: the {role} scores the "
+                 f"policy's tokens, so both need one vocabulary. Fix: a {role} of the same "
+                 "tokenizer family"):
+        ours, theirs = _token_ids(cfg.model.model), _token_ids(path)
+        # Every token the policy may write must be the same id to it (one with more added
+        # tokens, as Qwen3's over Qwen2.5's, is fine).
+        differ = [t for t in ours if theirs.get(t) != ours[t]] if ours and theirs else []
+        p.require(not differ,
+                  f"--{option} {path!r}: its tokenizer gives {len(differ)} of --model's "
+                  f"{len(ours or {})} tokens other ids or none (e.g. {differ[:3]}): it would "
+                  f"score other tokens than the policy samples. Fix: a {role} of the same "
+                  "tokenizer family")
+
+
+def _check_ref_model(cfg: "GRPOConfig", p: Problems) -> None:
+    """--ref_model: the KL term's reference, another model than --model's start."""
+    if cfg.model.ref_model is None:
+        return
+    if p.require(cfg.grpo.beta != 0,
+                 f"--ref_model {cfg.model.ref_model!r} with --beta 0: the reference is only "
+                 "the KL term's, which beta 0 turns off. Fix: a --beta above 0, or drop "
+                 "--ref_model"):
+        _check_scoring_model(cfg, "ref_model", "reference", p)
 
 
 def _check_teacher_server(cfg: "GRPOConfig", p: Problems) -> None:

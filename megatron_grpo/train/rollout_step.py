@@ -389,13 +389,15 @@ def _per_token(chunks, batches, samples, field, temperature, vocab_size):
 def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
                temperature: float, vocab_size: int, teacher=None,
                offload_teacher: bool = False, teacher_is_policy: bool = False,
-               pad_multiple: int = 1) -> None:
+               pad_multiple: int = 1, ref_is_other: bool = False) -> None:
     """Old (sampling-policy), reference and teacher (`teacher`: --teacher_model's chunks)
     log-probs of this rank's samples (`mine`: one list per optimizer step), before any
     update of the generation batch. On-policy with beta 0 and no teacher there is nothing
     to compute, and no micro-batch is built. `offload_teacher`: the teacher is held off the
     device (--offload_teacher_model) and comes back for this call only.
     `teacher_is_policy`: OPSD's dynamic teacher, the policy itself (its adapters on).
+    `ref_is_other`: `ref` is another model than the policy's start (--ref_model); like a
+    teacher of its own, it routes for itself (router replay replays the policy's experts).
     OPSD: a sample with `teacher_prompt_ids` is scored by the teacher behind that prompt
     (micro-batches of their own, padded to a multiple of `pad_multiple`)."""
     if not need_old and ref is None and teacher is None:
@@ -407,7 +409,8 @@ def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
                 _per_token(policy_chunks, batches, part, "old_logps", temperature, vocab_size)
             if ref is not None:   # LoRA: `ref` is the policy; adapters off = the base model
                 with adapters_disabled(ref):
-                    _per_token(ref, batches, part, "ref_logps", temperature, vocab_size)
+                    _per_token(ref, _own_routing(batches) if ref_is_other else batches, part,
+                               "ref_logps", temperature, vocab_size)
             if teacher is None:
                 continue
             # LoRA with --teacher_model = --model: the base, as `ref` (not OPSD's dynamic one)
@@ -420,11 +423,16 @@ def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
                     pad, -(-longest // pad_multiple) * pad_multiple))
             own = teacher is not policy_chunks    # another model: it routes for itself (R3)
             with base:
-                _per_token(teacher, [{k: v for k, v in b.items() if k != "routed_experts"}
-                                     for b in batches] if own else batches,
-                           views, "teacher_logps", temperature, vocab_size)
+                _per_token(teacher, _own_routing(batches) if own else batches, views,
+                           "teacher_logps", temperature, vocab_size)
             for v, s in zip(views, part):
                 s.teacher_logps = v.teacher_logps
+
+
+def _own_routing(batches):
+    """Micro-batches for another model than the policy: its routers choose their experts
+    (the ones vLLM routed the policy's tokens to are the policy's)."""
+    return [{k: v for k, v in b.items() if k != "routed_experts"} for b in batches]
 
 
 @contextlib.contextmanager
@@ -544,6 +552,7 @@ def rollout_phase(run) -> RolloutBatch:
                need_old=run.need_old_logps, temperature=run.loss.temperature,
                vocab_size=run.policy.args.vocab_size, teacher=run.teacher,
                offload_teacher=run.teacher_offloaded, teacher_is_policy=run.teacher_is_policy,
+               ref_is_other=run.ref_is_other,
                pad_multiple=cfg.parallel.tensor_model_parallel_size
                if run.policy.config.sequence_parallel else 1)
     kl_values = reward_kl_values(mine, len(samples), per_step, run.dp, run.dp_rank, run.dp_group) \

@@ -35,7 +35,7 @@ from .engine import LossOptions
 from .evaluate import build_evaluator
 from .rollout_step import eval_teacher_kl
 from .logger import RunLogger
-from .setup import (Policy, build_parallel, build_policy, build_reference, build_sampler,
+from .setup import (Policy, build_parallel, build_policy, build_ref, build_sampler,
                     build_teacher,
                     loss_options, seed_everything, total_steps)
 
@@ -68,6 +68,7 @@ class Run:
     teacher: Optional[list] = None   # frozen teacher chunks (--teacher_model), else None
     served_teacher: Any = None       # rollout.teacher.ServedTeacher (--teacher_model_server)
     teacher_is_policy: bool = False  # OPSD without a teacher: `teacher` is the policy itself
+    ref_is_other: bool = False       # --ref_model: `ref` is another model (own routing, R3)
 
     @property
     def has_teacher(self) -> bool:
@@ -128,7 +129,7 @@ def build_run(cfg) -> Run:
     # LoRA: the reference is the policy with its adapters off (rollout_step.fill_logps), and
     # so is a teacher that is --model itself (ms-swift: no second model).
     lora = t.tuner_type in ("lora", "lora_llm")
-    ref = None if g.beta == 0.0 else policy.chunks if lora else build_reference(cfg)
+    ref, ref_is_other = build_ref(cfg, policy, lora)
     teacher = build_teacher(cfg, policy, lora)
     teacher_is_policy = teacher is None and served_teacher is None and opsd
     if teacher_is_policy:     # ms-swift's dynamic self-distillation: the current weights
@@ -180,7 +181,8 @@ def build_run(cfg) -> Run:
                reward_funcs, reward_names, logger, evaluator, steps, step,
                ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
                multi_turn=multi_turn, vision=vision, pending=pending, teacher=teacher,
-               served_teacher=served_teacher, teacher_is_policy=teacher_is_policy)
+               served_teacher=served_teacher, teacher_is_policy=teacher_is_policy,
+               ref_is_other=ref_is_other)
 
 
 def _teacher_prompts(dataset, val_dataset, vision) -> bool:

@@ -228,7 +228,7 @@ def vision_sync_include(cfg) -> Optional[Callable[[str], bool]]:
 
 def build_reference(cfg, model: Optional[str] = None) -> list:
     """Frozen reference chunks (beta > 0): the initial HF weights, eval mode, no grads; of
-    `model` instead for the teacher of on-policy distillation (--teacher_model)."""
+    `model` instead (--ref_model, the teacher of on-policy distillation: --teacher_model)."""
     _, _, chunks = build_chunks(cfg, model=model)
     for c in chunks:
         c.eval()
@@ -237,13 +237,26 @@ def build_reference(cfg, model: Optional[str] = None) -> list:
     return chunks
 
 
+def build_ref(cfg, policy: Policy, lora: bool) -> tuple[Optional[list], bool]:
+    """The KL term's reference (beta > 0; None without), and whether it is another model
+    than --model's start (--ref_model: it routes for itself under router replay). --model's
+    start under LoRA is the policy with its adapters off (rollout_step.fill_logps)."""
+    if cfg.grpo.beta == 0.0:
+        return None, False
+    path = cfg.model.ref_model
+    if path is None or os.path.realpath(path) == os.path.realpath(cfg.model.model):
+        return (policy.chunks if lora else build_reference(cfg)), False
+    ref = build_reference(cfg, path)
+    if dist.get_rank() == 0:
+        print(f"[megatron-grpo] reference: {path} (frozen, same layout)", flush=True)
+    return ref, True
+
+
 def build_teacher(cfg, policy: Policy, lora: bool) -> Optional[list]:
     """--teacher_model's frozen chunks, None without one. Under LoRA a teacher that is
     --model itself is the policy (its adapters off in rollout_step.fill_logps, as the
     reference); otherwise a model of its own in the run's layout, held off the device
     between rollouts with --offload_teacher_model."""
-    import torch.distributed as dist
-
     path = cfg.model.teacher_model
     if path is None:
         return None
