@@ -6,6 +6,7 @@ sink's files are read back with its own record format and compared with metrics.
 import glob
 import json
 import os
+import time
 
 import pytest
 
@@ -43,14 +44,30 @@ def test_tensorboard(tmp_path):
         assert got[step] == pytest.approx(values, rel=1e-6)
 
 
+def _settled(path, seconds=10.0):
+    """The bytes of `path` once its size has stopped changing (wandb's service process
+    writes the file; finish() has returned by then, but a loaded machine once showed a
+    file without its run record), waiting at most `seconds`."""
+    deadline, last = time.monotonic() + seconds, -1
+    while time.monotonic() < deadline:
+        size = os.path.getsize(path)
+        if size == last:
+            break
+        last = size
+        time.sleep(0.5)
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _wandb_history(path, record="history"):
     """History rows of an offline .wandb file (LevelDB log blocks of Record protos); with
-    record="run": the run records (project, display_name)."""
+    record="run": the run records (project, display_name); with record="types": the type
+    of every record (for a failure's message)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
 
-    raw, pos, block, chunk, rows = open(path, "rb").read(), 7, 32768, b"", []
+    raw, pos, block, chunk, rows = _settled(path), 7, 32768, b"", []
     while pos + 7 <= len(raw):
         left = block - pos % block
         if left < 7:                        # block trailer
@@ -66,7 +83,9 @@ def _wandb_history(path, record="history"):
             rec = pb.Record()
             rec.ParseFromString(chunk)
             chunk = b""
-            if record == "run" and rec.WhichOneof("record_type") == "run":
+            if record == "types":
+                rows.append(rec.WhichOneof("record_type"))
+            elif record == "run" and rec.WhichOneof("record_type") == "run":
                 rows.append(rec.run)
             elif record == "history" and rec.WhichOneof("record_type") == "history":
                 rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
@@ -95,7 +114,8 @@ def test_wandb_project_and_name(tmp_path, monkeypatch):
     _log(tmp_path, ["wandb"], wandb_project="grpo-port", wandb_exp_name="dense-colocate")
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
     runs = _wandb_history(path, record="run")
-    assert runs and runs[0].project == "grpo-port" and runs[0].display_name == "dense-colocate"
+    assert runs, (os.path.getsize(path), _wandb_history(path, record="types"))
+    assert runs[0].project == "grpo-port" and runs[0].display_name == "dense-colocate"
 
 
 def test_swanlab_offline(tmp_path, monkeypatch):
