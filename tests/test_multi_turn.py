@@ -178,6 +178,25 @@ def test_max_length_cuts_the_trajectory_and_max_turns_ends_it(tok):
     assert sum(ts[0].loss_mask) == len(ts[0].logprobs) == 3 * len(turn1)
 
 
+def test_total_scope_cuts_everything_after_the_prompt_at_max_completion_length(tok):
+    """--completion_length_limit_scope total: the model's turns and the tool's spans together
+    stop at max_completion_length tokens after the prompt (cut, truncated); per_round (the
+    default) lets each turn have them."""
+    turn1 = ids(tok, "<tool_call>2*3</tool_call>") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    budget = len(turn1) + 5                                # inside the tool's span
+    runs = {}
+    for scope, total in (("per_round", None), ("total", budget)):
+        [runs[scope]] = run_trajectories(
+            Scripted(tok, calculator_reply), tok,
+            build_scheduler("calculator", max_turns=4, tokenizer=tok),
+            [RolloutInferRequest([SYSTEM, USER])], max_total_completion=total)
+    cut, whole = runs["total"], runs["per_round"]
+    assert cut.truncated and len(cut.completion_ids) == budget and cut.num_turns == 1
+    assert cut.completion_ids == whole.completion_ids[:budget]
+    assert cut.loss_mask == [1] * len(turn1) + [0] * 5 and len(cut.logprobs) == len(turn1)
+    assert not whole.truncated and whole.num_turns == 2 and len(whole.completion_ids) > budget
+
+
 def test_a_short_trajectory_never_waits_for_a_long_one(tok):
     """Continuous batching across turns: with the scripted engine (one token per step), a
     trajectory with short turns runs all its turns while a long one is still in its first;
@@ -289,6 +308,16 @@ def test_options(tmp_path):
     assert "does not fit --vllm_max_model_len 256" in error_of(args(
         str(d), "--multi_turn_scheduler", "calculator", "--max_turns", "2", "--max_length", "250",
         "--max_completion_length", "16", "--vllm_max_model_len", "256"))
+    # --completion_length_limit_scope total reaches the rollout loop as its total budget
+    from megatron_grpo.train.run import build_multi_turn
+
+    for scope, total in (("per_round", None), ("total", 48)):
+        cfg = parse_rlhf_args(args(str(d), "--multi_turn_scheduler", "calculator", "--max_turns",
+                                   "3", "--max_completion_length", "48",
+                                   "--completion_length_limit_scope", scope))
+        assert build_multi_turn(cfg, None).max_total_completion == total
+    assert "--completion_length_limit_scope 'all' is not a valid choice" in error_of(
+        args(str(d), "--completion_length_limit_scope", "all"))
 
 
 def test_example_format_rewards_score_hand_built_trajectories():

@@ -515,6 +515,10 @@ class RolloutOptions(_Group):
         None, "Multi-turn rollouts: the scheduler that continues each trajectory after a model "
               "turn (built in: calculator, gym_scheduler; more with --external_plugins, "
               "multi_turns['name'] = cls as in ms-swift). None: one completion per sample.")
+    completion_length_limit_scope: Literal["per_round", "total"] = opt(
+        "per_round", "Multi-turn: --max_completion_length caps each model turn (per_round), or "
+                     "everything after the prompt, the scheduler's spans included (total: the "
+                     "trajectory is cut there and marked truncated; colocated and server mode).")
     max_turns: Optional[int] = opt(None, "Multi-turn: model turns per trajectory at most. "
                                          "max_completion_length caps each turn, max_length the "
                                          "whole trajectory.")

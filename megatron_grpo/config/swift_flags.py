@@ -207,7 +207,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         use_shared_expert_gate
     """,
     "multi-turn, issue 17": """
-        completion_length_limit_scope vllm_server_pass_dataset agent_template loss_scale
+        vllm_server_pass_dataset agent_template loss_scale
     """,
     "vision-language, issue 18": """
         vit_gradient_checkpointing vit_gradient_checkpointing_kwargs

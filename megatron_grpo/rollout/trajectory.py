@@ -29,10 +29,12 @@ share what each has ready before every step); in server mode each trajectory's t
 its own request and the server's engine batches them. The scheduler's hooks run in the
 loop's thread, one turn at a time.
 
-Lengths. `max_completion_length` caps each turn (ms-swift's per-round scope);
+Lengths. `max_completion_length` caps each turn (ms-swift's default scope, per_round);
 `max_length` caps the whole trajectory (prompt included): a trajectory that would pass
 it is cut there (the excess sampled tokens are dropped) and marked truncated, as is
-one whose last turn stopped at max_completion_length.
+one whose last turn stopped at max_completion_length. With
+`--completion_length_limit_scope total` everything after the prompt (the model's turns
+and the spans between them, as ms-swift counts it) is cut at max_completion_length too.
 """
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ class _State:
     infos: Dict[str, Any] = field(default_factory=dict)
     prompt_text: str = ""
     continues: bool = False     # the next turn continues the model's last message
+    limit: Optional[int] = None  # the trajectory's tokens at most (prompt included)
 
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
@@ -146,11 +149,13 @@ def _choice(c) -> ChatCompletionResponseChoice:
 def run_trajectories(engine, tokenizer, scheduler: RolloutScheduler,
                      requests: List[RolloutInferRequest], *, max_length: Optional[int] = None,
                      max_turns: Optional[int] = None,
-                     enable_thinking: Optional[bool] = None) -> List[Trajectory]:
+                     enable_thinking: Optional[bool] = None,
+                     max_total_completion: Optional[int] = None) -> List[Trajectory]:
     """Roll every request out to the end of its trajectory (module docstring); one
     trajectory per request, in order. `engine`: a rollout.engine.RolloutEngine (its
     generate_turns drives the turns). Collective over the engine's vLLM TP group when it
-    spans ranks (engine.tp_size > 1): its ranks call together, with or without requests."""
+    spans ranks (engine.tp_size > 1): its ranks call together, with or without requests.
+    `max_total_completion`: the tokens after the prompt at most (scope total)."""
     spans = TurnSpans(tokenizer, enable_thinking)
     call_hook(scheduler.on_trajectory_start(requests))
     states = []
@@ -159,11 +164,14 @@ def run_trajectories(engine, tokenizer, scheduler: RolloutScheduler,
         ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
         if max_length:
             ids = ids[-max_length:]                      # keep the question's end
-        states.append(_State(req, ids, prompt_text=prompt_text))
+        limits = [n for n in (max_length, max_total_completion and
+                              len(ids) + max_total_completion) if n]
+        states.append(_State(req, ids, prompt_text=prompt_text,
+                             limit=min(limits) if limits else None))
 
     def next_turn(i: int, c) -> Optional[List[int]]:
         s = states[i]
-        _advance(s, c, scheduler, spans, max_length, max_turns)
+        _advance(s, c, scheduler, spans, max_turns)
         return None if s.done else s.prompt_ids + s.ids
 
     engine.generate_turns([s.prompt_ids for s in states], next_turn)
@@ -175,7 +183,7 @@ def run_trajectories(engine, tokenizer, scheduler: RolloutScheduler,
 
 
 def _advance(s: _State, c, scheduler: RolloutScheduler, spans: TurnSpans,
-             max_length: Optional[int], max_turns: Optional[int]) -> None:
+             max_turns: Optional[int]) -> None:
     """One model turn of trajectory `s` (completion `c`): record it, then ask the scheduler."""
     s.turns += 1
     choice = _choice(c)
@@ -187,7 +195,7 @@ def _advance(s: _State, c, scheduler: RolloutScheduler, spans: TurnSpans,
     else:
         messages.append({"role": "assistant", "content": c.text})
     turn_end = len(messages)
-    if s.cut(max_length):
+    if s.cut(s.limit):
         return
     result = call_hook(scheduler.on_turn_end(s.request, choice, s.turns)) or {}
     s.infos.update(result.get("rollout_infos") or {})
@@ -230,7 +238,7 @@ def _advance(s: _State, c, scheduler: RolloutScheduler, spans: TurnSpans,
     else:
         added = []
     s.add(added, [0] * len(added), [])
-    s.cut(max_length)
+    s.cut(s.limit)
 
 
 class MultiTurnRollout:
@@ -239,8 +247,10 @@ class MultiTurnRollout:
 
     def __init__(self, tokenizer, *, multi_turn_scheduler: str, max_turns: Optional[int],
                  max_length: Optional[int], gym_env: Optional[str] = None,
-                 enable_thinking: Optional[bool] = None, args: Any = None) -> None:
+                 enable_thinking: Optional[bool] = None, args: Any = None,
+                 max_total_completion: Optional[int] = None) -> None:
         self.tokenizer, self.max_turns, self.max_length = tokenizer, max_turns, max_length
+        self.max_total_completion = max_total_completion
         self.enable_thinking = enable_thinking
         self.scheduler = build_scheduler(multi_turn_scheduler, max_turns=max_turns,
                                          tokenizer=tokenizer, gym_env=gym_env, args=args)
@@ -253,4 +263,5 @@ class MultiTurnRollout:
                     for row in rows for _ in range(num_generations)]
         return run_trajectories(engine, self.tokenizer, self.scheduler, requests,
                                 max_length=self.max_length, max_turns=self.max_turns,
-                                enable_thinking=self.enable_thinking)
+                                enable_thinking=self.enable_thinking,
+                                max_total_completion=self.max_total_completion)

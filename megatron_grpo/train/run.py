@@ -276,7 +276,9 @@ def build_multi_turn(cfg, tokenizer):
     return MultiTurnRollout(tokenizer, multi_turn_scheduler=r.multi_turn_scheduler,
                             max_turns=r.max_turns, max_length=cfg.data.max_length,
                             gym_env=r.gym_env, enable_thinking=cfg.data.enable_thinking,
-                            args=flat_args(cfg))
+                            args=flat_args(cfg),
+                            max_total_completion=cfg.grpo.max_completion_length
+                            if r.completion_length_limit_scope == "total" else None)
 
 
 def _drop_long_prompts(cfg, dataset, length):
