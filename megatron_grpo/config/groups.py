@@ -515,6 +515,9 @@ class RolloutOptions(_Group):
         None, "Multi-turn rollouts: the scheduler that continues each trajectory after a model "
               "turn (built in: calculator, gym_scheduler; more with --external_plugins, "
               "multi_turns['name'] = cls as in ms-swift). None: one completion per sample.")
+    vllm_server_pass_dataset: bool = opt(
+        False, "Accepted for ms-swift scripts; no effect here: the multi-turn scheduler runs in "
+               "the trainer (server mode too) and always sees each row's dataset columns.")
     completion_length_limit_scope: Literal["per_round", "total"] = opt(
         "per_round", "Multi-turn: --max_completion_length caps each model turn (per_round), or "
                      "everything after the prompt, the scheduler's spans included (total: the "

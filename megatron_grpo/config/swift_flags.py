@@ -207,7 +207,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         use_shared_expert_gate
     """,
     "multi-turn, issue 17": """
-        vllm_server_pass_dataset agent_template loss_scale
+        agent_template loss_scale
     """,
     "vision-language, issue 18": """
         vit_gradient_checkpointing vit_gradient_checkpointing_kwargs
@@ -373,6 +373,8 @@ ACCEPTED_WITHOUT_EFFECT: Dict[str, str] = {
     "dataloader_prefetch_factor": "no torch DataLoader: prompts are sampled by index",
     "load_safetensors": "true only: weights are always read from --model's safetensors",
     "save_safetensors": "true only: final_hf/ is always written as safetensors",
+    "vllm_server_pass_dataset": "the multi-turn scheduler runs in the trainer, server mode "
+                                "too, and always sees each row's dataset columns",
 }
 
 # Rejected flags that switch on what this project does not do: their `false` is what runs
