@@ -611,6 +611,10 @@ def test_ref_model_options(tmp_path):
         (["--ref_model", _model_folder(tmp_path, "other_vocab", vocab_size=151936)],
          "has vocab_size 151936, --model"),
         (["--ref_model", str(tmp_path / "nowhere")], "no config.json there"),
+        (["--ref_adapters", str(tmp_path)], "--ref_adapters " + repr(str(tmp_path))
+         + ": no adapter_config.json there"),
+        (["--ref_adapters", "a", "b"], "--ref_adapters a b: one adapter folder is allowed"),
+        (["--ref_adapters", "a", "--beta", "0"], "--ref_adapters 'a' with --beta 0"),
         (["--ref_model", _model_folder(tmp_path, "vl", model_type="qwen2_5_vl",
                                        vision_config={})],
          "a vision-language policy needs a reference of its own model type"),

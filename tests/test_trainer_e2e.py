@@ -354,6 +354,35 @@ def test_lora_teacher_is_the_base_with_the_adapters_off(tiny, tmp_path):
     assert rows[1]["teacher_kl"] > 1e-7, rows[1]
 
 
+def test_ref_adapters_make_the_reference_the_adapted_model(tiny, tmp_path):
+    """--ref_adapters (ms-swift's --adapters sft --ref_adapters sft): with the policy started
+    from the same PEFT adapter (LoRA), policy and reference agree, kl is 0 at step 1; with a
+    full-parameter policy from the base, the reference base + adapter differs, kl > 0 (an
+    adapter switched off, or not loaded, would give 0)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                           target_modules=["q_proj", "v_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    adapter = str(tmp_path / "sft_adapter")
+    peft_model.save_pretrained(adapter)
+    kl = {}
+    for case, extra in (("lora", dict(tuner_type="lora", adapters=adapter)), ("full", {})):
+        out = str(tmp_path / case)
+        r = _run(_argv(tiny, out, ref_adapters=adapter, beta=0.04, train_iters=1,
+                       **extra, **_varied_reward(tmp_path)))
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert f"reference: {tiny} + {adapter} (frozen, same layout)" in r.stdout, r.stdout
+        kl[case] = _metrics(out)[0]["kl"]
+    assert kl["lora"] == pytest.approx(0.0, abs=1e-9) and kl["full"] > 1e-4, kl
+
+
 def test_freeze_parameters_by_global_names_under_pp2(tiny, tmp_path):
     """--freeze_parameters embedding decoder.layers.1 with --trainable_parameters_regex for
     that layer's down projection, at PP=2 (layer 1 is the second stage's local layer 0):

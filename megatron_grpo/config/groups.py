@@ -331,6 +331,11 @@ class TrainingOptions(_Group):
         help="A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to "
              "start from; its r, alpha, target modules and rslora replace the lora_* options.",
         factory=list)
+    ref_adapters: List[str] = opt(
+        help="A PEFT LoRA adapter folder on the KL term's reference (--beta > 0): the reference "
+             "is --ref_model (or --model) with it, as ms-swift's --adapters sft --ref_adapters "
+             "sft starts from an SFT adapter and keeps it as the reference. Text models.",
+        factory=list)
     merge_lora: bool = opt(False, "tuner_type lora: final_hf/ holds the merged model "
                                   "(W + alpha/r B A) instead of the PEFT adapter.")
     dry_run: bool = opt(False, "Check everything that can be checked without starting a process "

@@ -191,7 +191,7 @@ LEGACY_FLAGS: Tuple[str, ...] = _names("""
 # Flags not supported yet, by the feature (an issue where one is filed) they belong to.
 UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
     "LoRA, issue 15": """
-        mcore_adapter mcore_ref_adapter ref_adapters target_regex lora_bias lora_dtype
+        mcore_adapter mcore_ref_adapter target_regex lora_bias lora_dtype
         tuner_backend use_swift_lora adapter_load ref_adapter_load
     """,
     "MoE, issue 16": """

@@ -229,14 +229,27 @@ def _check_scoring_model(cfg: "GRPOConfig", option: str, role: str, p: Problems)
 
 
 def _check_ref_model(cfg: "GRPOConfig", p: Problems) -> None:
-    """--ref_model: the KL term's reference, another model than --model's start."""
-    if cfg.model.ref_model is None:
-        return
-    if p.require(cfg.grpo.beta != 0,
-                 f"--ref_model {cfg.model.ref_model!r} with --beta 0: the reference is only "
-                 "the KL term's, which beta 0 turns off. Fix: a --beta above 0, or drop "
-                 "--ref_model"):
+    """--ref_model / --ref_adapters: the KL term's reference, another model than --model's
+    start, or one with a PEFT adapter."""
+    adapters = cfg.training.ref_adapters
+    for option, value in (("ref_model", cfg.model.ref_model),
+                          ("ref_adapters", " ".join(adapters) if adapters else None)):
+        if value is not None:
+            p.require(cfg.grpo.beta != 0,
+                      f"--{option} {value!r} with --beta 0: the reference is only the KL "
+                      f"term's, which beta 0 turns off. Fix: a --beta above 0, or drop --{option}")
+    if cfg.model.ref_model is not None and cfg.grpo.beta != 0:
         _check_scoring_model(cfg, "ref_model", "reference", p)
+    if not adapters:
+        return
+    p.require(len(adapters) == 1, f"--ref_adapters {' '.join(adapters)}: one adapter folder is "
+                                  "allowed (as ms-swift)")
+    p.require(os.path.isfile(os.path.join(adapters[0], "adapter_config.json")),
+              f"--ref_adapters {adapters[0]!r}: no adapter_config.json there; pass a PEFT LoRA "
+              "adapter folder (adapter_config.json + adapter_model.safetensors)")
+    hf = _hf_config(cfg.model.ref_model or cfg.model.model)
+    p.require(hf is None or "vision_config" not in hf,
+              f"--ref_adapters with a vision-language model: not supported yet. Fix: drop it")
 
 
 def _check_teacher_server(cfg: "GRPOConfig", p: Problems) -> None:

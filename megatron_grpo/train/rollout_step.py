@@ -408,7 +408,9 @@ def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
             if need_old:
                 _per_token(policy_chunks, batches, part, "old_logps", temperature, vocab_size)
             if ref is not None:   # LoRA: `ref` is the policy; adapters off = the base model
-                with adapters_disabled(ref):
+                # (a reference of its own keeps its adapters: --ref_adapters)
+                with adapters_disabled(ref) if ref is policy_chunks else \
+                        contextlib.nullcontext():
                     _per_token(ref, _own_routing(batches) if ref_is_other else batches, part,
                                "ref_logps", temperature, vocab_size)
             if teacher is None:

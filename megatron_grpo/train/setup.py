@@ -243,12 +243,24 @@ def build_ref(cfg, policy: Policy, lora: bool) -> tuple[Optional[list], bool]:
     start under LoRA is the policy with its adapters off (rollout_step.fill_logps)."""
     if cfg.grpo.beta == 0.0:
         return None, False
-    path = cfg.model.ref_model
-    if path is None or os.path.realpath(path) == os.path.realpath(cfg.model.model):
+    path, adapters = cfg.model.ref_model, cfg.training.ref_adapters
+    if not adapters and (path is None or
+                         os.path.realpath(path) == os.path.realpath(cfg.model.model)):
         return (policy.chunks if lora else build_reference(cfg)), False
-    ref = build_reference(cfg, path)
+    if adapters:       # --ref_adapters: LoRA on a model of its own, the adapter loaded
+        from megatron_grpo.model.lora_peft import load_peft_adapter, peft_settings
+
+        config, args, ref = build_chunks(cfg, model=path)
+        apply_lora(ref, config, args, peft_settings(adapters[0], seed=cfg.training.seed))
+        load_peft_adapter(ref, adapters[0])
+        for c in ref:
+            c.eval()
+            c.requires_grad_(False)
+    else:
+        ref = build_reference(cfg, path)
     if dist.get_rank() == 0:
-        print(f"[megatron-grpo] reference: {path} (frozen, same layout)", flush=True)
+        print(f"[megatron-grpo] reference: {path or cfg.model.model}"
+              f"{' + ' + adapters[0] if adapters else ''} (frozen, same layout)", flush=True)
     return ref, True
 
 
