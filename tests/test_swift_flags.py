@@ -137,6 +137,8 @@ def test_false_of_a_flag_for_what_runs_here_is_accepted(model_dir, tmp_path):
     cfg = parse_rlhf_args(args(model_dir, "--gradient_accumulation_fusion", "false",
                                "--apply-rope-fusion=false", "--manual_gc", "0",
                                "--check_model", "false",   # the Ascend lora script's
+                               # ms-swift's Megatron GRPO refuses their true itself
+                               "--async_generate", "false", "--sync_ref_model", "false",
                                "--config", str(path), "--lr", "2e-6"))
     assert cfg.training.lr == 2e-6
     message = error_of(args(model_dir, "--gradient_accumulation_fusion", "true",
