@@ -197,6 +197,34 @@ def test_total_scope_cuts_everything_after_the_prompt_at_max_completion_length(t
     assert not whole.truncated and whole.num_turns == 2 and len(whole.completion_ids) > budget
 
 
+def test_loss_scale_last_round_trains_the_last_model_message_only(tok):
+    """--loss_scale last_round (ms-swift's mask for text schedulers): the calculator's tool
+    call (message 1) leaves the loss, the answer (message 2) stays, with its log-probs; a
+    message the scheduler lets the model continue (react_calculator) is one round."""
+    runs = {}
+    for scale in ("default", "last_round"):
+        [runs[scale]] = run_trajectories(
+            Scripted(tok, calculator_reply), tok,
+            build_scheduler("calculator", max_turns=4, tokenizer=tok),
+            [RolloutInferRequest([SYSTEM, USER])], loss_scale=scale)
+    whole, last = runs["default"], runs["last_round"]
+    turn1 = ids(tok, "<tool_call>2*3</tool_call>") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    answer = ids(tok, "The answer is 6") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert whole.completion_ids == last.completion_ids and whole.num_turns == 2
+    assert last.loss_mask == [0] * (len(whole.loss_mask) - len(answer)) + [1] * len(answer)
+    assert whole.loss_mask[:len(turn1)] == [1] * len(turn1)
+    assert last.logprobs == whole.logprobs[len(turn1):] and len(last.logprobs) == len(answer)
+    from megatron_grpo.rewards.registry import load_plugins
+
+    load_plugins([PLUGIN])                                 # registers react_calculator
+    act = "Action: calculator\nAction Input: 2*3"
+    continued = [run_trajectories(
+        Scripted(tok, lambda p: "The answer is 6" if "Observation" in p else act, stop="string"),
+        tok, build_scheduler("react_calculator", max_turns=3, tokenizer=tok),
+        [RolloutInferRequest([USER])], loss_scale=scale)[0] for scale in ("default", "last_round")]
+    assert continued[0].loss_mask == continued[1].loss_mask and continued[1].num_turns == 2
+
+
 def test_a_short_trajectory_never_waits_for_a_long_one(tok):
     """Continuous batching across turns: with the scripted engine (one token per step), a
     trajectory with short turns runs all its turns while a long one is still in its first;
@@ -314,8 +342,12 @@ def test_options(tmp_path):
     for scope, total in (("per_round", None), ("total", 48)):
         cfg = parse_rlhf_args(args(str(d), "--multi_turn_scheduler", "calculator", "--max_turns",
                                    "3", "--max_completion_length", "48",
-                                   "--completion_length_limit_scope", scope))
-        assert build_multi_turn(cfg, None).max_total_completion == total
+                                   "--completion_length_limit_scope", scope,
+                                   "--loss_scale", "last_round"))
+        built = build_multi_turn(cfg, None)
+        assert (built.max_total_completion, built.loss_scale) == (total, "last_round")
+    assert "--loss_scale 'all' is an ms-swift value not supported yet" in error_of(
+        args(str(d), "--loss_scale", "all"))
     assert "--completion_length_limit_scope 'all' is not a valid choice" in error_of(
         args(str(d), "--completion_length_limit_scope", "all"))
 

@@ -12,7 +12,8 @@ shifted by one token, or tool tokens counted, would move them by ~1. The [cp2_pa
 run is also the suite's `--padding_free true` end-to-end run (it was
 tests/test_train_packing.py's own CLI run before): every forward (old, reference,
 training) runs packed in 2*cp chunks, every logged metric is finite, and the KL is 0 at
-step 1 (policy == reference) and not after. Both runs have a teacher (--teacher_model: a
+step 1 (policy == reference) and not after. The [tp2_last_round] run trains the last model message of each trajectory
+only (--loss_scale last_round). Both runs have a teacher (--teacher_model: a
 frozen copy of the start): teacher_kl is 0 on the first generation's two steps and not on
 the second's, and the evaluation logs eval/teacher_kl.
 
@@ -34,9 +35,9 @@ from tests.test_trainer_e2e import (ROOT, METRIC_KEYS, _argv, _metrics, _run,  #
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("parallel", [dict(tensor_model_parallel_size=2),
+@pytest.mark.parametrize("parallel", [dict(tensor_model_parallel_size=2, loss_scale="last_round"),
                                       dict(context_parallel_size=2, padding_free="true")],
-                         ids=["tp2", "cp2_packed"])
+                         ids=["tp2_last_round", "cp2_packed"])
 def test_gym_multi_turn(tiny, tmp_path, parallel):  # noqa: F811
     data = tmp_path / "guess.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"game {i}"}],

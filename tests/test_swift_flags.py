@@ -34,7 +34,7 @@ def test_tables_name_only_ms_swift_flags_and_no_implemented_one():
 
 @pytest.mark.parametrize("flag, feature", [
     ("moe_enable_deepep", "MoE, issue 16"), ("lora_bias", "LoRA, issue 15"),
-    ("loss_scale", "multi-turn, issue 17"), ("vit_lr", "vision-language, issue 18"),
+    ("agent_template", "multi-turn, issue 17"), ("vit_lr", "vision-language, issue 18"),
     ("packing", "packing samples into fixed-length bins across the dataset (--padding_free "
                 "true packs each micro-batch)"), ("fp8_format", "fp8/fp4 training"),
     ("metric_for_best_model", "best-checkpoint selection and validation perplexity "

@@ -520,6 +520,12 @@ class RolloutOptions(_Group):
         None, "Multi-turn rollouts: the scheduler that continues each trajectory after a model "
               "turn (built in: calculator, gym_scheduler; more with --external_plugins, "
               "multi_turns['name'] = cls as in ms-swift). None: one completion per sample.")
+    loss_scale: Literal["default", "last_round"] = opt(
+        "default", "Multi-turn: which model tokens train. default: all of them (the trajectory "
+                   "is token-exact, as ms-swift's with a scheduler that returns "
+                   "response_token_ids, whose mask ms-swift keeps whatever --loss_scale says); "
+                   "last_round: those of the last model message only (ms-swift's mask for "
+                   "schedulers that return text).")
     vllm_server_pass_dataset: bool = opt(
         False, "Accepted for ms-swift scripts; no effect here: the multi-turn scheduler runs in "
                "the trainer (server mode too) and always sees each row's dataset columns.")

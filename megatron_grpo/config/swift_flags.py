@@ -207,7 +207,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         use_shared_expert_gate
     """,
     "multi-turn, issue 17": """
-        agent_template loss_scale
+        agent_template
     """,
     "vision-language, issue 18": """
         vit_gradient_checkpointing vit_gradient_checkpointing_kwargs
@@ -392,6 +392,8 @@ UNSUPPORTED_VALUES: Dict[Tuple[str, str], str] = {
     ("rlhf_type", "kto"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("rlhf_type", "rm"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
     ("rlhf_type", "gkd"): "other RLHF types (dpo, kto, rm, gkd); only grpo is implemented",
+    ("loss_scale", "all"): "loss scales other than masks of the model's messages",
+    ("loss_scale", "ignore_empty_think"): "loss scales other than masks of the model's messages",
     ("moe_token_dispatcher_type", "flex"): "MoE: the flex dispatcher (DeepEP / HybridEP), GPU",
     ("moe_token_dispatcher_type", "allgather"):
         "MoE: Megatron's allgather dispatcher refuses variable sequence lengths",

@@ -35,6 +35,12 @@ it is cut there (the excess sampled tokens are dropped) and marked truncated, as
 one whose last turn stopped at max_completion_length. With
 `--completion_length_limit_scope total` everything after the prompt (the model's turns
 and the spans between them, as ms-swift counts it) is cut at max_completion_length too.
+
+Loss mask. Every model token trains (`--loss_scale default`): the trajectory is
+token-exact, as ms-swift's is when a scheduler returns response_token_ids (whose mask it
+keeps, whatever --loss_scale says). `--loss_scale last_round`, ms-swift's mask for
+schedulers that return text, keeps only the last model message's tokens (a message the
+scheduler let the model continue counts as one).
 """
 from __future__ import annotations
 
@@ -85,6 +91,8 @@ class _State:
     prompt_text: str = ""
     continues: bool = False     # the next turn continues the model's last message
     limit: Optional[int] = None  # the trajectory's tokens at most (prompt included)
+    rounds: List[int] = field(default_factory=list)   # per ids: its model message's number
+    round: int = 0              # the model message being written (1, 2, ...)
 
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
@@ -93,6 +101,16 @@ class _State:
         self.ids += [int(t) for t in ids]
         self.mask += [int(m) for m in mask]
         self.logps += [float(x) for x in logps]
+        self.rounds += [self.round] * len(ids)
+
+    def last_round_only(self) -> None:
+        """ms-swift's --loss_scale last_round: of the model's tokens, only those of its last
+        message stay in the loss (their log-probs with them)."""
+        last = max((r for r, m in zip(self.rounds, self.mask) if m), default=None)
+        kept = [bool(m) and r == last for r, m in zip(self.rounds, self.mask)]
+        self.logps = [x for x, k in zip(self.logps, (k for k, m in zip(kept, self.mask) if m))
+                      if k]
+        self.mask = [int(k) for k in kept]
 
     def cut(self, max_length: Optional[int]) -> bool:
         """Cut the trajectory to max_length tokens; True when it was longer."""
@@ -101,7 +119,7 @@ class _State:
         # At least the first model token: a prompt that fills max_length alone (it was
         # cut to max_length) still gets a trajectory to train on.
         keep = max(1, max_length - len(self.prompt_ids))
-        self.ids, self.mask = self.ids[:keep], self.mask[:keep]
+        self.ids, self.mask, self.rounds = self.ids[:keep], self.mask[:keep], self.rounds[:keep]
         self.logps = self.logps[:sum(self.mask)]
         self.truncated = self.done = True
         return True
@@ -150,12 +168,14 @@ def run_trajectories(engine, tokenizer, scheduler: RolloutScheduler,
                      requests: List[RolloutInferRequest], *, max_length: Optional[int] = None,
                      max_turns: Optional[int] = None,
                      enable_thinking: Optional[bool] = None,
-                     max_total_completion: Optional[int] = None) -> List[Trajectory]:
+                     max_total_completion: Optional[int] = None,
+                     loss_scale: str = "default") -> List[Trajectory]:
     """Roll every request out to the end of its trajectory (module docstring); one
     trajectory per request, in order. `engine`: a rollout.engine.RolloutEngine (its
     generate_turns drives the turns). Collective over the engine's vLLM TP group when it
     spans ranks (engine.tp_size > 1): its ranks call together, with or without requests.
-    `max_total_completion`: the tokens after the prompt at most (scope total)."""
+    `max_total_completion`: the tokens after the prompt at most (scope total). `loss_scale`:
+    default (every model token trains) or last_round (those of the last model message)."""
     spans = TurnSpans(tokenizer, enable_thinking)
     call_hook(scheduler.on_trajectory_start(requests))
     states = []
@@ -178,6 +198,9 @@ def run_trajectories(engine, tokenizer, scheduler: RolloutScheduler,
     close = getattr(scheduler, "close", None)
     if callable(close):
         close()
+    if loss_scale == "last_round":
+        for s in states:
+            s.last_round_only()
     return [Trajectory(s.prompt_ids, s.ids, s.mask, s.logps, s.truncated, s.request.messages,
                        s.turns, {**s.infos, "num_turns": s.turns}, s.prompt_text) for s in states]
 
@@ -188,6 +211,8 @@ def _advance(s: _State, c, scheduler: RolloutScheduler, spans: TurnSpans,
     s.turns += 1
     choice = _choice(c)
     start = len(s.ids)
+    if not s.continues:      # a new model message (a continued one is the same round)
+        s.round += 1
     s.add(c.token_ids, [1] * len(c.token_ids), c.logprobs)
     messages = s.request.messages
     if s.continues:          # the scheduler left the model's message open: continue it
@@ -221,7 +246,8 @@ def _advance(s: _State, c, scheduler: RolloutScheduler, spans: TurnSpans,
             raise ValueError(f"{type(scheduler).__name__}.step: {sum(mask)} tokens of mask 1 but "
                              f"{len(logps)} rollout log-probs; return rollout_logprobs, one per "
                              "token of response_loss_mask 1")
-        del s.ids[start:], s.mask[start:], s.logps[len(s.logps) - len(c.logprobs):]
+        del s.ids[start:], s.mask[start:], s.rounds[start:]
+        del s.logps[len(s.logps) - len(c.logprobs):]
         s.add(ids, mask, logps)
         last = ids[-1] if ids else None
     messages = s.request.messages
@@ -248,9 +274,10 @@ class MultiTurnRollout:
     def __init__(self, tokenizer, *, multi_turn_scheduler: str, max_turns: Optional[int],
                  max_length: Optional[int], gym_env: Optional[str] = None,
                  enable_thinking: Optional[bool] = None, args: Any = None,
-                 max_total_completion: Optional[int] = None) -> None:
+                 max_total_completion: Optional[int] = None,
+                 loss_scale: str = "default") -> None:
         self.tokenizer, self.max_turns, self.max_length = tokenizer, max_turns, max_length
-        self.max_total_completion = max_total_completion
+        self.max_total_completion, self.loss_scale = max_total_completion, loss_scale
         self.enable_thinking = enable_thinking
         self.scheduler = build_scheduler(multi_turn_scheduler, max_turns=max_turns,
                                          tokenizer=tokenizer, gym_env=gym_env, args=args)
@@ -264,4 +291,5 @@ class MultiTurnRollout:
         return run_trajectories(engine, self.tokenizer, self.scheduler, requests,
                                 max_length=self.max_length, max_turns=self.max_turns,
                                 enable_thinking=self.enable_thinking,
-                                max_total_completion=self.max_total_completion)
+                                max_total_completion=self.max_total_completion,
+                                loss_scale=self.loss_scale)

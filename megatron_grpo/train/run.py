@@ -278,7 +278,8 @@ def build_multi_turn(cfg, tokenizer):
                             gym_env=r.gym_env, enable_thinking=cfg.data.enable_thinking,
                             args=flat_args(cfg),
                             max_total_completion=cfg.grpo.max_completion_length
-                            if r.completion_length_limit_scope == "total" else None)
+                            if r.completion_length_limit_scope == "total" else None,
+                            loss_scale=r.loss_scale)
 
 
 def _drop_long_prompts(cfg, dataset, length):
