@@ -309,10 +309,11 @@ def _any_rank(flag: bool) -> bool:
 
 def _layers_partly_frozen(chunks) -> bool:
     """Whether a parameter trains in some decoder layers (or experts) and is frozen in
-    others, on any rank (--freeze_parameters decoder.layers.3, say). Megatron stacks a parameter's layers
-    into one sharded tensor, so the optimizer state of the training layers alone is not a
-    whole tensor, which a fully reshardable save refuses: such a run saves its optimizer
-    state as each rank's buffers (dp_reshardable: a resume keeps the TP/PP layout)."""
+    others, on any rank (--freeze_parameters decoder.layers.3, say). Megatron stacks a
+    parameter's layers into one sharded tensor, so the optimizer state of the training
+    layers alone is not a whole tensor, which a fully reshardable save refuses: such a run
+    saves its optimizer state as each rank's buffers (dp_reshardable: a resume keeps the
+    TP/PP layout)."""
     trains: dict = {}
     for chunk in chunks:
         for name, param in unwrap(chunk).named_parameters():

@@ -64,7 +64,8 @@ def finalize(cfg: "GRPOConfig", problems: Optional[Problems] = None) -> None:
     """Resolve dependent defaults in place and check the options. Every problem goes into
     `problems`; without it they are raised together as one ConfigError."""
     p = Problems() if problems is None else problems
-    for check in (_check_model, _check_teacher, _check_ref_model, _check_model_options, _check_moe, _check_data,
+    for check in (_check_model, _check_teacher, _check_ref_model, _check_model_options,
+                  _check_moe, _check_data,
                   _check_training, _check_parallel, _check_batches, _check_loss, _check_rewards,
                   _check_multi_turn, _check_rollout, _check_logging, _check_eval):
         with p.section():
