@@ -63,10 +63,10 @@ def _rlhf(argv: list[str]) -> int:
             from .config.validate import route_rows, teacher_servers
 
             with problems.section():      # every prompt has its teacher
+                servers = teacher_servers(cfg.model.teacher_model_server)
                 for d in (dataset, val_dataset):
                     if d is not None:
-                        route_rows(teacher_servers(cfg.model.teacher_model_server), d,
-                                   cfg.model.teacher_tag_key)
+                        route_rows(servers, d, cfg.model.teacher_tag_key)
     if cfg.training.dry_run and not problems:
         return _dry_run(cfg, spec, dataset, val_dataset, problems)
     problems.raise_if_any()

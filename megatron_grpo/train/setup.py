@@ -50,6 +50,12 @@ class Policy:
     # vision-language model's frozen vision weights never change: left out.
     sync_include: Any = None
 
+    @property
+    def pad_multiple(self) -> int:
+        """What a micro-batch's length is a multiple of: the TP size under sequence
+        parallelism (the sequence is split over the TP ranks), else 1."""
+        return self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+
 
 def loss_options(cfg) -> LossOptions:
     """The loss options of the run: every `LossOptions` / `LossTypeParams` field from the
