@@ -68,9 +68,13 @@ META_FILE = "checkpoint.json"
 HF_CONFIG_DIR = "hf_config"   # config.json and tokenizer files beside the weights
 LATEST_FILE = "latest"
 # How DistributedOptimizer lays out its state on disk (Megatron's names).
-# fully_reshardable: gathered to canonical per-parameter tensors, loads under any
-# TP/PP/DP (slower save); dp_reshardable: each rank's flat buffers, fast, DP-only.
-OPTIM_SHARDING_TYPES = ("fully_reshardable", "dp_reshardable")
+# dp_reshardable (the default, as Megatron-LM's and ms-swift's): each rank writes its own
+# flat buffers, nothing is gathered; a resume keeps TP/PP/EP (DP may change).
+# fully_reshardable (--dist_ckpt_optim_fully_reshardable): the whole state all-gathered
+# onto every rank (or DP rank 0 only: --distrib_optim_fully_reshardable_mem_efficient) and
+# written as canonical per-parameter tensors, loadable under any TP/PP/DP; the gather
+# costs 12 bytes a parameter on those ranks during the save (6 GB each for a 0.5B model).
+OPTIM_SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -365,7 +369,7 @@ def _sharded_state_dict(chunks, optimizer, scheduler, is_loading: bool,
 def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, scheduler=None,
                     extra_state: Optional[dict] = None, *,
                     save_total_limit: Optional[int] = None,
-                    optim_sharding_type: str = "fully_reshardable",
+                    optim_sharding_type: str = "dp_reshardable", mem_efficient: bool = False,
                     hf_config_dir: Optional[str] = None, save_optim: bool = True,
                     save_rng: bool = True) -> str:
     """Write output_dir/checkpoint-{step} atomically on every rank; returns its path.
@@ -414,7 +418,9 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
             _layers_partly_frozen(chunks):
         optim_sharding_type = "dp_reshardable"
     sd = _sharded_state_dict(chunks, optimizer if optim_status == "saved" else None,
-                             scheduler, False, optim_sharding_type)
+                             scheduler, False, optim_sharding_type,
+                             {"distrib_optim_fully_reshardable_mem_efficient": True}
+                             if mem_efficient else None)
     in_process_save_results()          # a synchronous save: no Manager process to start
     dist_checkpointing.save(sd, os.path.join(tmp, "dist"))
     _write_rank_state(tmp, rank, {"rng": collect_rng_state() if save_rng else None,
@@ -471,6 +477,22 @@ def _prune(output_dir: str, limit: int, keep: str) -> None:
 
 
 # ---------------------------------------------------------------- load
+def _check_dp_reshardable(saved: dict, path: str) -> None:
+    """A distributed optimizer's flat buffers (dp_reshardable) load under the saving
+    TP / PP / VPP / EP / expert-TP sizes only; ValueError naming the ways out."""
+    saved = {"ep": 1, "etp": saved.get("tp"), **saved}
+    now = _layout()
+    moved = [f"{k} {saved.get(k)} -> {now[k]}" for k in ("tp", "pp", "vpp", "ep", "etp")
+             if saved.get(k) != now[k]]
+    if moved:
+        raise ValueError(
+            f"{path}: its optimizer state was saved as each rank's flat buffers "
+            f"(dp_reshardable), which load under the saving layout only, and this run changes "
+            f"{', '.join(moved)}. Fix: resume with the saving sizes (DP may change), or load "
+            "the weights only (--resume PATH --finetune true), or save with "
+            "--dist_ckpt_optim_fully_reshardable true to move a run between layouts")
+
+
 def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
                     load_rng: bool = True, finetune: bool = False) -> Optional[dict]:
     """Restore what save_checkpoint wrote into this rank's objects; returns extra_state.
@@ -516,6 +538,9 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
                          "(--resume PATH --finetune true)")
     if scheduler is not None and not contents["scheduler"]:
         raise ValueError(f"{path} holds no LR scheduler state; pass scheduler=None")
+    if optimizer is not None and meta["optim_sharding_type"] == "dp_reshardable" and \
+            is_distributed_optimizer(optimizer):
+        _check_dp_reshardable(meta["layout"], path)
     from megatron.core import dist_checkpointing
 
     dist_dir = os.path.join(path, "dist")

@@ -210,14 +210,27 @@ def _tp1_reference(hf):
     return reference
 
 
-def _train_save_continue(rank, world, hf, out, dist_opt=True):
+def _train_save_continue(rank, world, hf, out, dist_opt=True, sharding="fully_reshardable",
+                         steps=(3, 4)):
     from megatron_grpo.checkpoint import save_checkpoint
 
     chunks, config, args, opt, sched = _trainer(world, 2, hf, dist_opt)
     for step in (1, 2):
         _train_step(chunks, config, args, opt, sched, step)
-    save_checkpoint(out, 2, chunks, opt, sched, extra_state={"step": 2})
-    return [_train_step(chunks, config, args, opt, sched, step)[0] for step in (3, 4)]
+    save_checkpoint(out, 2, chunks, opt, sched, extra_state={"step": 2},
+                    optim_sharding_type=sharding)
+    return [_train_step(chunks, config, args, opt, sched, step)[0] for step in steps]
+
+
+def _resume_tp1_refused(rank, world, hf, out):
+    from megatron_grpo.checkpoint import resume
+
+    chunks, config, args, opt, sched = _trainer(world, 1, hf, True)
+    try:
+        resume(out, chunks, opt, sched)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _resume_tp1(rank, world, hf, out, dist_opt=True):
@@ -238,6 +251,18 @@ def test_training_checkpoint_tp2_resumes_at_tp1(hf_model, tmp_path):
     torch.testing.assert_close(resumed[0], continued[0], atol=1e-5, rtol=1e-5)
     meta = json.loads((tmp_path / "run" / "checkpoint-2" / "checkpoint.json").read_text())
     assert meta["layout"]["tp"] == 2 and meta["contents"]["optimizer"] == "saved"
+
+
+def test_flat_optimizer_checkpoint_refuses_another_tp_naming_the_fix(hf_model, tmp_path):
+    """The default save (dp_reshardable: each rank's flat buffers, nothing gathered) loads
+    under the saving TP/PP only; another TP is refused before any tensor is read."""
+    out = str(tmp_path / "run")
+    run_distributed(_train_save_continue, 2, args=(str(hf_model), out, True, "dp_reshardable", ()),
+                    timeout=400)
+    errors = run_distributed(_resume_tp1_refused, 2, args=(str(hf_model), out), timeout=400)
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert "tp 2 -> 1" in errors[0] and "--dist_ckpt_optim_fully_reshardable true" in errors[0]
+    assert "--finetune true" in errors[0]
 
 
 # ---------------------------------------------------------------- legacy layout

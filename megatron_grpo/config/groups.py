@@ -342,8 +342,13 @@ class TrainingOptions(_Group):
                                "(options, the model's config.json against the parallel sizes, the "
                                "dataset, batch sizes, the world size from NPROC_PER_NODE x NNODES), "
                                "print the plan (parallel sizes, vLLM engines, prompts and "
-                               "completions per rollout and per step) and exit (this project's "
-                               "option).")
+                               "completions per rollout and per step, the memory plan) and exit "
+                               "(this project's option).")
+    check_memory: bool = opt(True, "Refuse to start when the memory plan (printed at the start; "
+                                   "every line with --dry_run true) exceeds what this machine has "
+                                   "available (MemAvailable, a cgroup limit), naming the options "
+                                   "that would make it fit. false: start anyway (this project's "
+                                   "option).")
 
 
 @dataclass
@@ -611,6 +616,16 @@ class LoggingOptions(_Group):
     no_save_rng: bool = opt(False, "Checkpoints hold no RNG states. A --resume from one goes on with "
                                    "the generators as they are (other dropout masks and sampling "
                                    "seeds than an uninterrupted run), with a warning.")
+    dist_ckpt_optim_fully_reshardable: bool = opt(
+        False, "The distributed optimizer's checkpoint state in canonical per-parameter tensors, "
+               "loadable under another TP/PP/EP layout. Its save all-gathers the whole optimizer "
+               "state (12 bytes a parameter) onto every rank first. false (ms-swift's and "
+               "Megatron-LM's default): each rank writes its own flat piece, nothing gathered; "
+               "a resume then keeps TP/PP/EP (DP may change).")
+    distrib_optim_fully_reshardable_mem_efficient: bool = opt(
+        False, "With --dist_ckpt_optim_fully_reshardable true: gather the optimizer state onto "
+               "data-parallel rank 0 only (over gloo), not onto every rank: 12 bytes a "
+               "parameter more on one rank of each DP group instead of all of them.")
     finetune: bool = opt(False, "With --resume PATH (a checkpoint-N folder): load its weights only "
                                 "and start a new run from them at step 0 (new optimizer state, LR "
                                 "schedule, RNG and data order), as ms-swift's --finetune true with "

@@ -242,8 +242,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
     "Ray": "use_ray ray_exp_name device_groups skip_megatron_init",
     "checkpoint options": """
         no_load_optim no_load_rng async_save use_persistent_ckpt_worker
-        dist_ckpt_save_pre_mcore_014 dist_ckpt_optim_fully_reshardable
-        distrib_optim_fully_reshardable_mem_efficient save_strategy create_checkpoint_symlink
+        dist_ckpt_save_pre_mcore_014 save_strategy create_checkpoint_symlink
         add_version load_args save_missing_weights max_shard_size ckpt_format
         ckpt_assume_constant_structure ckpt_fully_parallel_load save_retain_interval
     """,
