@@ -148,6 +148,47 @@ def _patch_megatron() -> None:
 
     compat.set_default_causal_mask(causal_mask)
     compat.wrap_uneven_first_dim_collectives(_gather_uneven, _reduce_scatter_uneven)
+    compat.set_buffer_collectives(_buffer_reduce_scatter, _buffer_all_gather)
+
+
+def _shard_of(output: torch.Tensor, input_: torch.Tensor, group) -> bool:
+    """Whether `output` is this rank's equal share of `input_`, in place (how Megatron's
+    buffers call their collectives: the shard is a view of the bucket)."""
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    n = output.numel()
+    return (output.is_contiguous() and input_.is_contiguous() and input_.numel() == n * world
+            and output.dtype == input_.dtype
+            and output.data_ptr() == input_.data_ptr() + rank * n * input_.element_size())
+
+
+def _buffer_reduce_scatter(original, output, input_, op=torch.distributed.ReduceOp.SUM,
+                           group=None, async_op=False):
+    """The gradient buckets' reduce-scatter, in place. gloo's reduce_scatter_tensor holds
+    1.5x its input in temporaries (a 0.5B model's fp32 gradient buffer: 3 GB more on each
+    rank for the length of the call) and takes 8x the time of an in-place all-reduce of the
+    same buffer (measured on 2 ranks: 5.9 s against 0.7 s for 1 GiB). The all-reduce leaves
+    every rank the sum of the whole bucket, this rank's share included, bit for bit what
+    the reduce-scatter gives (the same sums); the rest of the bucket, which Megatron no
+    longer reads after the reduction, holds sums instead of this rank's own gradients."""
+    if async_op or not _shard_of(output, input_, group):
+        return original(output, input_, op=op, group=group, async_op=async_op)
+    torch.distributed.all_reduce(input_, op=op, group=group)
+    return None
+
+
+def _buffer_all_gather(original, output, input_, group=None, async_op=False):
+    """The parameter buckets' all-gather, in place: each rank broadcasts its share into
+    the others' buffers. gloo's all_gather_into_tensor holds a temporary the size of its
+    output (a 0.5B model's bf16 parameters: 1 GB more on each rank)."""
+    if async_op or not _shard_of(input_, output, group):
+        return original(output, input_, group=group, async_op=async_op)
+    world = torch.distributed.get_world_size(group)
+    n = input_.numel()
+    flat = output.view(-1)
+    for r in range(world):
+        src = torch.distributed.get_global_rank(group, r) if group is not None else r
+        torch.distributed.broadcast(flat[r * n:(r + 1) * n], src=src, group=group)
+    return None
 
 
 def _gather_uneven(original, input_, group, output_split_sizes=None, use_global_buffer=False):

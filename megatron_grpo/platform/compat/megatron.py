@@ -62,6 +62,9 @@ PRIVATE_NAMES = (
     # expert_parallel_buffers, grad_data; chained_optimizers, optimizer, is_stub_optimizer)
     "megatron.core.distributed:DistributedDataParallel",
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer",
+    # platform/cpu.py: the buckets' collectives (module globals)
+    "megatron.core.distributed.param_and_grad_buffer:dist_reduce_scatter_func",
+    "megatron.core.distributed.param_and_grad_buffer:dist_all_gather_func",
     "megatron.core.optimizer.optimizer:ChainedOptimizer",
     # model/kv_replication.py (instance attributes: float16_groups, fp32_from_float16_groups,
     # fp32_from_fp32_groups; model_float16_groups, model_fp32_groups, shard_fp32_groups,
@@ -218,6 +221,25 @@ def set_default_causal_mask(fn: Callable[[int], object]) -> None:
     from megatron.core.transformer import utils as tutils
 
     _rebind(tutils, "get_default_causal_mask", fn)
+
+
+def set_buffer_collectives(reduce_scatter: Callable, all_gather: Callable) -> None:
+    """Replace the collectives Megatron's gradient / parameter buffers call per bucket
+    (`param_and_grad_buffer.dist_reduce_scatter_func(out, in, op=, group=, async_op=)`
+    and `dist_all_gather_func(out, in, group=, async_op=)`, module globals chosen at
+    import). `reduce_scatter(original, ...)` and `all_gather(original, ...)` receive the
+    original first."""
+    check_version()
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    for name, fn in (("dist_reduce_scatter_func", reduce_scatter),
+                     ("dist_all_gather_func", all_gather)):
+        original = getattr(pgb, name)
+        if getattr(original, "_mg_wrapped", False):
+            continue
+        wrapper = functools.partial(fn, original)
+        wrapper._mg_wrapped = True
+        setattr(pgb, name, wrapper)
 
 
 def rope_cp_slicing() -> Callable:
