@@ -49,7 +49,8 @@ def train(cfg, close_engine: bool = True):
             # step over this batch.
             if n == len(schedule) - 1 or run.step >= run.total_steps:
                 t0 = time.perf_counter()
-                run.sync()
+                with run.memory.phase("sync"):
+                    run.sync()
                 metrics["timing/sync"] = time.perf_counter() - t0
             if run.evaluator:    # held-out prompts, every eval_steps steps and after the last
                 fresh = "timing/sync" in metrics        # vLLM holds this step's weights

@@ -90,7 +90,10 @@ class RunLogger:
             short = {k: row.get(k) for k in ("reward", "loss", "kl", "grad_norm",
                                              "completions/mean_length") if row.get(k) is not None}
             self.bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in short.items()})
-            self.bar.write(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in short.items()))
+            line = ", ".join(f"{k}={v:.4g}" for k, v in short.items())
+            if row.get("memory/peak") is not None:   # the step's largest phase, any rank
+                line += f", memory/peak={row['memory/peak']:.2f} GiB"
+            self.bar.write(f"step {step}: " + line)
 
     def completions(self, step: int, prompts, texts, rewards, reward_names, extra=None,
                     file=None) -> None:

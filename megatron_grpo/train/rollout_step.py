@@ -534,6 +534,32 @@ def rollout_phase(run) -> RolloutBatch:
     with kl_in_reward the KL is part of the reward). `run`: a train.run.Run."""
     cfg, g = run.cfg, run.cfg.grpo
     prompts = g.generation_batch_size // g.num_generations
+    with run.memory.phase("generate"):
+        gen = _generate(run, cfg, g, prompts)
+    samples, per_step = gen.samples, run.per_step
+    steps = [samples[k * per_step:(k + 1) * per_step] for k in range(g.steps_per_generation)]
+    mine = dp_shard(samples, per_step, run.dp, run.dp_rank, run.dp_group)
+    pad = padded_length(samples, run.policy.pad_multiple)
+    t0 = time.perf_counter()
+    with run.memory.phase("logprobs"):
+        fill_logps(run.policy.chunks, run.ref, mine, cfg.training.micro_batch_size, pad,
+                   need_old=run.need_old_logps, temperature=run.loss.temperature,
+                   vocab_size=run.policy.args.vocab_size, teacher=run.teacher,
+                   offload_teacher=run.teacher_offloaded, teacher_is_policy=run.teacher_is_policy,
+                   ref_is_other=run.ref_is_other, pad_multiple=run.policy.pad_multiple)
+    kl_values = reward_kl_values(mine, len(samples), per_step, run.dp, run.dp_rank, run.dp_group) \
+        if run.kl_in_reward else None
+    logprobs_seconds = time.perf_counter() - t0
+    gen = finish_batch(gen, g.num_generations, reward_names=run.reward_names,
+                       reward_weights=cfg.reward.reward_weights,
+                       advantage_estimator=g.advantage_estimator, scale_rewards=g.scale_rewards,
+                       kl_in_reward=bool(g.kl_in_reward), beta=g.beta, kl_values=kl_values)
+    mask = collate(samples)["completion_mask"]
+    return RolloutBatch(gen, steps, mine, pad, count_partials(mask, mask), logprobs_seconds)
+
+
+def _generate(run, cfg, g, prompts) -> GenerationBatch:
+    """Steps 1-3: vLLM gets the device, samples and the completions are scored."""
     run.sync.hand_over()
     gen = collect_rollouts(
         lambda: generate_and_score(
@@ -547,22 +573,4 @@ def rollout_phase(run) -> RolloutBatch:
         prompts, g.num_generations, dynamic_sample=g.dynamic_sample,
         max_resample_times=g.max_resample_times, reward_weights=cfg.reward.reward_weights)
     run.sync.take_back()
-    samples, per_step = gen.samples, run.per_step
-    steps = [samples[k * per_step:(k + 1) * per_step] for k in range(g.steps_per_generation)]
-    mine = dp_shard(samples, per_step, run.dp, run.dp_rank, run.dp_group)
-    pad = padded_length(samples, run.policy.pad_multiple)
-    t0 = time.perf_counter()
-    fill_logps(run.policy.chunks, run.ref, mine, cfg.training.micro_batch_size, pad,
-               need_old=run.need_old_logps, temperature=run.loss.temperature,
-               vocab_size=run.policy.args.vocab_size, teacher=run.teacher,
-               offload_teacher=run.teacher_offloaded, teacher_is_policy=run.teacher_is_policy,
-               ref_is_other=run.ref_is_other, pad_multiple=run.policy.pad_multiple)
-    kl_values = reward_kl_values(mine, len(samples), per_step, run.dp, run.dp_rank, run.dp_group) \
-        if run.kl_in_reward else None
-    logprobs_seconds = time.perf_counter() - t0
-    gen = finish_batch(gen, g.num_generations, reward_names=run.reward_names,
-                       reward_weights=cfg.reward.reward_weights,
-                       advantage_estimator=g.advantage_estimator, scale_rewards=g.scale_rewards,
-                       kl_in_reward=bool(g.kl_in_reward), beta=g.beta, kl_values=kl_values)
-    mask = collate(samples)["completion_mask"]
-    return RolloutBatch(gen, steps, mine, pad, count_partials(mask, mask), logprobs_seconds)
+    return gen

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -26,6 +26,8 @@ from ..data import (PromptSampler, drop_long_prompts, load_datasets, prompt_leng
                     render_prompt)
 from ..data.vision import VisionProcessor, is_vision_language
 from ..model.lora import lora_settings
+from ..memory.measure import MemoryMeter, meter_for_rank
+from ..memory.plan import FINAL_BUCKET_BYTES, FINAL_SHARD_BYTES
 from ..rewards import build_reward_funcs, load_plugins
 from ..rewards.registry import flat_args
 from ..rollout.sync import WeightSync
@@ -69,6 +71,8 @@ class Run:
     served_teacher: Any = None       # rollout.teacher.ServedTeacher (--teacher_model_server)
     teacher_is_policy: bool = False  # OPSD without a teacher: `teacher` is the policy itself
     ref_is_other: bool = False       # --ref_model: `ref` is another model (own routing, R3)
+    # Each phase's peak memory on this rank (memory/measure.py); a disabled one measures nothing
+    memory: MemoryMeter = field(default_factory=lambda: MemoryMeter(enabled=False))
 
     @property
     def has_teacher(self) -> bool:
@@ -180,7 +184,7 @@ def build_run(cfg) -> Run:
                ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
                multi_turn=multi_turn, vision=vision, pending=pending, teacher=teacher,
                served_teacher=served_teacher, teacher_is_policy=teacher_is_policy,
-               ref_is_other=ref_is_other)
+               ref_is_other=ref_is_other, memory=meter_for_rank(dist.get_rank()))
 
 
 def _teacher_prompts(dataset, val_dataset, vision) -> bool:
@@ -319,7 +323,6 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool,
     checkpoint saved mid-batch holds the batch, so that a resume trains the rest of it (as
     the uninterrupted run does) before the next rollout."""
     log = run.cfg.logging
-    run.logger.log(run.step, metrics)
     if first_of_batch:
         gen = batch.gen
         index = [s.meta["prompt_index"] for s in gen.samples]
@@ -335,17 +338,24 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool,
         run.logger.completions(run.step, gen.prompts, gen.texts, gen.rewards_per_func.tolist(),
                                run.reward_names, extra=extra)
     if run.step % log.save_steps == 0 or run.step >= run.total_steps:
-        p = run.policy
-        state = {"step": run.step, "sampler": run.sampler.state_dict(),
-                 "config": run.cfg.to_flat()}
-        if next_in_batch is not None and run.step < run.total_steps:
-            state["batch"] = {"rollout": batch, "next": next_in_batch, "layout": _layout(),
-                              "teacher": True if run.has_teacher else None}
-        ckpt.save_checkpoint(log.output_dir, run.step, p.chunks, p.optimizer, p.scheduler,
-                             state,
-                             save_total_limit=log.save_total_limit,
-                             save_optim=not log.no_save_optim, save_rng=not log.no_save_rng,
-                             hf_config_dir=run.cfg.model.model)
+        with run.memory.phase("save"):
+            p = run.policy
+            state = {"step": run.step, "sampler": run.sampler.state_dict(),
+                     "config": run.cfg.to_flat()}
+            if next_in_batch is not None and run.step < run.total_steps:
+                state["batch"] = {"rollout": batch, "next": next_in_batch, "layout": _layout(),
+                                  "teacher": True if run.has_teacher else None}
+            ckpt.save_checkpoint(log.output_dir, run.step, p.chunks, p.optimizer, p.scheduler,
+                                 state,
+                                 save_total_limit=log.save_total_limit,
+                                 save_optim=not log.no_save_optim, save_rng=not log.no_save_rng,
+                                 hf_config_dir=run.cfg.model.model,
+                                 optim_sharding_type="fully_reshardable"
+                                 if log.dist_ckpt_optim_fully_reshardable else "dp_reshardable",
+                                 mem_efficient=log.distrib_optim_fully_reshardable_mem_efficient)
+    # The step's row after its checkpoint: memory/save is part of it.
+    metrics.update(run.memory.step_metrics(run.step))
+    run.logger.log(run.step, metrics)
 
 
 def finish(run: Run, close_engine: bool = True) -> None:
@@ -353,11 +363,15 @@ def finish(run: Run, close_engine: bool = True) -> None:
     exits right after: `close_engine=False`)."""
     out_dir = run.cfg.logging.output_dir
     png = run.logger.close()
-    save_final_hf(run.policy, run.cfg.model.model, out_dir,
-                  merge_lora=run.cfg.training.merge_lora)
+    with run.memory.phase("save"):
+        save_final_hf(run.policy, run.cfg.model.model, out_dir,
+                      merge_lora=run.cfg.training.merge_lora)
+    peak = run.memory.step_metrics(run.step).get("memory/save")
     if dist.get_rank() == 0:
         print(f"[megatron-grpo] done: {run.step} steps; metrics in {out_dir}/metrics.jsonl"
-              + (f", curve {png}" if png else ""), flush=True)
+              + (f", curve {png}" if png else "")
+              + (f"; final_hf/ written at a peak of {peak:.2f} GiB per rank" if peak else ""),
+              flush=True)
     if close_engine:
         run.engine.close()
 
@@ -380,9 +394,10 @@ def save_final_hf(policy: Policy, hf_source: str, out_dir: str, merge_lora: bool
             save_peft_adapter(final + ".tmp", factors, settings, base_model=hf_source)
     else:
         stream = merged_stream(policy.chunks, export_hf_weights(
-            policy.chunks, policy.config, policy.args, bucket_size_bytes=1 << 30))
-        # 1 GiB shards: rank 0 holds one shard besides the bucket, as the export's own buffer.
-        write_hf_checkpoint(stream, final + ".tmp", max_shard_size=1 << 30, write=rank0)
+            policy.chunks, policy.config, policy.args, bucket_size_bytes=FINAL_BUCKET_BYTES))
+        # Rank 0 holds one shard besides the bucket: together less than the training step's
+        # transients (the memory plan's "final export" line).
+        write_hf_checkpoint(stream, final + ".tmp", max_shard_size=FINAL_SHARD_BYTES, write=rank0)
         if rank0:
             # config (naming the weights' dtype), tokenizer; no weights
             copy_hf_side_files(hf_source, final + ".tmp", dtype=policy.config.params_dtype)

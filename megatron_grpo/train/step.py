@@ -40,13 +40,15 @@ def optimizer_step(run, batch: RolloutBatch, k: int) -> dict:
     # top_entropy_quantile: one threshold for the whole step (a forward pass).
     threshold = step_entropy_threshold(policy.chunks, batches, opts, vocab_size=vocab) \
         if opts.top_entropy_quantile < 1.0 else None
-    parts = train_micro_batches(policy.chunks, batches, opts, normalizer=norm,
-                                vocab_size=vocab, entropy_threshold_value=threshold,
-                                step_counts=counts)
-    # Replicated kv heads (kv heads < TP) must get the sum of their replicas' gradients
-    # before clipping and the update (model/kv_replication.py).
-    sync_replicated_kv_grads(policy.chunks, policy.config, policy.args)
-    _, grad_norm, _ = policy.optimizer.step()
+    with run.memory.phase("train"):
+        parts = train_micro_batches(policy.chunks, batches, opts, normalizer=norm,
+                                    vocab_size=vocab, entropy_threshold_value=threshold,
+                                    step_counts=counts)
+    with run.memory.phase("optimizer"):
+        # Replicated kv heads (kv heads < TP) must get the sum of their replicas' gradients
+        # before clipping and the update (model/kv_replication.py).
+        sync_replicated_kv_grads(policy.chunks, policy.config, policy.args)
+        _, grad_norm, _ = policy.optimizer.step()
     policy.scheduler.step(increment=1)
     run.step += 1
     metrics = step_metrics(parts, batch.gen, grad_norm, policy)
