@@ -70,9 +70,12 @@ def _rlhf(argv: list[str]) -> int:
     if cfg.training.dry_run and not problems:
         return _dry_run(cfg, spec, dataset, val_dataset, problems)
     problems.raise_if_any()
+    plan = None
+    if not launch.in_torchrun():
+        plan = _check_memory(cfg, spec, dataset)
     if spec.world_size > 1 and not launch.in_torchrun():
         code = launch.relaunch("rlhf", argv, spec, preload=lambda: _import_rank_modules(cfg),
-                               fork_main=main)
+                               fork_main=main, plan=plan)
         if "megatron.core" in sys.modules:
             # The workers were forks of this process, which imported their modules first
             # (launch.fork_workers): no teardown of them here either (see _exit_worker).
@@ -105,6 +108,28 @@ def _rlhf(argv: list[str]) -> int:
         _exit_worker()
     del run
     return 0
+
+
+def _memory_device() -> str:
+    """Where the model will live, without importing torch: "cuda" for a GPU build of torch
+    on a machine with an NVIDIA driver, else "cpu"."""
+    builds = launch.torch_accelerator_builds() or []
+    return "cuda" if "cuda" in builds and os.path.exists("/proc/driver/nvidia") else "cpu"
+
+
+def _check_memory(cfg, spec, dataset) -> dict:
+    """The memory plan: its short form printed, refused (ValueError naming the options
+    that lower it) when this machine has too little; what the launcher keeps of it."""
+    from .memory.plan import plan_for_launch, short_format, summary
+
+    plan, available = plan_for_launch(cfg, dataset, spec.world_size, spec.nproc_per_node,
+                                      device=_memory_device())
+    print(short_format(plan, available), flush=True)
+    if cfg.training.check_memory:
+        plan.check(available)
+    out = summary(plan, available)
+    out["output_dir"] = cfg.logging.output_dir
+    return out
 
 
 def _import_rank_modules(cfg) -> None:
@@ -162,6 +187,13 @@ def _dry_run(cfg, spec, dataset, val_dataset, problems) -> int:
                       num_prompts=len(dataset), num_files=len(cfg.data.dataset),
                       reward_columns=sorted(dataset.columns),
                       num_val_prompts=len(val_dataset) if val_dataset is not None else None))
+    from .memory.plan import plan_for_launch
+
+    memory, available = plan_for_launch(cfg, dataset, spec.world_size, spec.nproc_per_node,
+                                        device=_memory_device())
+    print(memory.format(available))
+    if cfg.training.check_memory:
+        memory.check(available)
     return 0
 
 

@@ -18,13 +18,17 @@ interpreter (`python -u -m megatron_grpo.cli ...`), as torchrun starts them.
 from __future__ import annotations
 
 import ast
+import functools
 import gc
 import importlib.util
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -117,7 +121,8 @@ def current_world_size(spec: LaunchSpec, env=None) -> int:
 
 def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec,
              preload: Callable[[], None] | None = None,
-             fork_main: Callable[[list[str]], int] | None = None) -> int:
+             fork_main: Callable[[list[str]], int] | None = None,
+             plan: dict | None = None) -> int:
     """Run `megatron <subcommand> argv` as the `spec.world_size` workers of `spec`; returns
     the exit code (0, or the first failing worker's).
 
@@ -141,13 +146,77 @@ def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec,
         # which stops its workers (within 30 s, then SIGKILL); subprocess.call would kill
         # torchrun alone 0.25 s after a Ctrl-C and leave its workers running.
         return run_workers([(cmd, env)], grace_s=30.0)
-    if preload is not None and fork_main is not None and fork_problem() is None:
-        print(f"[megatron] starting {spec.nproc_per_node} workers {FORK_NOTE} (their "
-              "modules imported once, here)", flush=True)
-        return fork_workers(spec, preload, lambda: fork_main([subcommand, *argv]))
-    # -u: unbuffered output, as torchrun starts its workers (a log piped to `tee` stays live).
-    cmd = [sys.executable, "-u", "-m", "megatron_grpo.cli", subcommand, *argv]
-    return run_workers([(cmd, worker_env(spec, r)) for r in range(spec.nproc_per_node)])
+    status_dir = tempfile.mkdtemp(prefix="megatron-status-")
+    os.environ[STATUS_ENV] = status_dir           # the workers' phases (memory/measure.py)
+    if plan is not None:
+        with open(os.path.join(status_dir, "plan.json"), "w") as f:
+            json.dump(plan, f)
+    report = functools.partial(report_failure, status_dir)
+    try:
+        if preload is not None and fork_main is not None and fork_problem() is None:
+            print(f"[megatron] starting {spec.nproc_per_node} workers {FORK_NOTE} (their "
+                  "modules imported once, here)", flush=True)
+            return fork_workers(spec, preload, lambda: fork_main([subcommand, *argv]),
+                                on_failure=report)
+        # -u: unbuffered output, as torchrun starts its workers (a log piped to `tee` stays
+        # live).
+        cmd = [sys.executable, "-u", "-m", "megatron_grpo.cli", subcommand, *argv]
+        return run_workers([(cmd, worker_env(spec, r)) for r in range(spec.nproc_per_node)],
+                           on_failure=report)
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
+
+
+STATUS_ENV = "MGRPO_STATUS_DIR"     # memory/measure.py writes rank-N.json there
+
+
+def _gib(nbytes) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / (1 << 30):.2f} GiB"
+
+
+def describe_failure(status_dir: str, rank: int, code: int) -> str | None:
+    """What a worker that ended with `code` (-N: killed by signal N) was doing, from the
+    files it and the launcher left in `status_dir`; None for an ordinary error exit (the
+    worker printed its own traceback)."""
+    if code >= 0:
+        return None
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    status, plan = {}, {}
+    for path, into in ((os.path.join(status_dir, f"rank-{rank}.json"), status),
+                       (os.path.join(status_dir, "plan.json"), plan)):
+        try:
+            with open(path) as f:
+                into.update(json.load(f))
+        except (OSError, ValueError):
+            pass
+    why = " (the kernel's out-of-memory killer sends it)" if -code == signal.SIGKILL else ""
+    lines = [f"[megatron] rank {rank} was killed by {name}{why}"
+             + (f" in its {status['phase']} phase at step {status.get('step', 0) + 1}"
+                if status.get("phase") else " before its first phase")]
+    if status:
+        lines.append(f"  its memory then: {_gib(status.get('rss'))} resident at the phase's "
+                     f"start; the last measured phase ({status.get('last_phase') or 'none'}) "
+                     f"peaked at {_gib(status.get('last_peak'))}")
+    if plan:
+        lines.append(f"  the memory plan: {_gib(plan.get('peak'))} per rank at its "
+                     f"{plan.get('peak_phase')} peak, {_gib(plan.get('machine_peak'))} per "
+                     f"machine of {_gib(plan.get('available'))} available")
+        if plan.get("options"):
+            lines.append("  options that lower it: " + "; ".join(
+                f"{what} (-{_gib(saved)} per rank)" for what, saved in plan["options"]))
+    if plan.get("output_dir"):
+        lines.append(f"  a rerun of the same command resumes from the newest complete "
+                     f"checkpoint in {plan['output_dir']} (if any)")
+    return "\n".join(lines)
+
+
+def report_failure(status_dir: str, rank: int, code: int) -> None:
+    text = describe_failure(status_dir, rank, code)
+    if text:
+        print(text, file=sys.stderr, flush=True)
 
 
 FORK_NOTE = "as forks of this process"     # what the launcher prints when it forks
@@ -201,7 +270,7 @@ def fork_problem(env=None) -> str | None:
 
 
 def fork_workers(spec: LaunchSpec, preload: Callable[[], None], main: Callable[[], int],
-                 poll_s: float = 0.1, grace_s: float = 10.0) -> int:
+                 poll_s: float = 0.1, grace_s: float = 10.0, on_failure=None) -> int:
     """Start this node's workers as forks of this process, after `preload()` imported the
     modules every worker needs; each fork runs `main()` with its `worker_env` and exits
     with its code. Supervised as `run_workers` does.
@@ -232,7 +301,7 @@ def fork_workers(spec: LaunchSpec, preload: Callable[[], None], main: Callable[[
     except BaseException:
         _stop(procs, grace_s)
         raise
-    return _supervise(procs, poll_s, grace_s)
+    return _supervise(procs, poll_s, grace_s, on_failure)
 
 
 def _forked_worker(main: Callable[[], int], env: dict) -> None:
@@ -311,12 +380,14 @@ def worker_env(spec: LaunchSpec, local_rank: int, env=None) -> dict:
     return env
 
 
-def run_workers(workers: list, poll_s: float = 0.1, grace_s: float = 10.0) -> int:
+def run_workers(workers: list, poll_s: float = 0.1, grace_s: float = 10.0,
+                on_failure=None) -> int:
     """Start `workers` ((argv, env) each) and wait for them: 0 when all exit with 0. When
     one fails, the others (waiting in a collective for it, as likely as not) are stopped
     (SIGTERM, SIGKILL after grace_s) and its exit code is returned. A SIGTERM to this
     process stops them as well; Ctrl-C reaches them through the terminal's process group."""
-    return _supervise([subprocess.Popen(argv, env=env) for argv, env in workers], poll_s, grace_s)
+    return _supervise([subprocess.Popen(argv, env=env) for argv, env in workers], poll_s, grace_s,
+                      on_failure)
 
 
 def _stop(procs: list, grace_s: float) -> None:
@@ -332,8 +403,9 @@ def _stop(procs: list, grace_s: float) -> None:
             p.wait()
 
 
-def _supervise(procs: list, poll_s: float, grace_s: float) -> int:
-    """Wait for started workers (Popen or _Forked): see run_workers."""
+def _supervise(procs: list, poll_s: float, grace_s: float, on_failure=None) -> int:
+    """Wait for started workers (Popen or _Forked): see run_workers. `on_failure(local
+    rank, code)` is told of the first worker that fails."""
     previous = signal.signal(signal.SIGTERM,
                              lambda *_: (_stop(procs, grace_s), sys.exit(128 + signal.SIGTERM)))
     try:
@@ -341,6 +413,11 @@ def _supervise(procs: list, poll_s: float, grace_s: float) -> int:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
+                if on_failure is not None:
+                    # a rank killed by a signal first: the others then fail on its socket
+                    first = min((i for i, c in enumerate(codes) if c not in (None, 0)),
+                                key=lambda i: (codes[i] > 0, i))
+                    on_failure(first, codes[first])
                 _stop(procs, grace_s)
                 return failed[0] if failed[0] > 0 else 128 - failed[0]   # -N: killed by N
             if all(c == 0 for c in codes):
