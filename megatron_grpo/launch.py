@@ -146,7 +146,8 @@ def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec,
         # which stops its workers (within 30 s, then SIGKILL); subprocess.call would kill
         # torchrun alone 0.25 s after a Ctrl-C and leave its workers running.
         return run_workers([(cmd, env)], grace_s=30.0)
-    status_dir = tempfile.mkdtemp(prefix="megatron-status-")
+    own = not os.environ.get(STATUS_ENV)           # a folder given by the caller stays
+    status_dir = tempfile.mkdtemp(prefix="megatron-status-") if own else os.environ[STATUS_ENV]
     os.environ[STATUS_ENV] = status_dir           # the workers' phases (memory/measure.py)
     if plan is not None:
         with open(os.path.join(status_dir, "plan.json"), "w") as f:
@@ -164,7 +165,8 @@ def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec,
         return run_workers([(cmd, worker_env(spec, r)) for r in range(spec.nproc_per_node)],
                            on_failure=report)
     finally:
-        shutil.rmtree(status_dir, ignore_errors=True)
+        if own:
+            shutil.rmtree(status_dir, ignore_errors=True)
 
 
 STATUS_ENV = "MGRPO_STATUS_DIR"     # memory/measure.py writes rank-N.json there
@@ -411,15 +413,15 @@ def _supervise(procs: list, poll_s: float, grace_s: float, on_failure=None) -> i
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
+                # A rank killed by a signal first: the others then fail on its socket.
+                first = min(failed, key=lambda i: (codes[i] > 0, i))
                 if on_failure is not None:
-                    # a rank killed by a signal first: the others then fail on its socket
-                    first = min((i for i, c in enumerate(codes) if c not in (None, 0)),
-                                key=lambda i: (codes[i] > 0, i))
                     on_failure(first, codes[first])
                 _stop(procs, grace_s)
-                return failed[0] if failed[0] > 0 else 128 - failed[0]   # -N: killed by N
+                code = codes[first]
+                return code if code > 0 else 128 - code   # -N: killed by signal N
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(poll_s)

@@ -295,10 +295,13 @@ def test_real_shape_is_qwen25_05b_and_resolves_to_the_asked_work(model_dir):
     assert spec["external_plugins"] == [os.path.join(bp.ROOT, "examples/plugins/vowels_reward.py")]
     ours = bp.ours_settings(flat, 2, spg)
     assert ours["parallel layout"] == "TP=1 PP=1 CP=1 DP=2, distributed optimizer"
-    # TRL loads the bfloat16 checkpoint as is (dtype auto): no float32 main weights.
-    trl = bp.trl_settings(c, 2, model_dtype="bfloat16")
-    assert trl["dtype"].startswith("bfloat16 weights, grads and Adam state")
-    assert bp.trl_settings(c, 2, model_dtype="float32")["dtype"] == "bfloat16 autocast"
+    # TRL loads the bfloat16 checkpoint in float32 and trains under bf16 autocast: mixed
+    # precision as ours (float32 main weights and Adam state), not bfloat16 throughout.
+    assert c["model_init_kwargs"] == {"dtype": "float32"}
+    assert bp.trl_settings(c, 2, model_dtype="bfloat16")["dtype"] == "bfloat16 autocast"
+    assert bp.trl_settings(dict(c, model_init_kwargs={"dtype": "auto"}), 2,
+                           model_dtype="bfloat16")["dtype"].startswith(
+        "bfloat16 weights, grads and Adam state")
 
     from megatron_grpo.config import validate_world
     tp2 = ["--tensor_model_parallel_size", "2", "--use_distributed_optimizer", "false"]

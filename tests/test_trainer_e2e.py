@@ -31,7 +31,7 @@ METRIC_KEYS = ["reward", "reward_std", "frac_reward_zero_std", "rewards/digits/m
                "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
                "clip_ratio/region_mean", "loss", "learning_rate", "grad_norm",
                "timing/generate", "timing/score", "timing/logprobs", "timing/train",
-               "timing/sync", "timing/step"]
+               "timing/sync", "timing/step", "memory/peak", "memory/train", "memory/optimizer"]
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +276,37 @@ def test_sigkill_then_resume_from_lean_checkpoints_and_finetune(tiny, tmp_path):
     _check_metrics(_metrics(tuned), 1)
     with open(os.path.join(tuned, "checkpoint-1", "checkpoint.json")) as f:
         assert json.load(f)["contents"]["optimizer"] == "saved"
+
+
+def test_a_rank_killed_in_a_save_is_named_and_a_rerun_resumes(tiny, tmp_path):
+    """Rank 1 is killed (SIGKILL, as the kernel's out-of-memory killer does) as it enters
+    the save of step 2 (memory/measure.py's MGRPO_KILL_AT). The launcher names the rank,
+    the phase, its last measured memory and the plan; checkpoint-1 stays the newest
+    complete one, and the same command run again resumes from it and ends with final_hf/,
+    which transformers loads."""
+    from megatron_grpo.checkpoint import find_latest_checkpoint
+
+    out = str(tmp_path / "run")
+    argv = _argv(tiny, out, train_iters=3, save_steps=1)
+    env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
+               MASTER_PORT=str(_free_port()), MGRPO_KILL_AT="save:2:1")
+    r = subprocess.run(cli_zygote.command("rlhf", *argv), cwd=ROOT, env=cli_zygote.env(env),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 128 + signal.SIGKILL, r.stderr[-3000:]
+    for part in ("rank 1 was killed by SIGKILL", "in its save phase at step 2",
+                 "the last measured phase (", "the memory plan:", "resumes from"):
+        assert part in r.stderr, (part, r.stderr[-3000:])
+    assert os.path.basename(find_latest_checkpoint(out)) == "checkpoint-1"
+    assert not os.path.isdir(os.path.join(out, "final_hf"))
+    again = _run(argv)
+    assert again.returncode == 0, again.stderr[-4000:]
+    rows = _metrics(out)
+    _check_metrics(rows, 3)
+    assert all(r["memory/peak"] > 0 and r["memory/train"] > 0 for r in rows)
+    assert all("memory/save" in r for r in rows)                 # save_steps 1
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(os.path.join(out, "final_hf"))
 
 
 def test_dp2_offload_sleep_dynamic_sample_two_iterations(tiny, tmp_path):

@@ -244,7 +244,10 @@ def trl_config(flat: dict, output_dir: str) -> dict:
         adam_beta1=flat["adam_beta1"], adam_beta2=flat["adam_beta2"],
         adam_epsilon=flat["adam_eps"], max_grad_norm=flat["clip_grad"], optim="adamw_torch",
         max_steps=flat["train_iters"], seed=flat["seed"],
-        bf16=bool(flat["bf16"]), use_cpu=True, model_init_kwargs={"dtype": "auto"},
+        # float32 weights under bf16 autocast: mixed precision as ours (float32 main
+        # weights and Adam state), also for a bfloat16 checkpoint (the real shape), which
+        # "auto" would train in bfloat16 through and through, Adam state included.
+        bf16=bool(flat["bf16"]), use_cpu=True, model_init_kwargs={"dtype": "float32"},
         shuffle_dataset=False,             # the rows come in our sampler's order
         logging_steps=1, report_to="none", log_completions=False,
         save_strategy="steps", save_steps=flat["save_steps"],

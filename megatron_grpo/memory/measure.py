@@ -25,13 +25,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import time
 from typing import Optional
 
 GIB = float(1 << 30)
 STATUS_ENV = "MGRPO_STATUS_DIR"    # set by launch.py for its workers
-# The phases of a step in the order they run; `memory/<phase>` keys of metrics.jsonl.
-PHASES = ("generate", "logprobs", "train", "optimizer", "sync", "save")
+# "PHASE:STEP:RANK": that rank kills itself (SIGKILL) as it enters that phase of that step,
+# as the kernel's out-of-memory killer would (tests of the launcher's report and resume)
+KILL_ENV = "MGRPO_KILL_AT"
+# The phases of a step in the order they run (`memory/<phase>` keys of metrics.jsonl), and
+# the run's final export of final_hf/ ("export", in the run's last line).
+PHASES = ("generate", "logprobs", "train", "optimizer", "sync", "save", "export")
 
 
 # ---------------------------------------------------------------- /proc readers
@@ -231,6 +236,8 @@ class MemoryMeter:
     def phase(self, name: str):
         """Measure the peak of the enclosed code as phase `name` (phases do not nest)."""
         self._write_status(name, "running")
+        if os.environ.get(KILL_ENV) == f"{name}:{self.step + 1}:{self.rank}":
+            os.kill(os.getpid(), signal.SIGKILL)      # a test's stand-in for the OOM killer
         if self.enabled:
             self._reset()
         try:

@@ -46,6 +46,9 @@ GIB = float(1 << 30)
 RUNTIME_BYTES = int(1.45 * GIB)
 CUDA_CONTEXT_BYTES = int(0.6 * GIB)     # a GPU's context and allocator slack (not measured)
 VLLM_RUNTIME_BYTES = int(0.1 * GIB)     # vLLM's sampler and scheduler buffers beside its weights
+# A fast tokenizer in memory against its tokenizer.json (measured: Qwen2.5's 151,665 tokens,
+# an 11 MB file, ~0.22 GiB a copy)
+TOKENIZER_FACTOR = 20
 # final_hf/ (train/run.py save_final_hf): the export's bucket and the shards rank 0 holds
 FINAL_BUCKET_BYTES = 256 << 20
 FINAL_SHARD_BYTES = 512 << 20
@@ -119,9 +122,9 @@ def count_model(model_dir: str, split: Split) -> ModelCounts:
             stage = int(m.group(1)) // per_stage
             if ".experts." in name:
                 stage_experts[stage] += n // (split.ep * split.etp)
-            elif n == hidden or name.endswith(("norm.weight", "norm.bias")) or \
-                    name.endswith("mlp.gate.weight"):
-                stage_dense[stage] += n       # norms and the router: replicated over TP
+            elif name.endswith(("norm.weight", "norm.bias", "mlp.gate.weight",
+                                "shared_expert_gate.weight")):
+                stage_dense[stage] += n       # norms and the routers: replicated over TP
             else:
                 stage_dense[stage] += n // split.tp
         elif "embed_tokens" in name:
@@ -291,6 +294,11 @@ def memory_plan(cfg, world_size: int, ranks_per_machine: int, *,
         lines.append(Line("vLLM runtime", VLLM_RUNTIME_BYTES))
     lines.append(Line("runtime", RUNTIME_BYTES if device == "cpu" else CUDA_CONTEXT_BYTES,
                       note="libraries, interpreter" if device == "cpu" else "CUDA context"))
+    tokenizer = os.path.join(m.model, "tokenizer.json")
+    if os.path.isfile(tokenizer):      # host memory: the trainer's copy and vLLM's
+        copies = 2 if r.vllm_mode == "colocate" and r.use_vllm else 1
+        lines.append(Line("tokenizers", copies * TOKENIZER_FACTOR * os.path.getsize(tokenizer),
+                          note=f"{copies} loaded, ~{TOKENIZER_FACTOR}x tokenizer.json each"))
     act = _activation_bytes(cfg, counts, m.model, seq, split)
     lines.append(Line("activations", act, ("train", "logprobs"),
                       note=f"micro-batch {t.micro_batch_size} x {seq} tokens, recompute "
@@ -301,21 +309,34 @@ def memory_plan(cfg, world_size: int, ranks_per_machine: int, *,
     lines.append(Line("vocab-matrix gradients", vocab_grads, ("train",),
                       note="embedding / output layer, in backward"))
     # torch's Adam on CPU: a float32 temporary per parameter shard (its denominator) and
-    # the clip's scaled copies, about one main-param shard in all.
-    lines.append(Line("optimizer temporaries", (dense * 4) // shard
-                      + (counts.largest * 4) // shard, ("optimizer",)))
+    # the clip's scaled copies: about one main-param shard in all with the distributed
+    # optimizer (measured), half of it with the plain one.
+    lines.append(Line("optimizer temporaries",
+                      (dense * 4) // shard + (counts.largest * 4) // shard
+                      if p.use_distributed_optimizer else (dense * 4) // 2 + counts.largest * 4,
+                      ("optimizer",)))
     bucket = 512 << 20 if not r.move_model_batches else counts.total * b // r.move_model_batches
     bucket = min(bucket, counts.total * b)
     lines.append(Line("sync buckets", bucket + counts.largest * split.tp * b, ("sync",),
                       note="export bucket + transfer buffer"))
+    lines.append(Line("checkpoint save", (_line_bytes(lines, "main params")
+                                          + _line_bytes(lines, "optimizer states")) // 2,
+                      ("save",), note="the writer's copies, at most half the optimizer's state"))
+    # (a bucket buffer's pages become resident as far as they are written: no more than
+    # the model's bytes)
     lines.append(Line("final export", min(FINAL_SHARD_BYTES, counts.total * b)
-                      + max(FINAL_BUCKET_BYTES, counts.largest * split.tp * b), ("save",),
+                      + min(max(FINAL_BUCKET_BYTES, counts.largest * split.tp * b),
+                            counts.total * b), ("export",),
                       note="rank 0: a safetensors shard + the export bucket"))
     plan = MemoryPlan(lines, ranks_per_machine, device)
     if options:
         plan.options = _options(cfg, world_size, ranks_per_machine, plan, max_prompt_tokens,
                                 device, kv_cache_bytes)
     return plan
+
+
+def _line_bytes(lines, name: str) -> int:
+    return sum(x.nbytes for x in lines if x.name == name)
 
 
 def _lora_params(cfg, counts: ModelCounts) -> int:

@@ -363,10 +363,10 @@ def finish(run: Run, close_engine: bool = True) -> None:
     exits right after: `close_engine=False`)."""
     out_dir = run.cfg.logging.output_dir
     png = run.logger.close()
-    with run.memory.phase("save"):
+    with run.memory.phase("export"):
         save_final_hf(run.policy, run.cfg.model.model, out_dir,
                       merge_lora=run.cfg.training.merge_lora)
-    peak = run.memory.step_metrics(run.step).get("memory/save")
+    peak = run.memory.step_metrics(run.step).get("memory/export")
     if dist.get_rank() == 0:
         print(f"[megatron-grpo] done: {run.step} steps; metrics in {out_dir}/metrics.jsonl"
               + (f", curve {png}" if png else "")
