@@ -86,7 +86,8 @@ def _first_run(rank, world, out, tp, dist_opt, sharding="fully_reshardable", lor
     save_checkpoint(out, 2, chunks, opt, sched,
                     extra_state={"step": 2, "sampler": {"epoch": 0, "position": 2 * (rank + 1)},
                                  "config": {"tp": tp}},
-                    optim_sharding_type=sharding)
+                    optim_sharding_type="fully_reshardable" if sharding == "mem_efficient"
+                    else sharding, mem_efficient=sharding == "mem_efficient")
     losses = [_train_step(chunks, opt, sched, step) for step in (3, 4)]
     return losses, *_state(chunks, opt), logits
 
@@ -118,12 +119,13 @@ def tp2_plain_first_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("tp,dist_opt,sharding,lora", [
-    (2, False, None, False), (1, True, "fully_reshardable", False),
-    pytest.param(1, True, "dp_reshardable", False, marks=pytest.mark.slow),
+    (2, False, None, False), (1, True, "dp_reshardable", False),
+    pytest.param(1, True, "fully_reshardable", False, marks=pytest.mark.slow),
+    pytest.param(1, True, "mem_efficient", False, marks=pytest.mark.slow),
     pytest.param(2, True, "fully_reshardable", False, marks=pytest.mark.slow),
     pytest.param(1, True, "fully_reshardable", True, marks=pytest.mark.slow)],
-    ids=["tp2-plain", "dp2-distopt", "dp2-distopt-dp_reshardable", "tp2-distopt",
-         "dp2-distopt-lora"])
+    ids=["tp2-plain", "dp2-distopt", "dp2-distopt-fully_reshardable",
+         "dp2-distopt-fully_reshardable-mem_efficient", "tp2-distopt", "dp2-distopt-lora"])
 def test_resume_is_bit_identical(tmp_path, request, tp, dist_opt, sharding, lora):
     if not dist_opt:
         out, first = request.getfixturevalue("tp2_plain_first_run")

@@ -168,3 +168,25 @@ def test_dry_run_checks_the_teacher_in_the_run_layout(model, tiny_model, tmp_pat
     assert f"--teacher_model {shallow!r}" in pp2.stderr and "--pipeline_model_parallel_size 2" \
         in pp2.stderr, pp2.stderr
     assert "Traceback" not in pp2.stderr
+
+
+def test_dry_run_reads_a_vl_config_as_transformers_writes_it(tmp_path):
+    """A Qwen2.5-VL checkpoint whose config.json the installed transformers wrote (the text
+    model's sizes under text_config) passes the dry run as the flat one does, memory plan
+    included (a KeyError on num_attention_heads before)."""
+    import subprocess
+
+    from transformers import AutoConfig
+
+    from tools.make_tiny_vl_model import make_tiny_vl_model
+
+    path = make_tiny_vl_model(tmp_path / "vl")
+    AutoConfig.from_pretrained(path).save_pretrained(path)       # today's format
+    saved = json.loads((path / "config.json").read_text())
+    assert "num_attention_heads" in saved["text_config"]
+    assert "num_attention_heads" not in saved
+    cmd, env = _dry_run_argv(str(path), str(tmp_path / "out"), "--num_generations", "4",
+                             nproc=1)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "4 heads" in r.stdout and "memory plan (per rank" in r.stdout

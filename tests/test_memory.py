@@ -30,7 +30,7 @@ def _touch(nbytes: int) -> torch.Tensor:
 
 def test_phase_peaks_are_reset_per_phase_and_reported_in_gib(tmp_path):
     meter = measure.MemoryMeter(str(tmp_path), rank=3)
-    base = measure.rss(os.getpid())
+    base = measure.tree_rss(os.getpid())     # with any child processes (pooled test ranks)
     with meter.phase("train"):
         t = _touch(300 * MiB)
         del t                       # freed inside the phase: only the peak remembers it
@@ -66,6 +66,7 @@ def test_a_childs_peak_counts_in_its_parents_phase():
             assert pid in measure.descendants(os.getpid())
         m = meter.step_metrics(1)
         assert m["memory/generate"] * GIB >= measure.rss(os.getpid()) + 380 * MiB
+        assert measure.tree_rss(os.getpid()) >= measure.rss(os.getpid()) + 380 * MiB
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)

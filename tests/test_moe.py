@@ -436,7 +436,8 @@ def _train_save_continue(rank, world, path, out):
     chunks, config, args, opt, sched = _moe_trainer(world, path, ep=2, load_hf=True)
     for step in (1, 2):
         _moe_step(chunks, opt, sched, step)
-    save_checkpoint(out, 2, chunks, opt, sched, extra_state={"step": 2})
+    save_checkpoint(out, 2, chunks, opt, sched, extra_state={"step": 2},
+                    optim_sharding_type="fully_reshardable")     # loaded at another EP
     losses = [_moe_step(chunks, opt, sched, step) for step in (3, 4)]
     return losses, _hf_weights(chunks, config, args)
 
@@ -449,7 +450,8 @@ def _resume(rank, world, path, out):
         chunks, config, args, opt, sched = _moe_trainer(world, path, ep=2 if ep == "1->2" else ep)
         extra = resume(src, chunks, opt, sched)
         if ep == 1:  # and back: the state loaded at EP=1, saved by EP=1, resumed at EP=2
-            save_checkpoint(out + "_ep1", 2, chunks, opt, sched, extra_state=extra)
+            save_checkpoint(out + "_ep1", 2, chunks, opt, sched, extra_state=extra,
+                            optim_sharding_type="fully_reshardable")
         losses = [_moe_step(chunks, opt, sched, extra["step"] + i) for i in (1, 2)]
         got[ep] = losses, _hf_weights(chunks, config, args)
     # Negative control: the weights without the optimizer state (Adam restarted).

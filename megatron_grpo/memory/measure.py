@@ -102,6 +102,11 @@ def pss(pid: int) -> int:
     return 0
 
 
+def tree_rss(pid: int) -> int:
+    """Resident size of `pid` and its descendants (what a phase's peak starts from)."""
+    return sum(rss(p) for p in [pid, *descendants(pid)])
+
+
 def tree_pss(pid: int) -> int:
     """PSS of `pid` and its descendants: pages shared by forked processes count once."""
     return sum(pss(p) for p in [pid, *descendants(pid)])
