@@ -73,6 +73,7 @@ def _rlhf(argv: list[str]) -> int:
     plan = None
     if not launch.in_torchrun():
         plan = _check_memory(cfg, spec, dataset)
+        spec = launch.fresh_port(spec)   # picked free again: the plan took a while
     if spec.world_size > 1 and not launch.in_torchrun():
         code = launch.relaunch("rlhf", argv, spec, preload=lambda: _import_rank_modules(cfg),
                                fork_main=main, plan=plan)

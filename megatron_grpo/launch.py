@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -105,6 +106,16 @@ def launch_spec(nproc_flag: int | None = None, env=None) -> LaunchSpec:
     if not 0 < port < 65536:
         raise ValueError(f"MASTER_PORT {port} is not a valid port (1-65535)")
     return LaunchSpec(nproc, nnodes, node_rank, env.get("MASTER_ADDR", "127.0.0.1"), port)
+
+
+def fresh_port(spec: LaunchSpec, env=None) -> LaunchSpec:
+    """`spec` with another free port when the launcher picked it (one node, no MASTER_PORT):
+    the later the pick before the workers bind it, the less likely another process took
+    it meanwhile."""
+    env = os.environ if env is None else env
+    if spec.nnodes > 1 or env.get("MASTER_PORT"):
+        return spec
+    return dataclasses.replace(spec, master_port=_free_port())
 
 
 def in_torchrun(env=None) -> bool:
