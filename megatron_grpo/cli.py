@@ -67,6 +67,8 @@ def _rlhf(argv: list[str]) -> int:
                 for d in (dataset, val_dataset):
                     if d is not None:
                         route_rows(servers, d, cfg.model.teacher_tag_key)
+    if dataset is not None and dataset.images is not None and not problems:
+        _check_image_prompts(cfg, dataset, val_dataset, problems)
     if cfg.training.dry_run and not problems:
         return _dry_run(cfg, spec, dataset, val_dataset, problems)
     problems.raise_if_any()
@@ -109,6 +111,20 @@ def _rlhf(argv: list[str]) -> int:
         _exit_worker()
     del run
     return 0
+
+
+def _check_image_prompts(cfg, dataset, val_dataset, problems) -> None:
+    """Each image of a row has its placeholder in the prompt the model's chat template
+    renders (data/vision.py), checked before any engine starts: vLLM would fail on it only
+    once the models are loaded."""
+    from .data.vision import VisionProcessor, is_vision_language
+
+    if not is_vision_language(cfg.model.model):
+        return                  # the trainer refuses images for a text model (train/run.py)
+    with problems.section():
+        vision = VisionProcessor(cfg.model.model, cfg.data.max_pixels)
+        vision.check_placeholders(dataset, "--dataset")
+        vision.check_placeholders(val_dataset, "--val_dataset")
 
 
 def _memory_device() -> str:

@@ -28,6 +28,8 @@ from tests.test_vl_tiny_model import ATOL, TEMPERATURE, hf_logits, needs_vllm
 from tools.make_tiny_vl_model import make_tiny_vl_model
 from tools.make_vl_count_data import main as make_count_data
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # 6x4 patches at most (6 image tokens): below the tiny model's 12544 (16 tokens), and the
 # count task's 112x84 images (12 tokens at the model's budget) are resized down to it.
 BUDGET = 28 * 28 * 6
@@ -465,3 +467,37 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
 
     again = Image.open(io.BytesIO(base64.b64decode(png_base64(prompts[0].images[0])[22:])))
     assert np.array_equal(np.asarray(again), np.asarray(prompts[0].images[0]))
+
+
+def test_a_template_that_drops_the_image_is_refused_before_any_engine(model_dir, count_data,
+                                                                      tmp_path):
+    """A chat template that renders list-valued content as nothing leaves the prompt without
+    its image placeholder: refused by the processor's check and by `megatron rlhf` (dry run
+    and run alike) in one line naming the template, the row and the counts, before any
+    model or engine (vLLM would fail inside generate, after the models loaded)."""
+    import shutil
+    import subprocess
+
+    from tests import cli_zygote
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    (broken / "chat_template.jinja").write_text(
+        "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{%- if m['content'] is string %}{{ m['content'] }}{%- endif %}<|im_end|>\n"
+        "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    ds = load_prompt_dataset([count_data])
+    VisionProcessor(str(model_dir)).check_placeholders(ds)          # the model's own: fine
+    with pytest.raises(ValueError) as e:
+        VisionProcessor(str(broken)).check_placeholders(ds)
+    assert f"the chat template of {broken} renders 0 image placeholder(s)" in str(e.value)
+    assert "--dataset row 0, which has 1 image(s)" in str(e.value)
+    argv = ["--model", str(broken), "--dataset", count_data, "--reward_funcs", "accuracy",
+            "--output_dir", str(tmp_path / "out")]
+    for extra in (["--dry_run", "true"], []):
+        r = subprocess.run(cli_zygote.command("rlhf", *extra, *argv), cwd=ROOT,
+                           env=cli_zygote.env(dict(os.environ, NPROC_PER_NODE="1")),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0
+        assert "renders 0 image placeholder(s)" in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()

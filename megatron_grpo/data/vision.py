@@ -217,6 +217,7 @@ class VisionProcessor:
         if kind not in VISION_LANGUAGE_MODEL_TYPES:
             raise ValueError(f"--model {model_dir}: model_type {kind!r} is not a vision-language "
                              f"model this project handles ({list(VISION_LANGUAGE_MODEL_TYPES)})")
+        self.model_dir = model_dir
         self.max_pixels = resolve_max_pixels(max_pixels, model_dir)
         self.processor = compat_transformers.load_processor(model_dir, kind, **self.mm_processor_kwargs)
         self.tokenizer = self.processor.tokenizer
@@ -235,6 +236,33 @@ class VisionProcessor:
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         return self.processor.apply_chat_template(content_items(messages), tokenize=False,
                                                   add_generation_prompt=True, **extra)
+
+    def check_placeholders(self, dataset, what: str = "--dataset") -> None:
+        """Every row with images renders one image placeholder per image through the
+        model's chat template; else ValueError naming the template, the row and the counts
+        (a template that renders list-valued content as nothing drops the images, and vLLM
+        would fail on the prompt only once the models are loaded). Rows of one shape (roles
+        and images per message) render alike: each shape is rendered once."""
+        if dataset is None or dataset.images is None:
+            return
+        seen = set()
+        for i, (messages, images) in enumerate(zip(dataset.messages, dataset.images)):
+            n = len(image_refs(images, f"{what} row {i}"))
+            if not n:
+                continue
+            tagged = add_image_tags(messages, n, f"{what} row {i}")
+            shape = tuple((m["role"], m["content"].count(IMAGE_TAG)) for m in tagged)
+            if shape in seen:
+                continue
+            seen.add(shape)
+            found = self.render(tagged).count(self.image_token)
+            if found != n:
+                raise ValueError(
+                    f"the chat template of {self.model_dir} renders {found} image placeholder(s) "
+                    f"({self.image_token}) for {what} row {i}, which has {n} image(s): the "
+                    "template must render each image item of a message's content list (as "
+                    "Qwen2-VL's does). Fix: the model's own chat_template (chat_template.json "
+                    "or chat_template.jinja), or a row whose images its template shows")
 
     def encode(self, messages: List[Dict[str, str]], images: Sequence[Any],
                base_dir: Optional[str] = None, enable_thinking: Optional[bool] = None) -> VisionPrompt:

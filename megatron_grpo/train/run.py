@@ -267,7 +267,10 @@ def _vision_processor(cfg, dataset, val_dataset):
     if cfg.rollout.multi_turn_scheduler is not None:
         raise ValueError(f"--multi_turn_scheduler {cfg.rollout.multi_turn_scheduler}: multi-turn "
                          "rollouts take no images yet; the dataset has an `images` column")
-    return VisionProcessor(cfg.model.model, cfg.data.max_pixels)
+    vision = VisionProcessor(cfg.model.model, cfg.data.max_pixels)
+    vision.check_placeholders(dataset, "--dataset")      # before any model or engine
+    vision.check_placeholders(val_dataset, "--val_dataset")
+    return vision
 
 
 def build_multi_turn(cfg, tokenizer):
