@@ -622,3 +622,26 @@ def test_ref_model_options(tmp_path):
     for extra, expected in cases:
         message = error_of(args(student, *extra))
         assert expected in message, (extra, message)
+
+
+def test_expert_tensor_parallel_defaults_to_one_as_ms_swifts_moe_scripts_need(tiny_model):
+    """ms-swift's full-parameter MoE example (TP 4, EP 4, PP 2 on 8 GPUs) relies on its
+    default --expert_tensor_parallel_size 1; Megatron-LM's default (the TP size) made it
+    "world size 8 is not divisible by ETP 4 x EP 4 x PP 2"."""
+    from megatron_grpo.config import build_config
+
+    moe = str(tiny_model(family="qwen3_moe", num_layers=2, hidden_size=128,
+                         num_attention_heads=4, num_key_value_heads=4, intermediate_size=256,
+                         vocab_size=999, head_dim=32))
+    argv = ["--model", moe, "--dataset", os.path.join(ROOT, "megatron_grpo/data/builtin/"
+                                                      "arithmetic.jsonl"),
+            "--reward_funcs", "accuracy", "--tensor_model_parallel_size", "4",
+            "--sequence_parallel", "true", "--expert_model_parallel_size", "4",
+            "--pipeline_model_parallel_size", "2", "--num_generations", "4",
+            "--global_batch_size", "8", "--micro_batch_size", "1"]
+    cfg, problems = build_config(argv, 8)
+    assert cfg.parallel.expert_tensor_parallel_size == 1
+    assert not [m for m in problems.messages if "not divisible" in m], problems.messages
+    _, problems = build_config(argv + ["--expert_tensor_parallel_size", "4"], 8)
+    assert any("world size 8 is not divisible by --expert_tensor_parallel_size 4" in m
+               for m in problems.messages), problems.messages

@@ -71,7 +71,7 @@ def check_model(cfg: "GRPOConfig") -> ModelFacts:
 
 def _experts_line(p, plan) -> str:
     """MoE: the experts' own mesh (EP x ETP, expert data parallel the rest)."""
-    if p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size is None:
+    if p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size in (None, 1):
         return ""
     etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
     edp = plan.world_size // (etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size)

@@ -366,7 +366,8 @@ class ParallelOptions(_Group):
         1, "MoE: expert parallel size (EP): each rank of an EP group holds num_experts / EP "
            "experts of every layer.")
     expert_tensor_parallel_size: Optional[int] = opt(
-        None, "MoE: expert tensor parallel size (ETP): each expert split over ETP ranks. Unset: TP.")
+        1, "MoE: expert tensor parallel size (ETP): each expert split over ETP ranks. Default 1, "
+           "as ms-swift's (whose MoE scripts rely on it); Megatron-LM's default is the TP size.")
     use_distributed_optimizer: bool = opt(True, "Shard optimizer state over data-parallel ranks.")
 
 

@@ -662,7 +662,7 @@ def _check_moe(cfg: "GRPOConfig", p: Problems) -> None:
     _check_moe_recompute(cfg, p, experts, hf)
     if not experts:
         p.require(par.expert_model_parallel_size == 1 and par.expert_tensor_parallel_size in
-                  (None, par.tensor_model_parallel_size),
+                  (None, 1, par.tensor_model_parallel_size),
                   f"--expert_model_parallel_size {par.expert_model_parallel_size} / "
                   f"--expert_tensor_parallel_size {par.expert_tensor_parallel_size} need a "
                   f"mixture-of-experts model; --model {m.model!r} is dense. Fix: drop them")

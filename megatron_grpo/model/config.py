@@ -192,7 +192,7 @@ def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp
     )
     if family.moe:
         kwargs.update(moe_config_kwargs(hf, family, tp=tp, ep=ep, etp=etp, options=moe))
-    elif ep > 1 or (etp is not None and etp != tp):
+    elif ep > 1 or etp not in (None, 1, tp):
         raise ValueError(f"--expert_model_parallel_size {ep} / --expert_tensor_parallel_size "
                          f"{etp} need a mixture-of-experts model; {family.name} is dense")
     if family.vision:
