@@ -254,37 +254,72 @@ def memory_plan(cfg, world_size: int, ranks_per_machine: int, *,
     of them on one machine. max_prompt_tokens: the longest prompt (None: --max_length, else
     the engine's context); kv_cache_bytes: each engine's KV cache (None: as the run sizes
     it)."""
-    t, p, g, r, m = cfg.training, cfg.parallel, cfg.grpo, cfg.rollout, cfg.model
+    p, m = cfg.parallel, cfg.model
     etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
     split = Split(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                   p.expert_model_parallel_size, etp)
     counts = count_model(m.model, split)
+    seq = _longest_sequence(cfg, max_prompt_tokens)
+    if kv_cache_bytes is None and cfg.rollout.vllm_mode == "colocate" and cfg.rollout.use_vllm:
+        kv_cache_bytes = _kv_cache(cfg, world_size, seq)
+    lines = _state_lines(cfg, counts, split, world_size)
+    lines += _engine_lines(cfg, counts, device, kv_cache_bytes)
+    lines += _transient_lines(cfg, counts, split, seq, world_size, lines)
+    plan = MemoryPlan(lines, ranks_per_machine, device)
+    if options:
+        plan.options = _options(cfg, world_size, ranks_per_machine, plan, max_prompt_tokens,
+                                device, kv_cache_bytes)
+    return plan
+
+
+def _shards(cfg, split: Split, world_size: int) -> tuple[int, int]:
+    """Over how many ranks the distributed optimizer splits the dense and the expert
+    parameters' main weights and Adam state (1, 1 without it)."""
+    p = cfg.parallel
+    if not p.use_distributed_optimizer:
+        return 1, 1
     dp = world_size // (split.tp * split.pp * p.context_parallel_size)
-    shard = dp * p.context_parallel_size if p.use_distributed_optimizer else 1
-    expert_shard = max(1, world_size // (split.ep * split.etp * split.pp)) \
-        if p.use_distributed_optimizer else 1
+    return dp * p.context_parallel_size, max(1, world_size // (split.ep * split.etp * split.pp))
+
+
+def _trained(cfg, counts: ModelCounts) -> tuple[int, int]:
+    """Trained parameters on the rank: (dense, experts); LoRA: the adapters only."""
+    if cfg.training.tuner_type in ("lora", "lora_llm"):
+        return _lora_params(cfg, counts), 0
+    return counts.rank - counts.rank_experts, counts.rank_experts
+
+
+def _state_lines(cfg, counts: ModelCounts, split: Split, world_size: int) -> list:
+    """The model state: weights, gradient buffer, main weights, Adam, other models."""
+    t, g, m = cfg.training, cfg.grpo, cfg.model
     b = _dtype_bytes(bool(t.bf16))
-    lora = t.tuner_type in ("lora", "lora_llm")
-    trained = _lora_params(cfg, counts) if lora else counts.rank
-    trained_experts = 0 if lora else counts.rank_experts
-    dense = trained - trained_experts
+    shard, expert_shard = _shards(cfg, split, world_size)
+    dense, experts = _trained(cfg, counts)
+    over = f", over {shard} DP ranks" if shard > 1 else ""
     lines = [Line("model weights", counts.rank * b,
                   note=f"{counts.rank / 1e6:.0f}M parameters on this rank, "
                        f"{'bf16' if t.bf16 else 'fp32'}"),
-             Line("gradient buffer", trained * 4, note="fp32")]
+             Line("gradient buffer", (dense + experts) * 4, note="fp32")]
     if t.bf16:
-        lines.append(Line("main params", (dense * 4) // shard + (trained_experts * 4) // expert_shard,
-                          note="fp32" + (f", over {shard} DP ranks" if shard > 1 else "")))
-    lines.append(Line("optimizer states", (dense * 8) // shard + (trained_experts * 8) // expert_shard,
-                      note="Adam m, v fp32" + (f", over {shard} DP ranks" if shard > 1 else "")))
-    if g.beta and not lora:
+        lines.append(Line("main params", (dense * 4) // shard + (experts * 4) // expert_shard,
+                          note="fp32" + over))
+    lines.append(Line("optimizer states", (dense * 8) // shard + (experts * 8) // expert_shard,
+                      note="Adam m, v fp32" + over))
+    if g.beta and t.tuner_type not in ("lora", "lora_llm"):
         ref = count_model(m.ref_model, split) if m.ref_model else counts
         lines.append(Line("reference model", ref.rank * b, note="beta > 0"))
     if m.teacher_model:
-        teacher = count_model(m.teacher_model, split)
-        lines.append(Line("teacher model", teacher.rank * b))
-    seq = _longest_sequence(cfg, max_prompt_tokens)
-    if r.vllm_mode == "colocate" and r.use_vllm:
+        lines.append(Line("teacher model", count_model(m.teacher_model, split).rank * b))
+    return lines
+
+
+def _engine_lines(cfg, counts: ModelCounts, device: str, kv_cache_bytes: Optional[int]) -> list:
+    """A colocated vLLM engine, the process's libraries, the tokenizers."""
+    r, m = cfg.rollout, cfg.model
+    b = _dtype_bytes(bool(cfg.training.bf16))
+    lines = []
+    colocated = r.vllm_mode == "colocate" and r.use_vllm
+    if colocated:
         vtp = r.vllm_tensor_parallel_size
         # On a GPU vLLM sleeps while Megatron trains: level 1 frees its KV cache, level 2
         # its weights too (woken for the sync). vLLM-CPU's sleep frees nothing.
@@ -292,52 +327,55 @@ def memory_plan(cfg, world_size: int, ranks_per_machine: int, *,
         lines.append(Line("vLLM weights", counts.total * b // vtp,
                           ("generate", "sync") if asleep and r.sleep_level == 2 else (),
                           note=f"whole model / vLLM TP {vtp}"))
-        if kv_cache_bytes is None:
-            kv_cache_bytes = _kv_cache(cfg, world_size, seq)
-        lines.append(Line("vLLM KV cache", kv_cache_bytes // vtp,
+        lines.append(Line("vLLM KV cache", (kv_cache_bytes or 0) // vtp,
                           ("generate",) if asleep else ()))
         lines.append(Line("vLLM runtime", VLLM_RUNTIME_BYTES))
     lines.append(Line("runtime", RUNTIME_BYTES if device == "cpu" else CUDA_CONTEXT_BYTES,
                       note="libraries, interpreter" if device == "cpu" else "CUDA context"))
     tokenizer = os.path.join(m.model, "tokenizer.json")
     if os.path.isfile(tokenizer):      # host memory: the trainer's copy and vLLM's
-        copies = 2 if r.vllm_mode == "colocate" and r.use_vllm else 1
+        copies = 2 if colocated else 1
         lines.append(Line("tokenizers", copies * TOKENIZER_FACTOR * os.path.getsize(tokenizer),
                           note=f"{copies} loaded, ~{TOKENIZER_FACTOR}x tokenizer.json each"))
-    act = _activation_bytes(cfg, counts, m.model, seq, split)
-    lines.append(Line("activations", act, ("train", "logprobs"),
-                      note=f"micro-batch {t.micro_batch_size} x {seq} tokens, recompute "
-                           f"{t.recompute_granularity or 'none'}"))
+    return lines
+
+
+def _transient_lines(cfg, counts: ModelCounts, split: Split, seq: int, world_size: int,
+                     resident: list) -> list:
+    """What one phase holds on top of the resident state."""
+    t, r = cfg.training, cfg.rollout
+    b = _dtype_bytes(bool(t.bf16))
+    shard, _ = _shards(cfg, split, world_size)
+    dense, _ = _trained(cfg, counts)
+    lora = t.tuner_type in ("lora", "lora_llm")
+    lines = [Line("activations", _activation_bytes(cfg, counts, cfg.model.model, seq, split),
+                  ("train", "logprobs"),
+                  note=f"micro-batch {t.micro_batch_size} x {seq} tokens, recompute "
+                       f"{t.recompute_granularity or 'none'}")]
     # The embedding's gradient in the weights' dtype and the output layer's in fp32 (the
     # fused loss), each before its add into the gradient buffer, and the add's fp32 copy.
-    vocab_grads = 0 if lora else counts.largest * (b + 4 + 4)
-    lines.append(Line("vocab-matrix gradients", vocab_grads, ("train",),
-                      note="embedding / output layer, in backward"))
+    lines.append(Line("vocab-matrix gradients", 0 if lora else counts.largest * (b + 4 + 4),
+                      ("train",), note="embedding / output layer, in backward"))
     # torch's Adam on CPU: a float32 temporary per parameter shard (its denominator) and
     # the clip's scaled copies: about one main-param shard in all with the distributed
     # optimizer (measured), half of it with the plain one.
     lines.append(Line("optimizer temporaries",
                       (dense * 4) // shard + (counts.largest * 4) // shard
-                      if p.use_distributed_optimizer else (dense * 4) // 2 + counts.largest * 4,
-                      ("optimizer",)))
-    bucket = 512 << 20 if not r.move_model_batches else counts.total * b // r.move_model_batches
-    bucket = min(bucket, counts.total * b)
-    lines.append(Line("sync buckets", bucket + counts.largest * split.tp * b, ("sync",),
-                      note="export bucket + transfer buffer"))
-    lines.append(Line("checkpoint save", (_line_bytes(lines, "main params")
-                                          + _line_bytes(lines, "optimizer states")) // 2,
+                      if cfg.parallel.use_distributed_optimizer
+                      else (dense * 4) // 2 + counts.largest * 4, ("optimizer",)))
+    model_bytes = counts.total * b
+    bucket = 512 << 20 if not r.move_model_batches else model_bytes // r.move_model_batches
+    lines.append(Line("sync buckets", min(bucket, model_bytes) + counts.largest * split.tp * b,
+                      ("sync",), note="export bucket + transfer buffer"))
+    lines.append(Line("checkpoint save", (_line_bytes(resident, "main params")
+                                          + _line_bytes(resident, "optimizer states")) // 2,
                       ("save",), note="the writer's copies, at most half the optimizer's state"))
     # (a bucket buffer's pages become resident as far as they are written: no more than
     # the model's bytes)
-    lines.append(Line("final export", min(FINAL_SHARD_BYTES, counts.total * b)
-                      + min(max(FINAL_BUCKET_BYTES, counts.largest * split.tp * b),
-                            counts.total * b), ("export",),
-                      note="rank 0: a safetensors shard + the export bucket"))
-    plan = MemoryPlan(lines, ranks_per_machine, device)
-    if options:
-        plan.options = _options(cfg, world_size, ranks_per_machine, plan, max_prompt_tokens,
-                                device, kv_cache_bytes)
-    return plan
+    lines.append(Line("final export", min(FINAL_SHARD_BYTES, model_bytes)
+                      + min(max(FINAL_BUCKET_BYTES, counts.largest * split.tp * b), model_bytes),
+                      ("export",), note="rank 0: a safetensors shard + the export bucket"))
+    return lines
 
 
 def _line_bytes(lines, name: str) -> int:
