@@ -191,7 +191,6 @@ class MemoryMeter:
         self.host_peak = 0
         self.step = 0
         self.last: dict = {}                     # the last finished phase: name, bytes
-        self.planned: Optional[int] = None       # the plan's bytes for this rank
         if status_dir:
             os.makedirs(status_dir, exist_ok=True)
 
@@ -209,8 +208,7 @@ class MemoryMeter:
             return
         row = {"rank": self.rank, "pid": self.pid, "phase": phase, "state": state,
                "step": self.step, "time": time.time(), "rss": rss(self.pid),
-               "last_phase": self.last.get("phase"), "last_peak": self.last.get("bytes"),
-               "planned": self.planned}
+               "last_phase": self.last.get("phase"), "last_peak": self.last.get("bytes")}
         path = os.path.join(self.status_dir, f"rank-{self.rank}.json")
         tmp = path + ".tmp"
         try:
