@@ -22,7 +22,8 @@ per-parameter temporaries, the sync's buckets, the final export's shard) are add
 the phase that holds them; the plan's peak is the largest phase. `RUNTIME_BYTES` (the
 libraries, the interpreter, vLLM's own state) is a measured constant of the CPU stack
 (tools/bench_peer.py --shapes real, docs/benchmarks.md); on a GPU the device figures
-add the CUDA context and have not been checked against a measured run yet.
+add the CUDA context and have not been checked against a measured run yet. The CPU
+constants were measured on the quickstart's tiny model and the real shape.
 """
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ from .measure import available_bytes, host_budget
 
 GIB = float(1 << 30)
 # The process itself on CPU: Python, torch, Megatron-Core, transformers, vLLM's engine
-# state, the tokenizer and the dataset (measured per rank at the first generation of the
-# real-shape benchmark, minus the planned tensors).
-RUNTIME_BYTES = int(1.45 * GIB)
+# state and the dataset (the quickstart's rank measured, minus its planned tensors).
+RUNTIME_BYTES = int(0.5 * GIB)
+# vLLM-CPU holds its weights about twice: as loaded and as oneDNN's packed copies (measured:
+# 2.06 GB resident for the 0.99 GB bfloat16 model after a heap trim, an engine alone).
+VLLM_CPU_WEIGHT_FACTOR = 2.1
 CUDA_CONTEXT_BYTES = int(0.6 * GIB)     # a GPU's context and allocator slack (not measured)
 VLLM_RUNTIME_BYTES = int(0.1 * GIB)     # vLLM's sampler and scheduler buffers beside its weights
 # A fast tokenizer in memory against its tokenizer.json (measured: Qwen2.5's 151,665 tokens,
@@ -324,9 +327,11 @@ def _engine_lines(cfg, counts: ModelCounts, device: str, kv_cache_bytes: Optiona
         # On a GPU vLLM sleeps while Megatron trains: level 1 frees its KV cache, level 2
         # its weights too (woken for the sync). vLLM-CPU's sleep frees nothing.
         asleep = device == "cuda" and r.sleep_level > 0
-        lines.append(Line("vLLM weights", counts.total * b // vtp,
+        factor = VLLM_CPU_WEIGHT_FACTOR if device == "cpu" else 1.0
+        lines.append(Line("vLLM weights", int(counts.total * b * factor) // vtp,
                           ("generate", "sync") if asleep and r.sleep_level == 2 else (),
-                          note=f"whole model / vLLM TP {vtp}"))
+                          note=f"whole model / vLLM TP {vtp}"
+                               + (f", x{factor:g}: loaded and oneDNN-packed" if factor != 1 else "")))
         lines.append(Line("vLLM KV cache", (kv_cache_bytes or 0) // vtp,
                           ("generate",) if asleep else ()))
         lines.append(Line("vLLM runtime", VLLM_RUNTIME_BYTES))
