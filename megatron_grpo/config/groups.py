@@ -91,9 +91,10 @@ def adapter_covers_tower(target_modules) -> tuple[bool, bool]:
             bool(re.fullmatch(target_modules, "model.visual.merger.mlp.0")))
 
 
-# ms-swift's defaults of --scale_rewards and --kl_in_reward for each --advantage_estimator
-# (its arguments' post-init), where the user leaves them unset; algorithms/advantages.py
-# applies the same ones to direct calls.
+# The defaults of --scale_rewards and --kl_in_reward for each --advantage_estimator, where
+# the user leaves them unset: those of ms-swift's `swift rlhf` GRPO arguments (their
+# post-init); its Megatron arguments default to group and false for every estimator.
+# algorithms/advantages.py applies the same ones to direct calls.
 DEFAULT_NUM_TRAIN_EPOCHS = 3.0
 DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
 DEFAULT_KL_IN_REWARD = {"grpo": False, "rloo": True, "reinforce_plus_plus": True}
@@ -253,8 +254,10 @@ class TrainingOptions(_Group):
     adam_beta2: float = opt(0.95, "Adam beta2.")
     adam_eps: float = opt(1e-8, "Adam epsilon.")
     bf16: Optional[bool] = opt(None, "Train in bfloat16 (and sample in it when vLLM is "
-                                     "colocated). None: from the model's config.json dtype, as "
-                                     "ms-swift: true for bfloat16 or float16, false for float32.")
+                                     "colocated). None: from the model's config.json dtype: true "
+                                     "for bfloat16 (as ms-swift) and for float16 (ms-swift trains "
+                                     "those in fp16, which is not supported here), false for "
+                                     "float32.")
     seed: int = opt(42, "Seed of python, numpy, torch, the data order and vLLM sampling.")
     recompute_granularity: Literal["selective", "full", "none"] = opt(
         "selective", "Megatron's activation recomputation: selective recomputes the "

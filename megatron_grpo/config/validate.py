@@ -551,10 +551,10 @@ def _check_model_options(cfg: "GRPOConfig", p: Problems) -> None:
 
 
 def model_trains_in_bf16(model: Optional[str]) -> bool:
-    """What `--bf16` unset means, as in ms-swift (the dtype follows the checkpoint): True
+    """What `--bf16` unset means (the dtype follows the checkpoint, as in ms-swift): True
     for a model whose config.json (its text part for a vision-language one) names bfloat16
-    or float16 as its dtype (fp16 training is not supported; bf16 has fp16's precision
-    and fp32's range), False for float32 or none named."""
+    or float16 as its dtype (ms-swift trains a float16 one in fp16, which is not supported
+    here; bf16 has fp16's precision and fp32's range), False for float32 or none named."""
     hf = _hf_config(model)
     if hf is None:
         return False
