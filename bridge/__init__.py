@@ -1,6 +1,6 @@
 """HF <-> Megatron weights for the Llama / Qwen2 / Qwen3 families.
 
-Three layers with narrow contracts (STYLE.md point 6):
+Three layers with narrow contracts:
 - `bridge.mappings`: declarative per-family rules, HF name <-> Megatron name, TP split
   and fused layouts (pure arithmetic, no process groups);
 - `bridge.load`: HF safetensors -> this rank's shards, each rank reading only its slices;

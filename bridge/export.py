@@ -3,7 +3,7 @@
     for bucket in export_hf_weights(chunks, config, args, bucket_size_bytes=256 << 20):
         engine.load_weights(bucket)       # [(hf_name, tensor), ...]; done with it before the next
 
-The contract (DESIGN.md, "Bridge stream"):
+The contract (docs/architecture.md, "Bridge stream"):
 - every rank of the world receives the whole stream: the pipeline stage that holds a
   tensor gathers its TP shards (that one tensor, never a whole layer or model) and
   broadcasts it over its pipeline group;

@@ -1,4 +1,4 @@
-"""The GRPO loop (DESIGN.md "One training step"; docs/architecture.md maps each phase to
+"""The GRPO loop (docs/architecture.md maps each phase to
 its module):
 
     build the run                                        train/run.py

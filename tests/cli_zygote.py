@@ -6,7 +6,7 @@ CLI's heavy modules once (a "zygote"), instead of new interpreters.
 
 A new `python -m megatron_grpo.cli` imports torch, Megatron, transformers and vLLM before
 it forks its workers: ~7 CPU s per launch here, ~40 launches in the suite, on 2 cores that
-were busy anyway (session 12, docs/benchmarks.md). The command above runs a small client
+were busy anyway. The command above runs a small client
 of this file instead (standard library only, no site packages: ~30 ms). It hands its argv,
 environment, working directory and its stdin/stdout/stderr file descriptors to the zygote
 over a Unix socket; the zygote forks, and the fork runs the module as `python -m` does

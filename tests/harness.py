@@ -73,7 +73,7 @@ def free_port() -> int:
     """A TCP port that nothing on this machine is bound to now, picked at random below the
     kernel's ephemeral range: the kernel never gives such a port to an outgoing connection
     (a test's HTTP client, vLLM's sockets), which took a port picked by bind(0) between
-    the pick and a trainer's bind (EADDRINUSE, session 12). The kernel's own pick where
+    the pick and a trainer's bind (EADDRINUSE). The kernel's own pick where
     the range leaves no room below it."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

@@ -1,7 +1,7 @@
 """Single-process tests of the bridge's declarative mappings (bridge/mappings).
 
 The layouts are checked against Megatron layouts built here independently, from
-DESIGN.md's description ("linear_qkv per query group [q heads of the group, k, v]",
+docs/architecture.md's description ("linear_qkv per query group [q heads of the group, k, v]",
 "linear_fc1 = [gate_shard; up_shard] per TP rank", vocab padded then split), on tensors
 whose every entry is distinct, so a misplaced row or a wrong replica fails.
 """

@@ -114,7 +114,7 @@ def _preloaded_and_vllm(rank, world, start_engine_part):
 
     preloaded = all(m in sys.modules for m in ("torch", "megatron.core", "transformers", "vllm"))
     # ... and frozen out of the collector's passes (a world's teardown collects: over the
-    # preloaded modules' objects, ~40 % of a harness file's CPU, session 12)
+    # preloaded modules' objects, ~40 % of a harness file's CPU)
     preloaded &= gc.get_freeze_count() > 200_000
     from vllm import SamplingParams  # noqa: F401 - preloaded: no engine, no retirement
 
@@ -155,7 +155,7 @@ def test_ranks_are_forks_with_the_heavy_imports_done_and_vllm_use_retires_them()
 
 def test_free_port_is_below_the_ephemeral_range_and_bindable():
     """Outgoing connections take ephemeral ports: a port picked there could be taken
-    between the pick and a trainer's bind (it happened to a CI run, session 12)."""
+    between the pick and a trainer's bind (it happened to a CI run)."""
     from tests.harness import free_port
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

@@ -121,8 +121,8 @@ def guess_model(tmp_path_factory):
 
 def _learning_argv(model, out, *extra, steps):
     """The quickstart's recipe (DP=2, 8 samples of 4 prompts a step, lr 3e-3) in float32
-    (the thresholds below were set on float32 runs; the quickstart itself runs in bf16 since
-    session 15, whose samples differ from the same seed's), 2 turns of up to 16 tokens, every
+    (the thresholds below were set on float32 runs; the quickstart itself runs in bf16,
+    whose samples differ from the same seed's), 2 turns of up to 16 tokens, every
     step's trajectories in completions.jsonl."""
     return ["--config", os.path.join(ROOT, "configs", "quickstart_cpu.yaml"), "--model", model,
             "--output_dir", out, "--bf16", "false", "--max_turns", "2", "--max_length", "400",

@@ -1,6 +1,6 @@
 """The GRPO step through Megatron: gradients independent of how the step is split.
 
-Holds megatron_grpo.train.engine to the normalisation contract (DESIGN.md): the
+Holds megatron_grpo.train.engine to the normalisation contract (docs/architecture.md, "Loss normalisation"): the
 gradient of one optimizer step is the gradient of the global loss `loss_type` defines,
 for DP=1 x 4 micro-batches, DP=2 x 2 micro-batches and one micro-batch alike; and a
 TP=2 model's gradients equal TP=1's.

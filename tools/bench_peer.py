@@ -18,7 +18,7 @@ Shapes (SHAPES below):
                 packed micro-batches; bfloat16 on both sides (`--bf16 true`, which the TRL
                 side follows: TRL's own GRPOConfig default; ours in Megatron's bf16 with
                 fp32 main weights, TRL in autocast). `--ours-args="--bf16 false"` runs
-                both sides in float32 (the shape's setting until session 13)
+                both sides in float32
     real        (opt-in: `--shapes real`) the exact architecture of Qwen2.5-0.5B-Instruct:
                 qwen2, 24 layers, hidden 896, 14 heads / 2 KV heads, intermediate 4864,
                 vocab 151,936, tied embeddings, bfloat16, max positions 32,768, rope_theta

@@ -10,9 +10,9 @@ from (ranks of the harness's fork server, forks of the CLI zygote, `megatron` la
 and their workers, vLLM's engine processes). Prints the run's wall time, the sampled busy
 CPU against the cores' capacity, then the files and the tests with the most CPU, each
 file with its largest kinds of process. Processes that live less than a second are
-missed, so the figures are a lower bound (they covered 85-90 % of 2 cores in session 12).
+missed, so the figures are a lower bound.
 
-Use it to find the next cut in the suite (issue 12); docs/benchmarks.md, session 12.
+Use it to find the next cut in the suite.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Loss aggregation: per-token coefficients from GLOBAL counts (DESIGN.md "Loss normalisation").
+"""Loss aggregation: per-token coefficients from GLOBAL counts (docs/architecture.md, "Loss normalisation").
 
 Contract. One optimizer step is split over data-parallel ranks and micro-batches in any
 way; the loss (and so the gradient) of the step must not depend on that split. Each

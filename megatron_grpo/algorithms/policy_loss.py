@@ -417,7 +417,7 @@ def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class LossConfig:
     """The options of the per-token loss (ms-swift's names and defaults), built once per run
     and passed whole to `compute_policy_loss`: a new loss option is a field here, its
-    config option, and its test (STYLE.md, "Options travel whole"). Checked on
+    config option, and its test (docs/architecture.md, "Options travel whole"). Checked on
     construction, so a bad value fails before any start-up.
     """
     loss_type: str = "grpo"

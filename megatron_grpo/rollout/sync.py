@@ -5,7 +5,7 @@
     completions = engine.generate(...)
     sync.take_back()          # colocate: vLLM asleep, trainer memory back
     ... optimizer steps ...
-    info = sync()             # stream the new weights into vLLM (DESIGN.md step 7)
+    info = sync()             # stream the new weights into vLLM (docs/architecture.md, step 7)
 
 A sync streams the bridge's HF buckets (`bridge.export_hf_weights`) into the engine
 bucket by bucket. Every trainer rank iterates the stream (the export is collective);

@@ -1,6 +1,6 @@
 """Megatron glue: per-token log-probs through the pipeline schedule, and one GRPO step.
 
-This is the one place where Megatron's own loss scalings meet ours (STYLE.md point 3).
+This is the one place where Megatron's own loss scalings meet ours.
 The pure GRPO math (megatron_grpo.algorithms) defines, per micro-batch, an additive
 share `L_mb` of the optimizer step's loss, so that sum over micro-batches and DP ranks
 of L_mb is the global loss of `loss_type`. Megatron then scales what the loss function
@@ -320,7 +320,7 @@ def step_entropy_threshold(chunks, micro_batches: list[dict], opts: LossOptions,
     forward-only pass with the weights the step's training pass will use.
 
     A per-micro-batch quantile would make the step's loss depend on how it is split into
-    micro-batches and DP ranks; this one does not (DESIGN.md, loss normalisation). Costs a
+    micro-batches and DP ranks; this one does not (docs/architecture.md, "Loss normalisation"). Costs a
     forward pass per step. Returns the 0-d float64 threshold on the last pipeline stage,
     None elsewhere (only the last stage computes the loss).
     """

@@ -41,7 +41,7 @@ model/vision.py switches the mrope module's own CP slice off.
 
 L = S for cp = 1 (the row view is then the padded layout itself); max_i m_i / cp under CP
 (the layout of a CP shard). The loss runs on the row view exactly as on a padded batch or
-CP shard, so packing changes neither the loss nor its normalisation (DESIGN.md).
+CP shard, so packing changes neither the loss nor its normalisation (docs/architecture.md, "Loss normalisation").
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The rollout phase of a step (DESIGN.md steps 1-5): generate -> score -> gather ->
+"""The rollout phase of a step (docs/architecture.md, steps 1-5): generate -> score -> gather ->
 old/ref log-probs -> advantages, one generation batch as training Samples
 (`rollout_phase`).
 
@@ -528,7 +528,7 @@ class RolloutBatch:
 
 
 def rollout_phase(run) -> RolloutBatch:
-    """DESIGN.md steps 1-5 for the next steps_per_generation optimizer steps: sample and
+    """Steps 1-5 (docs/architecture.md) for the next steps_per_generation optimizer steps: sample and
     score (vLLM holds the device meanwhile), then old (off-policy) and reference
     log-probs before any update of the batch, then the advantages (after the log-probs:
     with kl_in_reward the KL is part of the reward). `run`: a train.run.Run."""

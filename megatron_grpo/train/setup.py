@@ -1,4 +1,4 @@
-"""Building a run from its config, in order (STYLE.md: builders, one role each).
+"""Building a run from its config, in order.
 
     dims = build_parallel(cfg)                       # torch.distributed + Megatron groups
     model = build_policy(cfg)                        # chunks (DDP), optimizer, scheduler

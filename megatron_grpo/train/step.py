@@ -1,8 +1,8 @@
-"""One optimizer step (DESIGN.md step 6): the k-th share of a generation batch through
+"""One optimizer step (docs/architecture.md, step 6): the k-th share of a generation batch through
 Megatron's schedule (train/engine.py), the optimizer and the LR scheduler, and the
 step's metrics reduced over data-parallel ranks.
 
-The loss of the step is the global quantity of `loss_type` (DESIGN.md, loss
+The loss of the step is the global quantity of `loss_type` (docs/architecture.md, loss
 normalisation): its normaliser comes from the token counts of the whole step (every DP
 rank's samples) and, for dapo/cispo, of the whole generation batch.
 """
