@@ -87,7 +87,7 @@ def checkpoint_tensors(model_dir: str) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Split:
-    """How the run splits a model: tp, pp, ep, etp sizes and the vocabulary's padding."""
+    """How the run splits a model: its tp, pp, ep and etp sizes."""
     tp: int = 1
     pp: int = 1
     ep: int = 1
@@ -431,21 +431,21 @@ def _options(cfg, world_size, ranks_per_machine, plan, max_prompt_tokens, device
     dp = world_size // (tp * p.pipeline_model_parallel_size * p.context_parallel_size)
     if dp > 1 and not p.use_distributed_optimizer:
         tries.append(("--use_distributed_optimizer true",
-                      lambda: _with(cfg, parallel=replace(p, use_distributed_optimizer=True))))
+                      lambda: replace(cfg, parallel=replace(p, use_distributed_optimizer=True))))
     if dp % 2 == 0:
         tries.append((f"--tensor_model_parallel_size {tp * 2}",
-                      lambda: _with(cfg, parallel=replace(p, tensor_model_parallel_size=tp * 2))))
+                      lambda: replace(cfg, parallel=replace(p, tensor_model_parallel_size=tp * 2))))
     if t.micro_batch_size > 1:
         half = max(1, t.micro_batch_size // 2)
         tries.append((f"--micro_batch_size {half}",
-                      lambda: _with(cfg, training=replace(t, micro_batch_size=half))))
+                      lambda: replace(cfg, training=replace(t, micro_batch_size=half))))
     if (t.recompute_granularity or "none") != "full":
         tries.append(("--recompute_granularity full",
-                      lambda: _with(cfg, training=replace(t, recompute_granularity="full",
+                      lambda: replace(cfg, training=replace(t, recompute_granularity="full",
                                                           recompute_method="uniform",
                                                           recompute_num_layers=1))))
     if g.beta and t.tuner_type not in ("lora", "lora_llm") and not cfg.model.ref_model:
-        tries.append(("--beta 0", lambda: _with(cfg, grpo=replace(g, beta=0.0))))
+        tries.append(("--beta 0", lambda: replace(cfg, grpo=replace(g, beta=0.0))))
     out = []
     for what, make in tries:
         try:
@@ -459,9 +459,6 @@ def _options(cfg, world_size, ranks_per_machine, plan, max_prompt_tokens, device
             out.append((what, saved))
     return sorted(out, key=lambda x: -x[1])
 
-
-def _with(cfg, **groups):
-    return replace(cfg, **groups)
 
 
 # ---------------------------------------------------------------- for the command line
