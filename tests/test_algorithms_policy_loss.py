@@ -344,7 +344,7 @@ def test_loss_type_params_reject_bad_values(bad):
         LossTypeParams(**bad)
 
 
-# ---------------------------------------------------------------- padding may hold anything (issue 11)
+# ---------------------------------------------------------------- padding may hold anything
 
 PADDED_INPUTS = ("logps", "old", "ref", "rollout", "adv", "entropy")
 

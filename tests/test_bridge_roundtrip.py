@@ -154,7 +154,7 @@ def test_bridge_roundtrip_bit_exact(family_world):
 
 
 def test_bridge_hf_logits_parity(family_world):
-    """Also issue 2's HF-parity criterion: the Megatron model built and loaded from an HF
+    """Also the HF-parity criterion: the Megatron model built and loaded from an HF
     checkpoint gives HF's logits in fp32."""
     from transformers import AutoModelForCausalLM
 

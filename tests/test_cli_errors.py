@@ -85,8 +85,9 @@ def test_every_problem_in_one_message_from_the_parser_stage(setup_files):
     assert "--tensor_model_paralel_size. Did you mean: --tensor_model_parallel_size" in body[0]
     assert "--lerning_rate" in body[1] and "--learning_rate" in body[1]
     # An ms-swift flag not supported yet: its own line with the feature, no suggestion.
-    assert body[2].endswith("--moe_enable_deepep is an ms-swift option not supported yet "
-                            "(MoE, issue 16)"), body[2]
+    assert body[2].endswith("--moe_enable_deepep is an ms-swift option not supported yet: "
+                            "MoE kernels and router variants (DeepEP, shared-expert overlap, "
+                            "expert bias)"), body[2]
     rest = "\n".join(body[3:])
     for part in ["--loss_type 'ppo'", "--epsilon 'x'", "missing.jsonl", "--reward_funcs 'acuracy'",
                  "world size 2", "tensor_model_parallel_size 3"]:

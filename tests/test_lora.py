@@ -1,4 +1,4 @@
-"""LoRA on Megatron against PEFT (issue 15): one 2-rank gloo world, TP=1, TP=2, PP=2, TP=2+SP,
+"""LoRA on Megatron against PEFT: one 2-rank gloo world, TP=1, TP=2, PP=2, TP=2+SP,
 PP=2 x VPP=2 (interleaved schedule, 4 micro-batches), CP=2 (sequence split, padded).
 
 The reference is an independent implementation: a tiny Qwen2 in HF transformers wrapped

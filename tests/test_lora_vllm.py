@@ -1,4 +1,4 @@
-"""LoRA sync into vLLM (issue 15): vLLM's log-probs equal HF with the merged adapter.
+"""LoRA sync into vLLM: vLLM's log-probs equal HF with the merged adapter.
 
 A tiny Qwen2 and PEFT adapters on every linear (random A and B, so every adapter moves
 the log-probs) are loaded into a Megatron TP=2 model (bridge + megatron_grpo/model/lora_peft.py).

@@ -1,4 +1,4 @@
-"""Mixture-of-experts (issue 16): Qwen3-MoE / Qwen2-MoE on Megatron-Core's MoE layer.
+"""Mixture-of-experts: Qwen3-MoE / Qwen2-MoE on Megatron-Core's MoE layer.
 
 One 4-rank gloo world runs every layout in turn, on a tiny Qwen3-MoE (4 experts, top-2,
 norm_topk_prob) and a tiny Qwen2-MoE (shared expert with its sigmoid gate, no top-k

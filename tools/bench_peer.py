@@ -1,4 +1,4 @@
-"""megatron-grpo against Hugging Face TRL's GRPOTrainer, side by side (issue 13).
+"""megatron-grpo against Hugging Face TRL's GRPOTrainer, side by side.
 
 One invocation runs, one after the other, per shape and round: our trainer (`megatron
 rlhf`, launched as the quickstart launches it: NPROC_PER_NODE=N, OMP_NUM_THREADS=1 per

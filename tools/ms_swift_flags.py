@@ -56,7 +56,7 @@ def render() -> str:
         f"commit {sf.MS_SWIFT_REVISION[:8]}), by the argument class that declares it, then the "
         "ms-swift 3.x names older scripts carry. A flag not supported yet is refused in the "
         "collected error with one line naming its feature, e.g. `--moe_permute_fusion is an "
-        "ms-swift option not supported yet (MoE, issue 16)`; nothing is silently ignored. Where "
+        "ms-swift option not supported yet: MoE kernels ...`; nothing is silently ignored. Where "
         "such a flag switches on what is not done here (a GPU fusion, an offload), its `false` "
         "is what runs here and is accepted (`--gradient_accumulation_fusion false`). "
         "`megatron rlhf --help` gives each implemented option's meaning and default.",

@@ -1,4 +1,4 @@
-"""Where one GRPO step of ours spends its time, per phase and per rank (issue 13).
+"""Where one GRPO step of ours spends its time, per phase and per rank.
 
 Runs our trainer (`megatron rlhf`, the shape's config from tools/bench_peer.py SHAPES,
 default the quickstart as shipped: 2 processes, colocated vLLM) under torchrun for

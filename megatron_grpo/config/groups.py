@@ -60,7 +60,7 @@ def bad_choice(name: str, value: Any, annotation: Any) -> Optional[str]:
             shown = ", ".join(str(c) for c in choices)
             feature = UNSUPPORTED_VALUES.get((name, str(v)))
             if feature:
-                return (f"--{name} {v!r} is an ms-swift value not supported yet ({feature}); "
+                return (f"--{name} {v!r} is an ms-swift value not supported yet: {feature}; "
                         f"allowed values: {shown}")
             return (f"--{name} {v!r} is not a valid choice; allowed values: {shown}. "
                     f"Fix: pass one of them, e.g. --{name} {choices[0]}")

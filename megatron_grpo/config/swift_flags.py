@@ -4,7 +4,8 @@ A script ported from `swift megatron rlhf` must not stop at "unknown option" nor
 flag silently dropped: each ms-swift flag here is either an option of ours (groups.py,
 or an alias), or rejected in the collected error with the feature it belongs to:
 
-    --moe_enable_deepep is an ms-swift option not supported yet (MoE, issue 16)
+    --moe_enable_deepep is an ms-swift option not supported yet: MoE kernels and router variants (DeepEP,
+    shared-expert overlap, expert bias)
 
 MS_SWIFT_FLAGS lists the names by the ms-swift argument class that declares them
 (`swift megatron rlhf` parses MegatronRLHFArguments; its bases are listed in MRO order),
@@ -188,13 +189,13 @@ LEGACY_FLAGS: Tuple[str, ...] = _names("""
     use_shared_expert_gate v_head_dim wandb_save_dir window_attn_skip_freq window_size
 """)
 
-# Flags not supported yet, by the feature (an issue where one is filed) they belong to.
+# Flags not supported yet, by the feature they belong to.
 UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
-    "LoRA, issue 15": """
+    "LoRA variants (mcore adapters, target_regex, LoRA bias and dtype, tuner backends)": """
         mcore_adapter mcore_ref_adapter target_regex lora_bias lora_dtype
         tuner_backend use_swift_lora adapter_load ref_adapter_load
     """,
-    "MoE, issue 16": """
+    "MoE kernels and router variants (DeepEP, shared-expert overlap, expert bias)": """
         moe_enable_deepep moe_shared_expert_overlap
         experts_impl moe_apply_probs_on_input moe_router_bias_update_rate
         moe_router_enable_expert_bias
@@ -206,10 +207,10 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         moe_router_topk_scaling_factor moe_shared_expert_intermediate_size num_experts
         use_shared_expert_gate
     """,
-    "multi-turn, issue 17": """
+    "agent templates (multi-turn rollouts use the chat template)": """
         agent_template
     """,
-    "vision-language, issue 18": """
+    "vision-language tuning options (ViT learning rate and recompute, mrope overrides, bbox normalisation)": """
         vit_gradient_checkpointing vit_gradient_checkpointing_kwargs
         vit_attn_impl vit_lr aligner_lr norm_bbox vllm_mm_processor_cache_gb
         language_model_only mrope_interleaved mrope_section
@@ -435,4 +436,4 @@ def rejection(name: str) -> Optional[str]:
     if feature is None:
         return None
     off = f"; --{name} false (what runs here) is accepted" if name in OFF_HERE else ""
-    return f"--{name} is an ms-swift option not supported yet ({feature}){off}"
+    return f"--{name} is an ms-swift option not supported yet: {feature}{off}"

@@ -1,4 +1,4 @@
-"""LoRA adapters on Megatron-Core's own tensor-parallel linears (issue 15).
+"""LoRA adapters on Megatron-Core's own tensor-parallel linears.
 
     settings = LoraSettings(rank=8, alpha=16, targets=parse_target_modules(["all-linear"]))
     apply_lora(chunks, config, args, settings)    # before wrap_ddp: base frozen, adapters added
