@@ -15,7 +15,7 @@ import os
 import sys
 import warnings
 
-from . import launch
+from . import console, launch
 
 USAGE = """usage: megatron <command> [options]
 
@@ -39,6 +39,8 @@ def _rlhf(argv: list[str]) -> int:
         print(rlhf_help())
         return 0
     argv, nproc = launch.pop_nproc_flag(argv)
+    if launch.in_torchrun():     # a worker of a quiet launcher: its output to its own log
+        console.quiet_worker(int(os.environ.get("RANK", "0")))
     world_size, env_problem = None, None
     try:
         spec = launch.launch_spec(nproc)
@@ -76,6 +78,7 @@ def _rlhf(argv: list[str]) -> int:
     if not launch.in_torchrun():
         plan = _check_memory(cfg, spec, dataset)
         spec = launch.fresh_port(spec)   # picked free again: the plan took a while
+    _route_output(cfg, spec)
     if spec.world_size > 1 and not launch.in_torchrun():
         code = launch.relaunch("rlhf", argv, spec, preload=lambda: _import_rank_modules(cfg),
                                fork_main=main, plan=plan)
@@ -125,6 +128,34 @@ def _check_image_prompts(cfg, dataset, val_dataset, problems) -> None:
         vision = VisionProcessor(cfg.model.model, cfg.data.max_pixels)
         vision.check_placeholders(dataset, "--dataset")
         vision.check_placeholders(val_dataset, "--val_dataset")
+
+
+def _route_output(cfg, spec) -> None:
+    """Where the run's output goes (--log_level): the libraries' to OUTPUT_DIR/logs/, the
+    user's (plan, progress, warnings, result) to the console; the launcher says so once.
+    A worker of a quiet launcher moved its output already (quiet_worker) and now shows
+    the package's warnings; one started by torchrun (several nodes) moves its own."""
+    level = cfg.logging.log_level
+    if level == "debug":
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG")
+    if level not in ("warning", "error"):
+        return
+    logs = os.path.join(cfg.logging.output_dir, "logs")
+    if launch.in_torchrun():
+        rank = int(os.environ.get("RANK", "0"))
+        if console.log_path() is None:
+            console.quiet(os.path.join(logs, f"rank-{rank}.log"), level)
+        else:
+            console.route_package_logs(level)
+        return
+    if spec.nnodes > 1:
+        return            # torchrun's workers: each moves its own output (above)
+    console.quiet(os.path.join(logs, "launcher.log" if spec.world_size > 1 else "rank-0.log"),
+                  level)
+    note = (" (on a CPU they note the GPU kernels they fall back from: harmless)"
+            if _memory_device() == "cpu" else "")
+    console.say(f"[megatron] output in {cfg.logging.output_dir}; the libraries' messages in "
+                f"{logs}/{note}")
 
 
 def _memory_device() -> str:
@@ -258,7 +289,7 @@ def _dispatch(argv: list[str]) -> int:
         return COMMANDS[command](rest)
     except ValueError as e:
         # User errors: one line per problem, no traceback.
-        print(f"megatron {command}: error: {e}", file=sys.stderr)
+        print(f"megatron {command}: error: {e}", file=console.err(), flush=True)
         return 2
 
 

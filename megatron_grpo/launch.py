@@ -30,10 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable
+
+from . import console
 
 
 @dataclass(frozen=True)
@@ -227,9 +228,17 @@ def describe_failure(status_dir: str, rank: int, code: int) -> str | None:
 
 
 def report_failure(status_dir: str, rank: int, code: int) -> None:
+    """The first failing worker, on the console: what it was doing when a signal killed
+    it; for an error exit (its traceback is on the console already) where its log is."""
     text = describe_failure(status_dir, rank, code)
+    folder = os.environ.get(console.LOG_DIR_ENV)
+    if text is None and folder:
+        text = (f"[megatron] rank {rank} failed (exit code {code}); its output: "
+                f"{os.path.join(folder, f'rank-{rank}.log')}")
+    elif text and folder:
+        text += f"\n  its output: {os.path.join(folder, f'rank-{rank}.log')}"
     if text:
-        print(text, file=sys.stderr, flush=True)
+        console.warn(text)
 
 
 FORK_NOTE = "as forks of this process"     # what the launcher prints when it forks
@@ -332,9 +341,9 @@ def _forked_worker(main: Callable[[], int], env: dict) -> None:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
+            console.warn(str(e.code))
     except BaseException:
-        traceback.print_exc()
+        console.report_exception(*sys.exc_info())
     finally:
         try:
             sys.stdout.flush()
@@ -399,8 +408,9 @@ def run_workers(workers: list, poll_s: float = 0.1, grace_s: float = 10.0,
     one fails, the others (waiting in a collective for it, as likely as not) are stopped
     (SIGTERM, SIGKILL after grace_s) and its exit code is returned. A SIGTERM to this
     process stops them as well; Ctrl-C reaches them through the terminal's process group."""
-    return _supervise([subprocess.Popen(argv, env=env) for argv, env in workers], poll_s, grace_s,
-                      on_failure)
+    fds = console.inherited_fds()      # a quiet launcher's console, for rank 0's progress
+    return _supervise([subprocess.Popen(argv, env=env, pass_fds=fds) for argv, env in workers],
+                      poll_s, grace_s, on_failure)
 
 
 def _stop(procs: list, grace_s: float) -> None:

@@ -137,3 +137,19 @@ def test_swanlab_offline(tmp_path, monkeypatch):
     assert got.keys() == want.keys()
     for step, values in want.items():
         assert got[step] == pytest.approx(values, rel=1e-12)
+
+
+def test_a_resume_restores_the_checkpoint_steps_row_when_the_crash_lost_it(tmp_path):
+    """A run killed between a checkpoint's save and its step's metrics row: the resumed
+    run writes the row the checkpoint kept, once; rows after the checkpoint are dropped."""
+    out = str(tmp_path)
+    path = os.path.join(out, "metrics.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps({"step": 1, "reward": 0.1}) + "\n")
+        f.write(json.dumps({"step": 3, "reward": 0.3}) + "\n")     # after the checkpoint
+    for _ in range(2):     # a second resume from the same checkpoint adds nothing
+        RunLogger(out, 4, start_step=2, last_row={"reward": 0.2, "loss": 1.0},
+                  report_to=()).close()
+        with open(path) as f:
+            rows = [json.loads(line) for line in f]
+        assert rows == [{"step": 1, "reward": 0.1}, {"step": 2, "loss": 1.0, "reward": 0.2}]

@@ -592,10 +592,18 @@ class LoggingOptions(_Group):
                                           "Megatron's --save is accepted too.")
     save_steps: int = opt(500, "Checkpoint every N optimizer steps (and at the end).")
     save_total_limit: Optional[int] = opt(None, "Keep at most N checkpoints; None: all.")
-    logging_steps: int = opt(5, "Print a line of metrics every N steps; metrics.jsonl and "
+    logging_steps: int = opt(5, "Print a line of metrics every N steps (on a terminal, the "
+                                "progress bar shows them at every step); metrics.jsonl and "
                                 "tensorboard/wandb/swanlab get every step (as Megatron's "
                                 "tensorboard at its default tensorboard_log_interval 1).")
     log_completions: bool = opt(False, "Write prompts, completions and rewards to completions.jsonl.")
+    log_level: Literal["debug", "info", "warning", "error"] = opt(
+        "warning", "What reaches the console. warning: the plan, the progress (a bar on a "
+                   "terminal, else a line every logging_steps), warnings and the result; "
+                   "the output of the libraries (vLLM, Megatron-Core, torch, gloo) goes to "
+                   "output_dir/logs/ (launcher.log, rank-N.log). error: the same without "
+                   "this package's warnings (they stay in the logs). info: everything on "
+                   "the console as the libraries print it; debug: also vLLM's debug lines.")
     save_safetensors: bool = opt(True, "The trained model is written as HF safetensors "
                                        "(final_hf/), always: false is refused.")
     report_to: Optional[List[Literal["tensorboard", "wandb", "swanlab", "none"]]] = opt(

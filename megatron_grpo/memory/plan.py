@@ -28,6 +28,7 @@ constants were measured on the quickstart's tiny model and the real shape.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import struct
@@ -447,9 +448,15 @@ def _options(cfg, world_size, ranks_per_machine, plan, max_prompt_tokens, device
     if g.beta and t.tuner_type not in ("lora", "lora_llm") and not cfg.model.ref_model:
         tries.append(("--beta 0", lambda: replace(cfg, grpo=replace(g, beta=0.0))))
     out = []
+    config_log = logging.getLogger("megatron_grpo.config")
     for what, make in tries:
         try:
-            alt = memory_plan(make(), world_size, ranks_per_machine,
+            disabled, config_log.disabled = config_log.disabled, True
+            try:    # a variant's option checks: its warnings are not about the run started
+                alt_cfg = make()
+            finally:
+                config_log.disabled = disabled
+            alt = memory_plan(alt_cfg, world_size, ranks_per_machine,
                               max_prompt_tokens=max_prompt_tokens, device=device,
                               kv_cache_bytes=kv, options=False)
         except (ValueError, TypeError, ZeroDivisionError, KeyError):

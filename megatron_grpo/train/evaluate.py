@@ -36,6 +36,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from .. import console
 from ..algorithms import reward_metrics
 from ..rewards import TrainerState
 from .rollout_step import GenerationBatch, generate_and_score
@@ -182,8 +183,7 @@ class Evaluator:
             shown = ", ".join(f"{k[5:]}={metrics[k]:.4g}" for k in
                               ["eval/reward", "eval/reward_std", "eval/completions/mean_length",
                                "eval/teacher_kl"] if k in metrics)
-            print(f"[megatron-grpo] eval at step {step}: {len(index)} prompts x {self.n}: {shown}",
-                  flush=True)
+            console.say(f"[megatron-grpo] eval at step {step}: {len(index)} prompts x {self.n}: {shown}")
 
 
 def build_evaluator(cfg, dataset, **kwargs) -> Optional[Evaluator]:
@@ -200,7 +200,6 @@ def build_evaluator(cfg, dataset, **kwargs) -> Optional[Evaluator]:
         except ValueError as e:    # its message is about --dataset
             raise ValueError(str(e).replace("prompt of --dataset", "validation prompt")) from None
         if dropped and dist.get_rank() == 0:
-            print(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} validation "
-                  f"prompts longer than --max_length {cfg.data.max_length}; {len(dataset)} left",
-                  flush=True)
+            console.say(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} validation "
+                        f"prompts longer than --max_length {cfg.data.max_length}; {len(dataset)} left")
     return Evaluator(cfg, dataset, **kwargs)

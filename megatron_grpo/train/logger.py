@@ -10,6 +10,8 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from .. import console
+
 
 def _clean(value):
     value = float(value)
@@ -27,9 +29,17 @@ def _truncate_after(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
+def _has_step(path: str, step: int) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return any(line.strip() and json.loads(line).get("step") == step for line in f)
+
+
 class RunLogger:
     def __init__(self, output_dir: str, total_steps: int, *, report_to=(), logging_steps=1,
-                 log_completions=False, enabled=True, start_step=0, wandb_project=None,
+                 log_completions=False, enabled=True, start_step=0, last_row=None,
+                 wandb_project=None,
                  wandb_exp_name=None, swanlab_project=None, swanlab_exp_name=None):
         self.enabled = enabled
         self.output_dir = output_dir
@@ -48,6 +58,12 @@ class RunLogger:
         for path in (self.metrics_path, self.completions_path,
                      os.path.join(output_dir, "eval_completions.jsonl")):
             _truncate_after(path, start_step)
+        if last_row is not None and start_step and not _has_step(self.metrics_path, start_step):
+            # the checkpoint's own step, killed between its save and its row: the row as
+            # the checkpoint kept it (without the save's memory/save)
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"step": start_step, **{
+                    k: _clean(v) for k, v in sorted(last_row.items())}}) + "\n")
         if "tensorboard" in (report_to or ()):
             from torch.utils.tensorboard import SummaryWriter
 
@@ -70,8 +86,13 @@ class RunLogger:
                                                                    "megatron-grpo"),
                          experiment_name=swanlab_exp_name or run_name, logdir=output_dir)
             self.sinks.append(swanlab)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step",
-                        dynamic_ncols=True)
+        # On a terminal one progress bar, its postfix the step's main metrics; elsewhere
+        # (a pipe, a file, a job's log) one line per logging_steps instead of its redraws.
+        stream = console.out()
+        self.total_steps = total_steps
+        if stream.isatty():
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step",
+                            dynamic_ncols=True, file=stream)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -85,15 +106,17 @@ class RunLogger:
                     self.tb.add_scalar(k, v, step)
         for sink in self.sinks:
             sink.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
-        self.bar.update(1)
-        if step % self.logging_steps == 0:
-            short = {k: row.get(k) for k in ("reward", "loss", "kl", "grad_norm",
-                                             "completions/mean_length") if row.get(k) is not None}
-            self.bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in short.items()})
+        short = {k: row.get(k) for k in ("reward", "loss", "kl", "grad_norm",
+                                         "completions/mean_length") if row.get(k) is not None}
+        if self.bar is not None:
+            self.bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in short.items()},
+                                 refresh=False)
+            self.bar.update(1)
+        elif step % self.logging_steps == 0 or step == self.total_steps:
             line = ", ".join(f"{k}={v:.4g}" for k, v in short.items())
             if row.get("memory/peak") is not None:   # the step's largest phase, any rank
                 line += f", memory/peak={row['memory/peak']:.2f} GiB"
-            self.bar.write(f"step {step}: " + line)
+            console.say(f"step {step}/{self.total_steps}: " + line)
 
     def completions(self, step: int, prompts, texts, rewards, reward_names, extra=None,
                     file=None) -> None:

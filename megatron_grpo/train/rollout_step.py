@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import console
 from ..algorithms import compute_advantages, count_partials, sequence_kl_for_reward
 from ..model.lora import adapters_disabled
 from ..rollout.offload import offload_model, onload_model
@@ -190,9 +191,8 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
                                    loss_mask[k]], dtype=torch.float32),
                               teacher_prompt_ids=view(prompt_indices[pi])))
     if impossible and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(f"[megatron-grpo] {impossible} sampled token(s) had rollout log-prob -inf (vLLM "
-              "drew a token its own top_k/top_p/min_p had excluded): left out of the loss",
-              flush=True)
+        console.warn(f"[megatron-grpo] {impossible} sampled token(s) had rollout log-prob -inf (vLLM "
+                     "drew a token its own top_k/top_p/min_p had excluded): left out of the loss")
     rendered = {}
     prompts = [g[6]["prompt"] if g[6] else rendered.setdefault(
         g[0], render(tokenizer, dataset.messages[prompt_indices[g[0]]])) for g in gathered]

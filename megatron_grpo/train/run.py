@@ -19,6 +19,7 @@ from bridge import export_hf_weights
 from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
 from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter, vision_state
 
+from .. import console
 from .. import checkpoint as ckpt
 from ..config.hf_model import model_max_len
 from ..config.validate import teacher_servers
@@ -140,8 +141,8 @@ def build_run(cfg) -> Run:
     if teacher_is_policy:     # ms-swift's dynamic self-distillation: the current weights
         teacher = policy.chunks
         if dist.get_rank() == 0:
-            print("[megatron-grpo] teacher: the policy itself, scoring on each row's "
-                  "teacher_prompt (OPSD, dynamic)", flush=True)
+            console.say("[megatron-grpo] teacher: the policy itself, scoring on each row's "
+                        "teacher_prompt (OPSD, dynamic)")
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
     reward_names = list(cfg.reward.reward_funcs)
@@ -164,6 +165,7 @@ def build_run(cfg) -> Run:
     logger = RunLogger(log.output_dir, steps, report_to=log.report_to,
                        logging_steps=log.logging_steps, log_completions=log.log_completions,
                        enabled=dist.get_rank() == 0, start_step=step,
+                       last_row=state.get("metrics") if state else None,
                        wandb_project=log.wandb_project, wandb_exp_name=log.wandb_exp_name,
                        swanlab_project=log.swanlab_project, swanlab_exp_name=log.swanlab_exp_name)
     multi_turn = build_multi_turn(cfg, tokenizer)
@@ -217,8 +219,8 @@ def _served_teacher(cfg, datasets):
                             tag_key=cfg.model.teacher_tag_key, timeout=v.vllm_server_timeout,
                             max_sequence=longest)
     if dist.get_rank() == 0:
-        print(f"[megatron-grpo] teacher: served at {teacher.describe()} (scores at temperature "
-              f"1{'' if v.temperature == 1 else f'; sampling at {v.temperature:g}'})", flush=True)
+        console.say(f"[megatron-grpo] teacher: served at {teacher.describe()} (scores at temperature "
+                    f"1{'' if v.temperature == 1 else f'; sampling at {v.temperature:g}'})")
     return teacher
 
 
@@ -249,9 +251,9 @@ def _pending_batch(saved: Optional[dict], path: str, teacher: bool = False):
     else:
         return saved["rollout"], saved["next"]
     if dist.get_rank() == 0:
-        print(f"[megatron-grpo] warning: {path} was saved in the middle of a generation batch "
-              f"{why}: the rest of that batch is not trained; the run continues with a new "
-              "rollout", flush=True)
+        console.warn(f"[megatron-grpo] warning: {path} was saved in the middle of a generation batch "
+                     f"{why}: the rest of that batch is not trained; the run continues with a new "
+                     "rollout")
     return None
 
 
@@ -294,8 +296,8 @@ def _drop_long_prompts(cfg, dataset, length):
         return dataset
     dataset, dropped = drop_long_prompts(dataset, length, cfg.data.max_length)
     if dist.get_rank() == 0 and dropped:
-        print(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} prompts longer "
-              f"than --max_length {cfg.data.max_length}; {len(dataset)} left", flush=True)
+        console.say(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} prompts longer "
+                    f"than --max_length {cfg.data.max_length}; {len(dataset)} left")
     return dataset
 
 
@@ -343,8 +345,10 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool,
     if run.step % log.save_steps == 0 or run.step >= run.total_steps:
         with run.memory.phase("save"):
             p = run.policy
+            # The step's row goes to metrics.jsonl after the save (memory/save is part of
+            # it); a crash in between must not lose it: a resume writes this copy.
             state = {"step": run.step, "sampler": run.sampler.state_dict(),
-                     "config": run.cfg.to_flat()}
+                     "config": run.cfg.to_flat(), "metrics": dict(metrics)}
             if next_in_batch is not None and run.step < run.total_steps:
                 state["batch"] = {"rollout": batch, "next": next_in_batch, "layout": _layout(),
                                   "teacher": True if run.has_teacher else None}
@@ -371,10 +375,9 @@ def finish(run: Run, close_engine: bool = True) -> None:
                       merge_lora=run.cfg.training.merge_lora)
     peak = run.memory.step_metrics(run.step).get("memory/export")
     if dist.get_rank() == 0:
-        print(f"[megatron-grpo] done: {run.step} steps; metrics in {out_dir}/metrics.jsonl"
-              + (f", curve {png}" if png else "")
-              + (f"; final_hf/ written at a peak of {peak:.2f} GiB per rank" if peak else ""),
-              flush=True)
+        console.say(f"[megatron-grpo] done: {run.step} steps; metrics in {out_dir}/metrics.jsonl"
+                    + (f", curve {png}" if png else "")
+                    + (f"; final_hf/ written at a peak of {peak:.2f} GiB per rank" if peak else ""))
     if close_engine:
         run.engine.close()
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from bridge import load_hf_weights
 from bridge.mappings.vision import sync_filter
 
+from .. import console
 from ..algorithms import LossTypeParams
 from ..config.hf_model import num_experts
 from ..data.vision import resolve_max_pixels
@@ -218,7 +219,7 @@ def freeze_by_name(cfg, chunks) -> None:
     dist.all_gather_object(gathered, result if first else None)
     line = check_and_summarise([r for r in gathered if r is not None], rules)
     if dist.get_rank() == 0:
-        print(f"[megatron-grpo] {line}", flush=True)
+        console.say(f"[megatron-grpo] {line}")
 
 
 def vision_sync_include(cfg) -> Optional[Callable[[str], bool]]:
@@ -265,8 +266,8 @@ def build_ref(cfg, policy: Policy, lora: bool) -> tuple[Optional[list], bool]:
     else:
         ref = build_reference(cfg, path)
     if dist.get_rank() == 0:
-        print(f"[megatron-grpo] reference: {path or cfg.model.model}"
-              f"{' + ' + adapters[0] if adapters else ''} (frozen, same layout)", flush=True)
+        console.say(f"[megatron-grpo] reference: {path or cfg.model.model}"
+                    f"{' + ' + adapters[0] if adapters else ''} (frozen, same layout)")
     return ref, True
 
 
@@ -287,7 +288,7 @@ def build_teacher(cfg, policy: Policy, lora: bool) -> Optional[list]:
             what += ", offloaded between rollouts"
         what += ")"
     if dist.get_rank() == 0:
-        print(f"[megatron-grpo] teacher: {what}", flush=True)
+        console.say(f"[megatron-grpo] teacher: {what}")
     return teacher
 
 
