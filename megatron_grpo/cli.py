@@ -156,6 +156,16 @@ def _route_output(cfg, spec) -> None:
             if _memory_device() == "cpu" else "")
     console.say(f"[megatron] output in {cfg.logging.output_dir}; the libraries' messages in "
                 f"{logs}/{note}")
+    _say_preloaded()
+
+
+def _say_preloaded() -> None:
+    """The plan's line for what the launcher preloaded (platform/preload.py), if anything."""
+    from .platform.preload import PRELOAD_ENV, preloaded
+
+    if preloaded():
+        console.say(f"[megatron] preloaded {preloaded()} (vLLM's advice for CPUs; "
+                    f"{PRELOAD_ENV}=0 turns it off)")
 
 
 def _memory_device() -> str:
@@ -240,6 +250,7 @@ def _dry_run(cfg, spec, dataset, val_dataset, problems) -> int:
     memory, available = plan_for_launch(cfg, dataset, spec.world_size, spec.nproc_per_node,
                                         device=_memory_device())
     print(memory.format(available))
+    _say_preloaded()
     if cfg.training.check_memory:
         memory.check(available)
     return 0
@@ -285,6 +296,11 @@ def _dispatch(argv: list[str]) -> int:
         print(f"megatron: unknown command {command!r}; valid commands: "
               f"{', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
         return 2
+    if command in ("rlhf", "rollout") and not launch.in_torchrun() and \
+            not {"-h", "--help"} & set(rest):
+        from .platform.preload import reexec_with_preload
+
+        reexec_with_preload(argv, cpu_build=launch.torch_accelerator_builds() == [])
     try:
         return COMMANDS[command](rest)
     except ValueError as e:

@@ -14,11 +14,17 @@ Markers (registered in pytest.ini):
 from __future__ import annotations
 
 import functools
+import os
 import types
 
 import pytest
 
 from tests import harness
+
+# The launcher's tcmalloc preload (platform/preload.py) re-executes each `megatron`
+# command where tcmalloc is installed: off for the suite, so that a machine with tcmalloc
+# runs the tests as one without (tests/test_console.py turns it on).
+os.environ.setdefault("MGRPO_PRELOAD", "0")
 
 _SPAWNERS = {"run_distributed"}  # names whose use marks a test as multi-process
 _LAUNCHERS = {("tests.test_trainer_e2e", "_run")}  # (module, name)
@@ -82,7 +88,8 @@ def pytest_collection_modifyitems(config, items):
 # 216 CPU s down to ~35). A file missing here only runs later than it could.
 HEAVY_FILES = ("test_multi_turn_e2e", "test_trainer_e2e", "test_vl_e2e", "test_rollout_server",
                "test_example_ms_swift", "test_vl_data_rollout", "test_lora_e2e",
-               "test_lora_vllm", "test_moe_e2e", "test_train_cp", "test_rollout_sync")
+               "test_lora_vllm", "test_console", "test_moe_e2e", "test_train_cp",
+               "test_rollout_sync")
 
 
 @pytest.fixture(autouse=True)

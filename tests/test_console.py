@@ -81,9 +81,7 @@ def _on_a_terminal(cmd, env, timeout=300):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_quickstart_prints_a_plan_a_progress_display_and_the_result(tiny_model, tmp_path):
-    model = str(tiny_model(family="qwen2", num_layers=2, hidden_size=128, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=256, vocab_size=999))
-    argv = ["rlhf", "--config", QUICKSTART, "--model", model, "--train_iters", "6",
+    argv = ["rlhf", "--config", QUICKSTART, "--model", _tiny(tiny_model), "--train_iters", "6",
             "--bf16", "false"]
     env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1")
 
@@ -117,3 +115,32 @@ def test_the_quickstart_prints_a_plan_a_progress_display_and_the_result(tiny_mod
     steps = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("step ")]
     assert steps == ["step 5/6", "step 6/6"], r.stdout
     assert "GRPO:" not in text and not [c for c in CHATTER if c in text], text
+
+
+@pytest.mark.slow
+def test_the_launcher_preloads_tcmalloc_where_found_and_says_so(tiny_model, tmp_path):
+    """Where tcmalloc is found (here MGRPO_TCMALLOC names a harmless stand-in, libm), the
+    command re-executes itself with it in LD_PRELOAD and says so in its plan;
+    MGRPO_PRELOAD=0 turns that off. The dry run shows it without starting anything."""
+    from megatron_grpo.platform.preload import to_preload
+
+    assert to_preload({"MGRPO_TCMALLOC": "libm.so.6"}) == ["libm.so.6"]
+    assert to_preload({"MGRPO_TCMALLOC": "libm.so.6", "MGRPO_PRELOAD": "0"}) == []
+    assert to_preload({"MGRPO_TCMALLOC": "libm.so.6", "LD_PRELOAD": "/x/libm.so.6"}) == []
+    assert to_preload({"MGRPO_TCMALLOC": "libm.so.6"}, cpu_build=False) == []
+    argv = [sys.executable, "-m", "megatron_grpo.cli", "rlhf", "--dry_run", "true",
+            "--config", QUICKSTART, "--model", _tiny(tiny_model), "--bf16", "false",
+            "--output_dir", str(tmp_path / "run")]
+    env = dict(os.environ, MGRPO_PRELOAD="1", MGRPO_TCMALLOC="libm.so.6", NPROC_PER_NODE="2")
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "[megatron] preloaded libm.so.6 (vLLM's advice for CPUs; MGRPO_PRELOAD=0" in r.stdout
+    r = subprocess.run(argv, cwd=ROOT, env=dict(env, MGRPO_PRELOAD="0"), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "preloaded" not in r.stdout, r.stdout + r.stderr
+
+
+def _tiny(tiny_model):
+    """The quickstart's tiny Qwen2 (built once per session)."""
+    return str(tiny_model(family="qwen2", num_layers=2, hidden_size=128, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=256, vocab_size=999))
