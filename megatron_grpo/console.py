@@ -26,6 +26,7 @@ from typing import Optional, TextIO
 CONSOLE_ENV = "MGRPO_CONSOLE_FDS"   # "OUT,ERR": the console's descriptors, inherited
 LOG_DIR_ENV = "MGRPO_LOG_DIR"       # where a worker writes rank-N.log
 LEVEL_ENV = "MGRPO_LOG_LEVEL"       # --log_level of a quiet launcher, for its workers
+SUPERVISED_ENV = "MGRPO_SUPERVISED"  # set for the workers of a quiet launcher
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 _out: Optional[TextIO] = None       # the console while quiet (None: sys.stdout / sys.stderr)
@@ -150,12 +151,27 @@ def route_package_logs(level: Optional[str] = None) -> None:
     logger.addHandler(handler)
 
 
+def error_file(rank: int) -> Optional[str]:
+    """Where a supervised worker leaves the traceback that ended it, for its launcher to
+    show (launch.report_failure); None outside a quiet launcher's workers."""
+    folder = os.environ.get(LOG_DIR_ENV)
+    return os.path.join(folder, f"rank-{rank}.error") if folder else None
+
+
 def report_exception(exc_type, exc, tb) -> None:
-    """An exception that ends the process: its traceback in the log and on the console."""
+    """An exception that ends the process: its traceback in the log and on the console.
+    A worker of a quiet launcher (SUPERVISED_ENV) leaves it in rank-N.error instead of
+    the console: the launcher shows the first failing rank's, once, rather than every
+    rank printing its own."""
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     if _out is not None:
         sys.stderr.write(text)
         sys.stderr.flush()
+    path = error_file(int(os.environ.get("RANK", "0")))
+    if os.environ.get(SUPERVISED_ENV) and path:
+        with open(path, "w") as f:
+            f.write(text)
+        return
     err().write(text)
     err().flush()
 

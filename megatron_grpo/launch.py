@@ -165,6 +165,8 @@ def relaunch(subcommand: str, argv: list[str], spec: LaunchSpec,
         with open(os.path.join(status_dir, "plan.json"), "w") as f:
             json.dump(plan, f)
     report = functools.partial(report_failure, status_dir)
+    if console.log_path() is not None:      # quiet: the workers' errors shown from here
+        os.environ[console.SUPERVISED_ENV] = "1"
     try:
         if preload is not None and fork_main is not None and fork_problem() is None:
             print(f"[megatron] starting {spec.nproc_per_node} workers {FORK_NOTE} (their "
@@ -233,8 +235,13 @@ def report_failure(status_dir: str, rank: int, code: int) -> None:
     text = describe_failure(status_dir, rank, code)
     folder = os.environ.get(console.LOG_DIR_ENV)
     if text is None and folder:
-        text = (f"[megatron] rank {rank} failed (exit code {code}); its output: "
-                f"{os.path.join(folder, f'rank-{rank}.log')}")
+        text = f"[megatron] rank {rank} failed (exit code {code})"
+        try:
+            with open(console.error_file(rank)) as f:
+                text += ":\n" + f.read().rstrip("\n")
+        except OSError:
+            pass
+        text += f"\n  its output: {os.path.join(folder, f'rank-{rank}.log')}"
     elif text and folder:
         text += f"\n  its output: {os.path.join(folder, f'rank-{rank}.log')}"
     if text:

@@ -144,3 +144,32 @@ def _tiny(tiny_model):
     """The quickstart's tiny Qwen2 (built once per session)."""
     return str(tiny_model(family="qwen2", num_layers=2, hidden_size=128, num_attention_heads=4,
                           num_key_value_heads=2, intermediate_size=256, vocab_size=999))
+
+
+def test_a_failing_rank_is_shown_once_with_its_traceback(tmp_path):
+    """Workers forked by a quiet launcher: the rank that raises leaves its traceback for
+    the launcher, which shows it once with the rank and its log; the other rank (stopped
+    by the launcher) adds nothing to the console."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from megatron_grpo import console, launch
+        console.quiet({str(tmp_path / "logs" / "launcher.log")!r})
+
+        def main(argv):
+            console.quiet_worker(int(os.environ["RANK"]))
+            if os.environ["RANK"] == "1":
+                raise RuntimeError("rank one broke")
+            time.sleep(30)
+            return 0
+
+        spec = launch.LaunchSpec(2, 1, 0, "127.0.0.1", 29999)
+        sys.exit(launch.relaunch("rlhf", [], spec, preload=lambda: None, fork_main=main))
+        """)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 1, r.stderr
+    assert r.stdout == ""
+    assert r.stderr.startswith("[megatron] rank 1 failed (exit code 1):\nTraceback"), r.stderr
+    assert r.stderr.count("Traceback") == 1 and "RuntimeError: rank one broke" in r.stderr
+    assert r.stderr.rstrip().endswith(f"its output: {tmp_path / 'logs' / 'rank-1.log'}")
+    assert "RuntimeError: rank one broke" in (tmp_path / "logs" / "rank-1.log").read_text()
