@@ -98,7 +98,7 @@ CASES = [
     (["--beta", "-1"], ["--beta -1"]),
     (["--top_entropy_quantile", "0"], ["--top_entropy_quantile 0", "(0, 1]"]),
     # rewards
-    (["--reward_weights", "1", "2"], ["--reward_weights [1.0, 2.0]", "2 values", "has 1"]),
+    (["--reward_weights", "1", "2"], ["--reward_weights [1.0, 2.0]", "2 values", "name 1"]),
     (["--cosine_max_len", "0"], ["--cosine_max_len 0", ">= 1"]),
     (["--repetition_max_penalty", "0.5"], ["--repetition_max_penalty 0.5", "<= 0"]),
     (["--external_plugins", "/nonexistent/plugin.py"], ["--external_plugins '/nonexistent/plugin.py'",

@@ -51,6 +51,7 @@ import functools
 import io
 import json
 import math
+import os
 import pathlib
 import random
 import tempfile
@@ -546,6 +547,33 @@ def make_tiny_model(
     config_json["rope_theta"] = float(rope_theta)
     config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     return out_dir
+
+
+def make_tiny_reward_model(out_dir, tokenizer_from, *, hidden_size: int = 64,
+                           num_layers: int = 2, seed: int = 0) -> pathlib.Path:
+    """A tiny output reward model: Qwen2ForSequenceClassification with one label and random
+    weights, written by the installed transformers' save_pretrained, with the tokenizer
+    (and chat template) of the HF folder `tokenizer_from`."""
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    src = pathlib.Path(tokenizer_from)
+    with open(src / "config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=2 * hidden_size, max_position_embeddings=512,
+                         num_labels=1)
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(config).eval()
+    out = pathlib.Path(out_dir)
+    model.save_pretrained(out)
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(src / name, out / name)
+    return out
 
 
 def main(argv=None) -> None:

@@ -450,7 +450,17 @@ class RewardOptions(_Group):
                                        "repetition, soft_overlong, math, countdown, or one registered "
                                        "by a plugin.",
                                   factory=list)
-    reward_weights: Optional[List[float]] = opt(None, "One weight per reward function; default 1 each.")
+    reward_weights: Optional[List[float]] = opt(None, "One weight per reward function, then one "
+                                                      "per --reward_model (ms-swift's order); "
+                                                      "default 1 each.")
+    reward_model: List[str] = opt(
+        help="Output reward models: local Hugging Face folders of sequence classifiers with one "
+             "label (...ForSequenceClassification). Each completion is scored by the head at "
+             "the last token of the conversation as the reward model's own chat template "
+             "renders it (the completion as the assistant's turn), in the training dtype, "
+             "each rank its own completions. Metrics rewards/<folder name>/mean|std.",
+        factory=list)
+    reward_model_batch_size: int = opt(8, "Conversations per reward-model forward (ours).")
     external_plugins: List[str] = opt(help="Python files imported before the reward names are "
                                            "resolved; they call register_reward(\"name\").",
                                       factory=list)

@@ -30,6 +30,7 @@ from ..model.lora import lora_settings
 from ..memory.measure import MemoryMeter, meter_for_rank
 from ..memory.plan import FINAL_BUCKET_BYTES, FINAL_SHARD_BYTES
 from ..rewards import build_reward_funcs, load_plugins
+from ..rewards.reward_model import reward_model_funcs
 from ..rewards.registry import flat_args
 from ..rollout.sync import WeightSync
 from ..rollout.teacher import ServedTeacher
@@ -145,7 +146,9 @@ def build_run(cfg) -> Run:
                         "teacher_prompt (OPSD, dynamic)")
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
-    reward_names = list(cfg.reward.reward_funcs)
+    reward_funcs += reward_model_funcs(cfg.reward.reward_model, cfg.reward.reward_model_batch_size,
+                                       bf16=bool(t.bf16))
+    reward_names = [f.name for f in reward_funcs]
     step = 0
     resume_from = resume_path(log.resume, log.output_dir)
     state = resume_from and ckpt.load_checkpoint(resume_from, policy.chunks, policy.optimizer,

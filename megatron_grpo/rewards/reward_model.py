@@ -1,0 +1,116 @@
+"""Output reward models: Hugging Face sequence classifiers with one label, as reward
+functions (`--reward_model PATH [PATH ...]`).
+
+Each completion is scored as ms-swift scores it: the reward model's own tokenizer and
+chat template render the prompt's messages with the completion as the assistant's last
+turn, and the score is the classification head's output at the last token
+(transformers' ...ForSequenceClassification picks the last non-padding token). Each rank
+scores the completions it sampled (the reward functions' contract: rollout_step.py),
+in batches of `batch_size`, in the training dtype, on the training device.
+
+`check_reward_model` reads the folder's JSON files only (no torch), so that a wrong path,
+a causal LM, a classifier with several labels or a tokenizer without a chat template is
+refused with the option checks, before anything starts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, List, Optional, Sequence
+
+from .registry import RewardFunc
+
+SEQUENCE_CLASSIFIER = "ForSequenceClassification"
+
+
+def check_reward_model(path: str) -> Optional[str]:
+    """Why `path` cannot be an output reward model here (one line naming it), or None."""
+    where = f"--reward_model {path!r}"
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return (f"{where}: no config.json there. Fix: pass a local Hugging Face folder of a "
+                "sequence-classification model (e.g. Qwen2ForSequenceClassification)")
+    with open(config) as f:
+        cfg = json.load(f)
+    archs = cfg.get("architectures") or []
+    if not any(a.endswith(SEQUENCE_CLASSIFIER) for a in archs):
+        return (f"{where} is a {', '.join(archs) or cfg.get('model_type', 'model')} checkpoint, "
+                f"not a sequence classifier (architectures ending in {SEQUENCE_CLASSIFIER}): an "
+                "output reward model scores a conversation with one number. A generative judge "
+                "goes through a reward function plugin (--external_plugins)")
+    labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 1))
+    if labels != 1:
+        return (f"{where} has {labels} labels (id2label); an output reward model has one "
+                "(its score)")
+    if not _has_chat_template(path):
+        return (f"{where}: its tokenizer has no chat template (tokenizer_config.json "
+                "chat_template or chat_template.jinja), which renders the conversation it scores")
+    return None
+
+
+def _has_chat_template(path: str) -> bool:
+    if os.path.isfile(os.path.join(path, "chat_template.jinja")):
+        return True
+    config = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return bool(json.load(f).get("chat_template"))
+
+
+def reward_model_name(path: str) -> str:
+    """The name of a reward model's metrics and completions column: its folder's name."""
+    return os.path.basename(os.path.normpath(path))
+
+
+class RewardModel:
+    """One output reward model; called as a reward function (rewards/registry.py):
+    `rm(completions, messages=[...], **columns)` -> one float per completion."""
+
+    def __init__(self, path: str, *, batch_size: int = 8, bf16: bool = False,
+                 device: Optional[str] = None):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.path, self.batch_size = path, max(1, int(batch_size))
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=torch.bfloat16 if bf16 else torch.float32).to(self.device).eval()
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        # The head reads the last token that is not padding: the model must know the pad id.
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+
+    def texts(self, messages: Sequence[Sequence[dict]]) -> List[str]:
+        """Each conversation as the reward model's chat template renders it."""
+        return [self.tokenizer.apply_chat_template(list(m), tokenize=False) for m in messages]
+
+    def __call__(self, completions: Sequence[str], messages: Optional[Sequence[Any]] = None,
+                 **kwargs) -> List[float]:
+        import torch
+
+        if messages is None:
+            raise ValueError(f"reward model {self.path!r} needs each completion's `messages`")
+        texts = self.texts(messages)
+        scores: List[float] = []
+        with torch.no_grad():
+            for i in range(0, len(texts), self.batch_size):
+                batch = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt",
+                                       padding=True, add_special_tokens=False)
+                logits = self.model(**{k: v.to(self.device) for k, v in batch.items()}).logits
+                scores.extend(logits[:, 0].float().tolist())
+        bad = [j for j, s in enumerate(scores) if not math.isfinite(s)]
+        if bad:
+            raise ValueError(f"reward model {self.path!r} scored completion {bad[0]} "
+                             f"{scores[bad[0]]} (not finite)")
+        return scores
+
+
+def reward_model_funcs(paths: Sequence[str], batch_size: int = 8, *, bf16: bool = False,
+                       device: Optional[str] = None) -> list:
+    """The --reward_model folders as reward functions (RewardFunc), named by folder."""
+    return [RewardFunc(reward_model_name(path),
+                       RewardModel(path, batch_size=batch_size, bf16=bf16, device=device))
+            for path in paths]

@@ -1,0 +1,142 @@
+"""Output reward models (`--reward_model`, rewards/reward_model.py): tiny
+Qwen2ForSequenceClassification checkpoints written by the installed transformers.
+
+The scores equal an independent forward of the same model (the decoder's last hidden
+state of each conversation alone, unpadded, times the score head) in float32; the
+option checks refuse what cannot be a reward model before anything starts; the weights
+cover the reward functions first, then the models."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron_grpo.config import build_config
+from megatron_grpo.rewards.reward_model import RewardModel, check_reward_model
+from tools.make_tiny_model import make_tiny_reward_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATASET = os.path.join(ROOT, "megatron_grpo/data/builtin/arithmetic.jsonl")
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    return str(tiny_model(family="qwen2", hidden_size=128))
+
+
+@pytest.fixture(scope="module")
+def rm(policy, tmp_path_factory):
+    return str(make_tiny_reward_model(tmp_path_factory.mktemp("rm") / "helpful", policy))
+
+
+def reference_scores(path, conversations):
+    """Each conversation alone through transformers: the last token's hidden state times
+    the score head (no padding, no batching)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for messages in conversations:
+            ids = tok(tok.apply_chat_template(messages, tokenize=False), return_tensors="pt",
+                      add_special_tokens=False)["input_ids"]
+            hidden = model.model(input_ids=ids).last_hidden_state[0, -1]
+            out.append(float(hidden @ model.score.weight[0]))
+    return out
+
+
+def test_scores_equal_transformers_forward_of_each_conversation(rm):
+    convs = [[{"role": "user", "content": "1+2="}, {"role": "assistant", "content": a}]
+             for a in ("3", "three, I think", "", "12345 67 8 9 and a longer answer here")]
+    scorer = RewardModel(rm, batch_size=3)       # batches of 3 and 1, padded
+    got = scorer([c[-1]["content"] for c in convs], messages=convs)
+    want = reference_scores(rm, convs)
+    assert got == pytest.approx(want, abs=1e-5)
+    assert len(set(round(x, 4) for x in got)) == 4      # the scores tell them apart
+
+
+def test_what_cannot_be_a_reward_model_is_refused(policy, rm, tmp_path):
+    assert check_reward_model(rm) is None
+    assert "no config.json" in check_reward_model(str(tmp_path / "missing"))
+    assert "not a sequence classifier" in check_reward_model(policy)   # a causal LM
+    two = tmp_path / "two_labels"
+    shutil.copytree(rm, two)
+    cfg = json.loads((two / "config.json").read_text())
+    cfg["id2label"] = {"0": "bad", "1": "good"}
+    (two / "config.json").write_text(json.dumps(cfg))
+    assert "has 2 labels" in check_reward_model(str(two))
+    bare = tmp_path / "no_template"
+    shutil.copytree(rm, bare)
+    tc = json.loads((bare / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(tc))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    assert "no chat template" in check_reward_model(str(bare))
+
+
+def test_weights_cover_functions_then_models_and_names_stay_apart(policy, rm, tmp_path):
+    base = ["--model", policy, "--dataset", DATASET, "--reward_funcs", "format"]
+    cfg, problems = build_config([*base, "--reward_model", rm, "--reward_weights", "1", "0.5"])
+    assert not problems, problems.messages
+    assert cfg.reward.reward_model == [rm]
+    _, problems = build_config([*base, "--reward_model", rm, "--reward_weights", "1"])
+    assert "--reward_weights [1.0] has 1 values but --reward_funcs ['format'] and " \
+           f"--reward_model ['{rm}'] name 2" in "\n".join(problems.messages)
+    clash = tmp_path / "format"
+    shutil.copytree(rm, clash)
+    _, problems = build_config([*base, "--reward_model", str(clash)])
+    assert "its name 'format' (the folder's) is already" in "\n".join(problems.messages)
+    _, problems = build_config(["--model", policy, "--dataset", DATASET, "--reward_model", policy])
+    assert "not a sequence classifier" in "\n".join(problems.messages)
+    cfg, problems = build_config(["--model", policy, "--dataset", DATASET, "--reward_model", rm])
+    assert not problems, problems.messages     # a reward model alone is enough
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_reward_models_and_a_function_score_a_dp2_run(policy, rm, tmp_path):
+    """`megatron rlhf` on 2 processes (DP=2, colocated vLLM) with two reward models and one
+    reward function, weighted: every completion's score from each model equals the
+    independent forward of that model on the conversation (its prompt's messages and the
+    completion), and the step's reward is the weighted sum."""
+    import subprocess
+
+    from megatron_grpo.data import load_datasets
+    from tests import cli_zygote
+    from tests.harness import free_port
+
+    safety = str(make_tiny_reward_model(tmp_path / "safety", policy, seed=1))
+    out = str(tmp_path / "run")
+    argv = ["rlhf", "--model", policy, "--dataset", DATASET, "--reward_funcs", "digits",
+            "--external_plugins", os.path.join(ROOT, "examples/plugins/digits_reward.py"),
+            "--reward_model", rm, safety, "--reward_weights", "1", "0.5", "2",
+            "--num_generations", "4", "--generation_batch_size", "8",
+            "--max_completion_length", "8", "--micro_batch_size", "2", "--global_batch_size", "8",
+            "--train_iters", "2", "--beta", "0", "--vllm_mode", "colocate",
+            "--vllm_max_model_len", "128", "--vllm_enforce_eager", "true", "--top_k", "-1",
+            "--output_dir", out, "--log_completions", "true", "--seed", "3"]
+    env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+    r = subprocess.run(cli_zygote.command(*argv), cwd=ROOT, env=cli_zygote.env(env),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "reward models" in r.stdout         # the memory plan counts them
+    with open(os.path.join(out, "completions.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 16
+    cfg, _ = build_config(["--model", policy, "--dataset", DATASET, "--reward_funcs", "format"])
+    dataset, _ = load_datasets(cfg.data, cfg.evaluation, seed=3)
+    convs = [list(dataset.messages[row["prompt_index"]])
+             + [{"role": "assistant", "content": row["completion"]}] for row in rows]
+    for name, path in (("helpful", rm), ("safety", safety)):
+        assert [row[name] for row in rows] == pytest.approx(reference_scores(path, convs),
+                                                            abs=1e-4), name
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    first = [row for row in rows if row["step"] == 1]
+    weighted = [row["digits"] + 0.5 * row["helpful"] + 2 * row["safety"] for row in first]
+    assert metrics[0]["reward"] == pytest.approx(sum(weighted) / len(weighted), abs=1e-5)
+    for name in ("helpful", "safety"):
+        assert metrics[0][f"rewards/{name}/mean"] == pytest.approx(
+            sum(row[name] for row in first) / len(first), abs=1e-5)
