@@ -140,3 +140,35 @@ def test_two_reward_models_and_a_function_score_a_dp2_run(policy, rm, tmp_path):
     for name in ("helpful", "safety"):
         assert metrics[0][f"rewards/{name}/mean"] == pytest.approx(
             sum(row[name] for row in first) / len(first), abs=1e-5)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_reward_model_quickstart_learns(tiny_model, tmp_path):
+    """configs/quickstart_rm_cpu.yaml as tools/quickstart.py runs it: a tiny policy learns
+    what a tiny reward model (the share of digits, make_digit_reward_model) rewards; the
+    quickstart's bar: the mean reward of the last 10 of 30 steps at least 0.3 above the
+    first 10's."""
+    import subprocess
+
+    from tests import cli_zygote
+    from tests.harness import free_port
+    from tools.make_tiny_model import make_digit_reward_model
+    from tools.quickstart import dtype_args
+
+    config = os.path.join(ROOT, "configs", "quickstart_rm_cpu.yaml")
+    model = str(tiny_model(family="qwen2", num_layers=2, hidden_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=256, vocab_size=999))
+    rm_dir = str(make_digit_reward_model(tmp_path / "tiny-digits-rm", model))
+    out = str(tmp_path / "run")
+    argv = ["rlhf", "--config", config, "--model", model, "--reward_model", rm_dir,
+            "--output_dir", out, *dtype_args(config)]
+    env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+    r = subprocess.run(cli_zygote.command(*argv), cwd=ROOT, env=cli_zygote.env(env),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rewards = [json.loads(line)["rewards/tiny-digits-rm/mean"] for line in f]
+    assert len(rewards) == 30
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.3, (first, last)

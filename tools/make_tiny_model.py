@@ -550,7 +550,8 @@ def make_tiny_model(
 
 
 def make_tiny_reward_model(out_dir, tokenizer_from, *, hidden_size: int = 64,
-                           num_layers: int = 2, seed: int = 0) -> pathlib.Path:
+                           num_layers: int = 2, seed: int = 0,
+                           num_key_value_heads: int = 2) -> pathlib.Path:
     """A tiny output reward model: Qwen2ForSequenceClassification with one label and random
     weights, written by the installed transformers' save_pretrained, with the tokenizer
     (and chat template) of the HF folder `tokenizer_from`."""
@@ -563,7 +564,7 @@ def make_tiny_reward_model(out_dir, tokenizer_from, *, hidden_size: int = 64,
     with open(src / "config.json") as f:
         vocab = json.load(f)["vocab_size"]
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2,
+                         num_attention_heads=4, num_key_value_heads=num_key_value_heads,
                          intermediate_size=2 * hidden_size, max_position_embeddings=512,
                          num_labels=1)
     torch.manual_seed(seed)
@@ -573,6 +574,49 @@ def make_tiny_reward_model(out_dir, tokenizer_from, *, hidden_size: int = 64,
     for name in os.listdir(src):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             shutil.copy(src / name, out / name)
+    return out
+
+
+def make_digit_reward_model(out_dir, tokenizer_from, *, seed: int = 0) -> pathlib.Path:
+    """A tiny output reward model that scores the share of digits in a conversation, for
+    a GRPO run that learns from a reward model (configs/quickstart_rm_cpu.yaml).
+
+    Qwen2ForSequenceClassification, one layer, its weights set by hand: every token
+    holding a digit has its embedding pushed along one direction u; attention with zero
+    queries and keys averages the (normalised) embeddings of the whole conversation
+    (uniform causal attention: the last token sees the mean of all), the MLP adds nothing,
+    and the score head reads u. The score rises with the share of digit tokens, from
+    about 0 (none) towards 1. Tokenizer and chat template: those of `tokenizer_from`."""
+    import torch
+    from transformers import AutoTokenizer
+
+    out = make_tiny_reward_model(out_dir, tokenizer_from, hidden_size=64, num_layers=1,
+                                 seed=seed, num_key_value_heads=4)
+    from transformers import Qwen2ForSequenceClassification
+
+    model = Qwen2ForSequenceClassification.from_pretrained(out, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(hidden, generator=gen)
+    u /= u.norm()
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.copy_(0.02 * torch.randn(emb.shape, generator=gen))
+        digits = [i for i in range(min(len(tok), emb.shape[0]))
+                  if any(c.isdigit() for c in tok.decode([i]))]
+        emb[digits] += 0.5 * u
+        layer = model.model.layers[0]
+        attn = layer.self_attn
+        for proj in (attn.q_proj, attn.k_proj):
+            proj.weight.zero_()
+            proj.bias.zero_()
+        attn.v_proj.weight.copy_(torch.eye(hidden))
+        attn.v_proj.bias.zero_()
+        attn.o_proj.weight.copy_(10 * torch.eye(hidden))
+        layer.mlp.down_proj.weight.zero_()
+        model.score.weight.copy_(u.unsqueeze(0) / 8)     # RMSNorm leaves a norm of 8
+    model.save_pretrained(out)
     return out
 
 

@@ -125,6 +125,21 @@ def dtype_args(config_path: str, cpuinfo: Optional[str] = None) -> list:
     return []
 
 
+def reward_model_args(config_path: str, out_dir: str, policy_dir: str) -> list:
+    """A config whose reward model is the tiny digits one (configs/quickstart_rm_cpu.yaml):
+    it is built in out_dir with the policy's tokenizer, and passed as --reward_model."""
+    cfg = _config(config_path)
+    reward = cfg.get("reward") if isinstance(cfg.get("reward"), dict) else cfg
+    names = [os.path.basename(str(p).rstrip("/")) for p in reward.get("reward_model") or []]
+    if "tiny-digits-rm" not in names:
+        return []
+    from tools.make_tiny_model import make_digit_reward_model
+
+    path = os.path.join(out_dir, "tiny-digits-rm")
+    step(f"building a tiny reward model that scores digits in {path}")
+    return ["--reward_model", str(make_digit_reward_model(path, policy_dir))]
+
+
 def config_model_name(config_path: str) -> str:
     """The tiny model a shipped config trains: the folder name of its `model:` (flat or under
     `model:`), tiny-qwen2 for a config that names none of TINY_MODELS."""
@@ -171,16 +186,18 @@ def main() -> None:
         return smoke(a.output_dir)
     cfg = os.path.abspath(a.config)
     model_dir = build_tiny(a.output_dir, config_model_name(cfg))
+    extra = reward_model_args(cfg, a.output_dir, model_dir)
     name = os.path.splitext(os.path.basename(cfg))[0]
     out = os.path.join(a.output_dir, {"quickstart_cpu": "grpo",
                                       "quickstart_lora_cpu": "grpo_lora",
-                                      "quickstart_moe_cpu": "grpo_moe"}.get(name, name))
+                                      "quickstart_moe_cpu": "grpo_moe",
+                                      "quickstart_rm_cpu": "grpo_rm"}.get(name, name))
     if os.path.isdir(out):   # a demo starts fresh (megatron rlhf itself would resume)
         import shutil
 
         shutil.rmtree(out)
-    extra = dtype_args(cfg)
-    if extra:
+    if dtype_args(cfg):
+        extra += dtype_args(cfg)
         step("this CPU has no bfloat16 instructions (none of " + ", ".join(BF16_CPU_FLAGS) +
              " in /proc/cpuinfo): training and sampling in float32 instead (--bf16 false)")
     step(" ".join(["GRPO on 2 CPU processes: NPROC_PER_NODE=2 megatron rlhf --config", cfg, *extra]))
