@@ -88,8 +88,8 @@ def pytest_collection_modifyitems(config, items):
 # 216 CPU s down to ~35). A file missing here only runs later than it could.
 HEAVY_FILES = ("test_multi_turn_e2e", "test_trainer_e2e", "test_vl_e2e", "test_rollout_server",
                "test_example_ms_swift", "test_vl_data_rollout", "test_lora_e2e",
-               "test_lora_vllm", "test_rewards_reward_model", "test_console", "test_moe_e2e", "test_train_cp",
-               "test_rollout_sync")
+               "test_lora_vllm", "test_rewards_reward_model", "test_console", "test_moe_e2e",
+               "test_train_cp", "test_rollout_sync")
 
 
 @pytest.fixture(autouse=True)
