@@ -84,10 +84,11 @@ def test_weights_cover_functions_then_models_and_names_stay_apart(policy, rm, tm
     _, problems = build_config([*base, "--reward_model", rm, "--reward_weights", "1"])
     assert "--reward_weights [1.0] has 1 values but --reward_funcs ['format'] and " \
            f"--reward_model ['{rm}'] name 2" in "\n".join(problems.messages)
+    assert cfg.reward.reward_weights == [1.0, 0.5]
     clash = tmp_path / "format"
     shutil.copytree(rm, clash)
     _, problems = build_config([*base, "--reward_model", str(clash)])
-    assert "its name 'format' (the folder's) is already" in "\n".join(problems.messages)
+    assert "its name 'format' is already a reward function's" in "\n".join(problems.messages)
     _, problems = build_config(["--model", policy, "--dataset", DATASET, "--reward_model", policy])
     assert "not a sequence classifier" in "\n".join(problems.messages)
     cfg, problems = build_config(["--model", policy, "--dataset", DATASET, "--reward_model", rm])
@@ -172,3 +173,42 @@ def test_the_reward_model_quickstart_learns(tiny_model, tmp_path):
     assert len(rewards) == 30
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.3, (first, last)
+
+
+def test_the_guides_reward_config_three_models_names_and_weights(policy, rm, tmp_path):
+    """ms-swift's guides' reward_config.yaml shape (safety 0.3, helpfulness 0.5, fluency
+    0.2), given as --reward_config FILE and as reward_models: in the run's own YAML: one
+    resolved list (names, weights after the functions'), the same either way; unknown keys
+    are errors naming them."""
+    import yaml
+
+    models = [{"name": "safety", "path": rm, "weight": 0.3},
+              {"name": "helpfulness", "path": rm, "weight": 0.5, "batch_size": 4},
+              {"name": "fluency", "path": rm, "weight": 0.2, "dtype": "bfloat16"}]
+    rc = tmp_path / "reward_config.yaml"
+    rc.write_text(yaml.safe_dump({"reward_models": models}))
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"reward": {"reward_funcs": ["format"],
+                                              "reward_weights": [2.0],
+                                              "reward_models": models}}))
+    base = ["--model", policy, "--dataset", DATASET]
+    a, problems = build_config([*base, "--reward_funcs", "format", "--reward_weights", "2",
+                                "--reward_config", str(rc)])
+    assert not problems, problems.messages
+    b, problems = build_config([*base, "--config", str(run)])
+    assert not problems, problems.messages
+    for cfg in (a, b):
+        r = cfg.reward
+        assert [m["name"] for m in r.reward_models] == ["safety", "helpfulness", "fluency"]
+        assert [m["batch_size"] for m in r.reward_models] == [8, 4, 8]
+        assert [m["dtype"] for m in r.reward_models] == ["float32", "float32", "bfloat16"]
+        assert r.reward_weights == [2.0, 0.3, 0.5, 0.2]
+    a2 = type(a).from_flat(a.to_flat())          # a checkpoint's config reads back the same
+    assert a2.reward.reward_models == a.reward.reward_models
+    assert a2.reward.reward_weights == a.reward.reward_weights
+    rc.write_text(yaml.safe_dump({"reward_models": [dict(models[0], temperature=1)],
+                                  "judges": []}))
+    _, problems = build_config([*base, "--reward_config", str(rc)])
+    text = "\n".join(problems.messages)
+    assert "unknown key(s) ['judges']; allowed: reward_models" in text
+    assert "unknown key(s) ['temperature']; allowed: name, path, weight, batch_size, dtype" in text

@@ -461,6 +461,13 @@ class RewardOptions(_Group):
              "each rank its own completions. Metrics rewards/<folder name>/mean|std.",
         factory=list)
     reward_model_batch_size: int = opt(8, "Conversations per reward-model forward (ours).")
+    reward_config: Optional[str] = opt(None, "A YAML file holding reward_models: (ms-swift's GRPO "
+                                             "guides' reward_config.yaml).")
+    reward_models: Optional[List[Dict[str, Any]]] = opt(
+        None, "Reward models as the guides list them, each {name, path, weight} (optional "
+              "batch_size, dtype bfloat16|float16|float32): in the run's YAML config, or on the "
+              "command line one JSON object per model. Named models keep their weight; "
+              "--reward_weights covers --reward_funcs and --reward_model only.")
     external_plugins: List[str] = opt(help="Python files imported before the reward names are "
                                            "resolved; they call register_reward(\"name\").",
                                       factory=list)

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, List, NamedTuple, Optional
 from megatron_grpo.data.loading import parse_dataset_spec
 from megatron_grpo.multi_turn import check_scheduler, env_names, scheduler_names
 from megatron_grpo.rewards import registry
-from megatron_grpo.rewards.reward_model import check_reward_model, reward_model_name
 
 from .errors import Problems
+from .reward_models import has_reward_models, resolve_reward_models
 from .groups import (DEFAULT_KL_IN_REWARD, DEFAULT_NUM_TRAIN_EPOCHS, DEFAULT_SCALE_REWARDS,
                      LORA_TARGET_MODULES, adapter_covers_tower)
 from .hf_model import (BF16_CPU_FLAGS, VLLM_CPU_HEAD_SIZES, cpu_has_bf16, head_dim,
@@ -173,7 +173,7 @@ def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
         p.require(not bad, f"{which} with --{name} {getattr(g, name)}: it needs one "
                            "advantage per completion, and the teacher's advantages are per token. "
                            f"Fix: drop --{name} (loss types grpo, bnpo, dr_grpo, dapo, cispo, sapo)")
-    if not cfg.reward.reward_funcs and not cfg.reward.reward_model:
+    if not cfg.reward.reward_funcs and not has_reward_models(cfg.reward):
         p.require(not g.dynamic_sample, "--dynamic_sample true needs --reward_funcs (it keeps "
                                         f"groups whose rewards differ); with {which} alone "
                                         "every reward is 0. Fix: add --reward_funcs or drop it")
@@ -184,21 +184,6 @@ def _check_teacher(cfg: "GRPOConfig", p: Problems) -> None:
         _check_teacher_server(cfg, p)
         return
     _check_scoring_model(cfg, "teacher_model", "teacher", p)
-
-
-def _check_reward_models(r, p: Problems) -> None:
-    """--reward_model folders: sequence classifiers with one label and a chat template,
-    named (their folder's name) apart from each other and from the reward functions."""
-    _positive(p, "reward_model_batch_size", r.reward_model_batch_size)
-    seen = set(r.reward_funcs)
-    for path in r.reward_model:
-        problem = check_reward_model(path)
-        p.require(problem is None, problem or "")
-        name = reward_model_name(path)
-        p.require(name not in seen, f"--reward_model {path!r}: its name {name!r} (the folder's) "
-                                    "is already a reward function's or another reward model's; "
-                                    "metrics would mix them. Fix: rename the folder")
-        seen.add(name)
 
 
 def _check_scoring_model(cfg: "GRPOConfig", option: str, role: str, p: Problems) -> None:
@@ -844,21 +829,14 @@ def _check_rewards(cfg: "GRPOConfig", p: Problems) -> None:
         # ms-swift: the environment's total reward is one more reward column.
         r.reward_funcs = [*r.reward_funcs, "gym_reward"]
     names = registry.registered_names()
-    p.require(bool(r.reward_funcs) or bool(r.reward_model) or cfg.model.has_teacher,
+    p.require(bool(r.reward_funcs) or has_reward_models(r) or cfg.model.has_teacher,
               f"--reward_funcs is required (unless --reward_model scores or --teacher_model "
               f"distils): one or more of {names}. Fix: e.g. --reward_funcs accuracy format")
     for name in r.reward_funcs:
         p.require(name in names, f"--reward_funcs {name!r} is not a registered reward function; "
                                  f"registered: {names}. Fix: pick one, or register it in a plugin "
                                  "file passed with --external_plugins")
-    _check_reward_models(r, p)
-    if r.reward_weights is not None:
-        n = len(r.reward_funcs) + len(r.reward_model)
-        models = f" and --reward_model {r.reward_model}" if r.reward_model else ""
-        p.require(len(r.reward_weights) == n,
-                  f"--reward_weights {r.reward_weights} has {len(r.reward_weights)} values but "
-                  f"--reward_funcs {r.reward_funcs}{models} name {n}. Fix: give one weight per "
-                  "reward function, then one per reward model, or drop --reward_weights (1 each)")
+    resolve_reward_models(r, bool(cfg.training.bf16), p)
     if r.cosine_max_len is None:
         r.cosine_max_len = g.max_completion_length
     _positive(p, "cosine_max_len", r.cosine_max_len)

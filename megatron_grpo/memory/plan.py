@@ -314,10 +314,12 @@ def _state_lines(cfg, counts: ModelCounts, split: Split, world_size: int) -> lis
         lines.append(Line("reference model", ref.rank * b, note="beta > 0"))
     if m.teacher_model:
         lines.append(Line("teacher model", count_model(m.teacher_model, split).rank * b))
-    if cfg.reward.reward_model:     # HF classifiers, whole on every rank
-        n = sum(sum(checkpoint_tensors(path).values()) for path in cfg.reward.reward_model)
-        lines.append(Line("reward models", n * b, note=f"{len(cfg.reward.reward_model)} "
-                          f"classifier(s), {n / 1e6:.0f}M parameters, whole on each rank"))
+    models = cfg.reward.reward_models or []
+    if models:     # HF classifiers, whole on every rank, each in its dtype
+        n = [sum(checkpoint_tensors(e["path"]).values()) for e in models]
+        size = sum(k * (4 if e["dtype"] == "float32" else 2) for k, e in zip(n, models))
+        lines.append(Line("reward models", size, note=f"{len(models)} classifier(s), "
+                          f"{sum(n) / 1e6:.0f}M parameters, whole on each rank"))
     return lines
 
 

@@ -68,7 +68,7 @@ class RewardModel:
     """One output reward model; called as a reward function (rewards/registry.py):
     `rm(completions, messages=[...], **columns)` -> one float per completion."""
 
-    def __init__(self, path: str, *, batch_size: int = 8, bf16: bool = False,
+    def __init__(self, path: str, *, batch_size: int = 8, dtype: str = "float32",
                  device: Optional[str] = None):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -77,7 +77,7 @@ class RewardModel:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=torch.bfloat16 if bf16 else torch.float32).to(self.device).eval()
+            path, dtype=getattr(torch, dtype)).to(self.device).eval()
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         # The head reads the last token that is not padding: the model must know the pad id.
@@ -108,9 +108,9 @@ class RewardModel:
         return scores
 
 
-def reward_model_funcs(paths: Sequence[str], batch_size: int = 8, *, bf16: bool = False,
-                       device: Optional[str] = None) -> list:
-    """The --reward_model folders as reward functions (RewardFunc), named by folder."""
-    return [RewardFunc(reward_model_name(path),
-                       RewardModel(path, batch_size=batch_size, bf16=bf16, device=device))
-            for path in paths]
+def reward_model_funcs(entries: Sequence[dict], device: Optional[str] = None) -> list:
+    """The run's reward models (config/reward_models.py's resolved entries: name, path,
+    batch_size, dtype) as reward functions (RewardFunc)."""
+    return [RewardFunc(e["name"], RewardModel(e["path"], batch_size=e["batch_size"],
+                                              dtype=e["dtype"], device=device))
+            for e in entries]

@@ -146,8 +146,7 @@ def build_run(cfg) -> Run:
                         "teacher_prompt (OPSD, dynamic)")
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
-    reward_funcs += reward_model_funcs(cfg.reward.reward_model, cfg.reward.reward_model_batch_size,
-                                       bf16=bool(t.bf16))
+    reward_funcs += reward_model_funcs(cfg.reward.reward_models or [])
     reward_names = [f.name for f in reward_funcs]
     step = 0
     resume_from = resume_path(log.resume, log.output_dir)
