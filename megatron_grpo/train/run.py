@@ -20,7 +20,7 @@ from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
 from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_peft_adapter, vision_state
 
 from .. import checkpoint as ckpt
-from ..config.hf_model import model_max_len
+from ..config.hf_model import context_length, model_config
 from ..config.validate import teacher_servers
 from ..data import (PromptSampler, drop_long_prompts, load_datasets, prompt_length,
                     render_prompt)
@@ -210,7 +210,8 @@ def _served_teacher(cfg, datasets):
         return None
     v, g = cfg.rollout, cfg.grpo
     # The longest sample: the sampler's context, or (single-turn) a whole prompt and completion
-    longest = v.vllm_max_model_len or model_max_len(cfg.model.model)
+    longest = v.vllm_max_model_len or context_length(model_config(cfg.model.model).language,
+                                                     cfg.model.model)
     if v.multi_turn_scheduler is None and cfg.data.max_length:
         longest = min(longest, cfg.data.max_length + g.max_completion_length)
     teacher = ServedTeacher(teacher_servers(cfg.model.teacher_model_server), datasets,

@@ -25,9 +25,9 @@ from bridge import load_hf_weights
 from bridge.mappings.vision import sync_filter
 
 from ..algorithms import LossTypeParams
-from ..config.hf_model import num_experts
+from ..config.hf_model import model_config, num_experts
 from ..data.vision import resolve_max_pixels
-from ..model import build_model, build_transformer_config, load_hf_config, wrap_ddp
+from ..model import build_model, build_transformer_config, wrap_ddp
 from ..model.freeze import check_and_summarise, freeze_parameters
 from ..model.kv_replication import count_kv_once_in_grad_norm
 from ..model.lora import LoraSettings, apply_lora, parse_modules_to_save, parse_target_modules
@@ -90,7 +90,7 @@ def transformer_config(cfg, model: Optional[str] = None):
                    moe=MoEOptions.from_config(cfg))
     if model:
         experts = (dict(experts, moe=dataclasses.replace(experts["moe"], routing_replay=False))
-                   if num_experts(load_hf_config(model)) else {})
+                   if num_experts(model_config(model, "teacher_model").language) else {})
     return build_transformer_config(
         model or cfg.model.model, tp=p.tensor_model_parallel_size,
         pp=p.pipeline_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
