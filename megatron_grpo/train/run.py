@@ -263,7 +263,7 @@ def _vision_processor(cfg, dataset, val_dataset):
         return None
     if not is_vision_language(cfg.model.model):
         raise ValueError(f"--dataset has an `images` column, but --model {cfg.model.model} is not "
-                         "a vision-language model (allowed: a Qwen2.5-VL checkpoint; or drop the "
+                         "a vision-language model (allowed: a Qwen2.5-VL or Qwen2-VL checkpoint; or drop the "
                          "images)")
     if cfg.rollout.multi_turn_scheduler is not None:
         raise ValueError(f"--multi_turn_scheduler {cfg.rollout.multi_turn_scheduler}: multi-turn "
