@@ -12,7 +12,6 @@ headers and fails the same way, so a bad checkpoint cannot hang the others.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
