@@ -51,8 +51,9 @@ def check_model(cfg: "GRPOConfig") -> ModelFacts:
         if path and (option != "ref_model" or cfg.grpo.beta):
             try:
                 transformer_config(cfg, path)
-            except ValueError as e:
-                raise ValueError(f"--{option} {path!r}: {e}") from None
+            except ValueError as e:     # the reader's own errors name the option already
+                named = str(e).startswith(f"--{option} ")
+                raise ValueError(str(e) if named else f"--{option} {path!r}: {e}") from None
     model = model_config(cfg.model.model)   # as transformer_config read it (cached)
     hf = model.language                      # a vision-language config's language part
     heads = hf["num_attention_heads"]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config.hf_model import head_size, model_config
+from ..config.hf_model import ModelConfig, head_size, model_config
 from .families import Family, detect_family
 from .moe import moe_config_kwargs
 from .te import use_transformer_engine
@@ -74,22 +74,22 @@ class ModelArgs:
     position_embedding_type: str = "rope"   # "mrope" for vision-language families
 
 
-def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp: int = 1,
+def build_transformer_config(model: str | os.PathLike | dict | ModelConfig, *, tp: int = 1, pp: int = 1,
                              vpp: int | None = None, cp: int = 1, sequence_parallel: bool = False,
                              dtype: str | torch.dtype = "float32",
                              make_vocab_size_divisible_by: int = 128,
                              recompute: dict | None = None, attention_backend: str | None = None,
                              ep: int = 1, etp: int | None = None, moe=None,
                              **overrides: Any):
-    """Translate an HF config of a supported family (a model folder, or a config.json's
-    contents as a dict). Returns (TransformerConfig, ModelArgs).
+    """Translate an HF config of a supported family (a model folder, a config.json's contents
+    as a dict, or hf_model.model_config's reading). Returns (TransformerConfig, ModelArgs).
 
     `recompute`: the run's recompute_* options (see recompute_kwargs); `attention_backend`:
     ms-swift's name, mapped by megatron_attention_backend (None: Megatron's default).
     ep, etp, moe: expert (tensor) parallel sizes and `model.moe.MoEOptions` of an MoE family."""
     from megatron.core.transformer import TransformerConfig
 
-    hf = model_config(model).language
+    hf = (model if isinstance(model, ModelConfig) else model_config(model)).language
     family = detect_family(hf)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
