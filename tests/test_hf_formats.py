@@ -61,8 +61,8 @@ def _base_checkpoint(family: str, out: str) -> str:
 def _hub_config(saved: dict, family: str) -> dict:
     """`saved` (transformers' current format) as the published checkpoints' config.json."""
     text = saved.get("text_config") or {}
-    flat = {k: v for k, v in saved.items()
-            if k not in ("text_config", "rope_parameters", "dtype", "num_local_experts")}
+    flat = {k: v for k, v in saved.items() if k not in (
+        "text_config", "rope_parameters", "dtype", "num_local_experts", "layer_types")}
     for key, value in text.items():
         if key not in ("rope_parameters", "model_type", "dtype", "layer_types"):
             flat.setdefault(key, value)
@@ -124,6 +124,9 @@ def _expected(path: str) -> dict:
         max_len=text.max_position_embeddings, rope_theta=float(rope["rope_theta"]),
         mrope_section=rope.get("mrope_section"), tied=bool(config.tie_word_embeddings),
         experts=getattr(text, "num_experts", None) or getattr(text, "num_local_experts", 0) or 0,
+        moe=(getattr(text, "num_experts_per_tok", None), getattr(text, "moe_intermediate_size", None),
+             getattr(text, "norm_topk_prob", None),
+             getattr(text, "shared_expert_intermediate_size", None)),
         vision=getattr(config, "vision_config", None))
 
 
@@ -167,6 +170,11 @@ def test_formats_are_read_as_transformers_reads_them(checkpoints):
                 args.max_sequence_length) == (want["vocab"], want["rope_theta"], want["tied"],
                                               want["max_len"]), where
         assert (config.num_moe_experts or 0) == want["experts"], where
+        if want["experts"]:
+            topk, ffn, norm_topk, shared = want["moe"]
+            assert (config.moe_router_topk, config.moe_ffn_hidden_size,
+                    config.moe_router_pre_softmax, config.moe_shared_expert_intermediate_size) \
+                == (topk, ffn, not norm_topk, shared), where
         assert getattr(config, "mrope_section", None) == want["mrope_section"], where
         if vision:
             assert args.hf_config["vision_config"]["depth"] == want["vision"].depth == 1, where

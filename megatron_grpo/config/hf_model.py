@@ -11,10 +11,13 @@ what the installed transformers' `save_pretrained` writes (the text sizes under
 Importing transformers imports torch (seconds), and the option checks report before
 anything heavy is imported (tests/test_cli_errors.py). They read the few values they need
 (head size, context length, expert count, dtype, whether there is a vision tower) from
-`json_config`, the file's own keys merged as transformers merges them;
+`json_config`, the file's own keys with a nested `text_config` merged over the top level;
 tests/test_hf_formats.py holds those values equal to `model_config`'s for every supported
-family in both formats. This module also reads this machine (the vLLM build, the CPU's
-bfloat16 instructions): package metadata and /proc only.
+family in both formats. What the JSON view cannot know is a value the file leaves to its
+transformers class's default (a Qwen3 without `head_dim` has 128): the option checks then
+take the usual derivation (hidden_size / num_attention_heads), while the builder, the dry
+run and vLLM take transformers' value. This module also reads this machine (the vLLM
+build, the CPU's bfloat16 instructions): package metadata and /proc only.
 """
 from __future__ import annotations
 
@@ -51,9 +54,9 @@ class ModelConfig:
 
 def model_config(model: Any, option: str = "model") -> ModelConfig:
     """The config of a model folder (or of its config.json path), through transformers'
-    AutoConfig; a dict is taken as a config.json's contents (`model_type` or `architectures`
-    naming the model). ValueError naming --`option` for a folder without config.json, or a
-    config transformers cannot read. A copy: callers may change it."""
+    AutoConfig; a dict is taken as a config.json's contents (its `model_type` names the
+    model). ValueError naming --`option` for a folder without config.json, or a config
+    transformers cannot read. A copy: callers may change it."""
     if isinstance(model, dict):
         return _from_dict(model)
     path = os.fspath(model)
