@@ -12,7 +12,6 @@ headers and fails the same way, so a bad checkpoint cannot hang the others.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -59,13 +58,19 @@ def manifest(config, args) -> dict[str, tuple[int, ...]]:
 
 
 def _check_architecture(hf_dir: str, family) -> None:
-    """The checkpoint's config.json names one of the architectures of the family the model
-    was built as (`family.name`, `family.architectures`)."""
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
+    """The checkpoint's config.json, read by transformers' AutoConfig as the model builder
+    reads it, names one of the architectures of the family the model was built as
+    (`family.name`, `family.architectures`)."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         return
-    with open(path) as f:
-        archs = json.load(f).get("architectures") or []
+    try:
+        archs = AutoConfig.from_pretrained(hf_dir).architectures or []
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"checkpoint {hf_dir!r}: transformers cannot read its config.json "
+                         f"({e}); the Megatron model was built as {family.name} "
+                         f"({', '.join(family.architectures)})") from None
     if archs and not set(archs) & set(family.architectures):
         raise ValueError(f"checkpoint {hf_dir!r} is a {'/'.join(archs)} model (config.json "
                          f"`architectures`) but the Megatron model was built as {family.name} "

@@ -32,8 +32,8 @@ from bridge.hf_checkpoint import copy_hf_side_files, write_hf_checkpoint
 from bridge.load import load_hf_weights
 from bridge.params import unwrap
 from megatron_grpo.checkpoint import HF_CONFIG_DIR, META_FILE as TRAIN_META, find_latest_checkpoint
-from megatron_grpo.config.hf_model import head_size, text_config
-from megatron_grpo.model import build_model, build_transformer_config, load_hf_config
+from megatron_grpo.config.hf_model import head_size, model_config
+from megatron_grpo.model import build_model, build_transformer_config
 from megatron_grpo.model.kv_replication import (checkpoint_load_metadata, legacy_replicated_layout,
                                                 saved_query_groups)
 from megatron_grpo.model.lora import is_lora_state, lora_settings
@@ -68,7 +68,7 @@ def check_args(argv: list[str], world_size: int) -> ExportConfig:
                             "--to_hf of a checkpoint without LoRA adapters") + "). Fix: drop it")
     if a.test_convert_precision:
         hf_dir = a.model if a.to_mcore else src.hf_dir
-        if "vision_config" in load_hf_config(hf_dir):
+        if model_config(hf_dir, "model" if a.to_mcore else "mcore_model").vision is not None:
             raise ValueError("--test_convert_precision true compares text-only logits with "
                              "transformers' AutoModelForCausalLM, which does not load a "
                              "vision-language model. Fix: drop it (the weights convert the same)")
@@ -127,7 +127,7 @@ def mcore_source(path: str) -> McoreSource:
 def _check_qkv_layout(a: ExportConfig, src: McoreSource) -> None:
     """A checkpoint loads at any TP, except one an older version wrote with fewer kv heads
     than TP (a replicated, TP-dependent layout): that one only at the TP that wrote it."""
-    hf = text_config(src.hf_dir)    # a vision-language model's language part
+    hf = model_config(src.hf_dir, "mcore_model").language   # a VL model's language part
     heads = hf["num_attention_heads"]
     legacy_replicated_layout(saved_query_groups(src.dist_dir, heads, head_size(hf)), heads=heads,
                              kv_heads=hf.get("num_key_value_heads") or heads,
@@ -240,7 +240,7 @@ def main(argv: list[str]) -> int:
     # --torch_dtype unset: the checkpoint's (--to_hf: the weights' as saved, a training run's
     # --bf16 included; else, and for --to_mcore, the HF config's).
     dtype = a.torch_dtype or (src is not None and src.params_dtype) or \
-        _default_dtype(load_hf_config(hf_src))
+        _default_dtype(model_config(hf_src, "model" if a.to_mcore else "mcore_model").language)
     # Build in the dtype the weights were saved in (a training checkpoint may differ from
     # the HF config's); the export casts to `dtype`.
     build_dtype = (src.params_dtype if src is not None and src.params_dtype else dtype)

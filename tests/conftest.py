@@ -87,7 +87,8 @@ def pytest_collection_modifyitems(config, items):
 # The files with the most CPU, most first (tools/profile_suite.py on 2 cores:
 # 216 CPU s down to ~35). A file missing here only runs later than it could.
 HEAVY_FILES = ("test_multi_turn_e2e", "test_trainer_e2e", "test_vl_e2e", "test_rollout_server",
-               "test_example_ms_swift", "test_vl_data_rollout", "test_lora_e2e",
+               "test_example_ms_swift", "test_hf_formats", "test_vl_data_rollout",
+               "test_lora_e2e",
                "test_lora_vllm", "test_rewards_reward_model", "test_console", "test_moe_e2e",
                "test_train_cp", "test_rollout_sync")
 

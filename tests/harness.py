@@ -94,6 +94,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def hf_tensors(path) -> dict:
+    """Every tensor of the HF checkpoint in folder `path` (all its *.safetensors), by name:
+    the reference a converted or exported checkpoint is compared with."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, name)))
+    return out
+
+
 _IGNORED_WARNINGS = ".*(Apex|Transformer Engine|TransformerEngine|cuda_graph_scope|apex).*"
 
 

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from megatron_grpo.config.errors import Problems
-from megatron_grpo.config.hf_model import VLLM_CPU_HEAD_SIZES, cpu_has_bf16, head_dim, model_max_len
+from megatron_grpo.config.hf_model import (VLLM_CPU_HEAD_SIZES, cpu_has_bf16, head_dim,
+                                            model_config, model_max_len)
 from megatron_grpo.config.validate import check_vllm_model
 
 
@@ -75,3 +76,17 @@ NEOVERSE_N1 = "processor\t: 0\nFeatures\t: fp asimd atomics\n"
 ])
 def test_cpu_has_bf16_reads_the_flags(cpuinfo, expected):
     assert cpu_has_bf16(cpuinfo) is expected
+
+
+def test_model_config_of_a_folder_without_config_json(tmp_path):
+    with pytest.raises(ValueError, match=r"--model '.*nowhere': no config.json there \(or no "
+                                         r"such folder\); expected a Hugging Face model folder"):
+        model_config(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.slow  # imports transformers
+def test_model_config_transformers_cannot_read_names_the_option(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    with pytest.raises(ValueError, match=r"--teacher_model '.*': transformers \S+ cannot read "
+                                         r"its config.json \(.*no_such_model"):
+        model_config(str(tmp_path), "teacher_model")

@@ -131,7 +131,8 @@ def test_check_args_errors(tmp_path):
     mcore = tmp_path / "mcore"
     (mcore / "hf_config").mkdir(parents=True)
     (mcore / "hf_config" / "config.json").write_text(json.dumps(
-        {"num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 64}))
+        {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 1,
+         "hidden_size": 64}))
     (mcore / "megatron_grpo_convert.json").write_text(json.dumps({"tensor_model_parallel_size": 2}))
     for tp in (1, 2):
         check_args(["--to_hf", "true", "--mcore_model", str(mcore), "--tensor_model_parallel_size",

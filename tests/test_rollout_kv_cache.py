@@ -58,8 +58,8 @@ def test_kv_cache_bytes_by_hand(qwen05, tmp_path):
     tiny = tmp_path / "tiny"
     tiny.mkdir()
     (tiny / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "hidden_size": 128, "max_position_embeddings": 512}))
+        {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "hidden_size": 128, "max_position_embeddings": 512}))
     assert kv_bytes_per_token(str(tiny), dtype="float32") == 2 * 2 * 2 * 32 * 4
     assert kv_cache_bytes(str(tiny), sequences=8, max_model_len=256, dtype="float32") == FLOOR_BYTES
     # A vision-language config: the language model's shape (text_config).

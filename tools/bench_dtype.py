@@ -74,20 +74,17 @@ def generate_fns(model: str) -> dict:
 
 
 def train_fns(model: str) -> dict:
-    import json
-
     import torch
 
     from megatron_grpo.algorithms import count_partials, loss_normalizer
+    from megatron_grpo.config.hf_model import model_config
     from megatron_grpo.model import build_model, build_transformer_config, wrap_ddp
     from megatron_grpo.platform import ParallelDims, init_parallel
     from megatron_grpo.train import LossOptions, Sample, micro_batches, train_micro_batches
     from megatron_grpo.train.batch import collate
 
     init_parallel(ParallelDims(world_size=1))
-    with open(os.path.join(model, "config.json")) as f:
-        hf = json.load(f)
-    vocab = hf["vocab_size"]
+    vocab = model_config(model).language["vocab_size"]
     g = torch.Generator().manual_seed(0)
     samples = [Sample(prompt_ids=torch.randint(0, vocab, (PROMPT,), generator=g).tolist(),
                       completion_ids=torch.randint(0, vocab, (COMPLETION,), generator=g).tolist(),

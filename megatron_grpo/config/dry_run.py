@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
-from .hf_model import text_config
+from .hf_model import model_config
 from .validate import teacher_servers
 
 if TYPE_CHECKING:
@@ -40,8 +40,7 @@ class ModelFacts:
 
 def check_model(cfg: "GRPOConfig") -> ModelFacts:
     """The model's config.json against the parallel sizes; ValueError naming the option."""
-    # model/ and train/ import torch and Megatron; this module is imported by the CLI parent
-    from ..model import load_hf_config
+    # train/ imports torch and Megatron; this module is imported by the CLI parent
     from ..train.setup import transformer_config
 
     v = cfg.rollout
@@ -52,18 +51,19 @@ def check_model(cfg: "GRPOConfig") -> ModelFacts:
         if path and (option != "ref_model" or cfg.grpo.beta):
             try:
                 transformer_config(cfg, path)
-            except ValueError as e:
-                raise ValueError(f"--{option} {path!r}: {e}") from None
-    top = load_hf_config(cfg.model.model)
-    hf = text_config(cfg.model.model)     # a vision-language config's language part
+            except ValueError as e:     # the reader's own errors name the option already
+                named = str(e).startswith(f"--{option} ")
+                raise ValueError(str(e) if named else f"--{option} {path!r}: {e}") from None
+    model = model_config(cfg.model.model)   # as transformer_config read it (cached)
+    hf = model.language                      # a vision-language config's language part
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     if v.vllm_mode == "colocate" and heads % v.vllm_tensor_parallel_size:
         valid = [t for t in range(1, heads + 1) if heads % t == 0]
         raise ValueError(f"--vllm_tensor_parallel_size {v.vllm_tensor_parallel_size} does not divide "
                          f"the model's {heads} attention heads; valid values: {valid}")
-    archs = top.get("architectures") or [top.get("model_type")]
-    return ModelFacts(family=args.family.name, architecture=str(archs[0]),
+    return ModelFacts(family=args.family.name,
+                      architecture=(model.architectures or (model.model_type,))[0],
                       num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                       num_heads=heads, num_kv_heads=kv_heads, vocab_size=hf["vocab_size"],
                       dtype=dtype)

@@ -30,7 +30,7 @@ from .reward_models import has_reward_models, resolve_reward_models
 from .groups import (DEFAULT_KL_IN_REWARD, DEFAULT_NUM_TRAIN_EPOCHS, DEFAULT_SCALE_REWARDS,
                      LORA_TARGET_MODULES, adapter_covers_tower)
 from .hf_model import (BF16_CPU_FLAGS, VLLM_CPU_HEAD_SIZES, cpu_has_bf16, head_dim,
-                       model_max_len, num_experts, vllm_is_cpu_build)
+                       json_config, model_max_len, num_experts, vllm_is_cpu_build)
 from .parallel import ParallelDims, divisors
 from .sizes import parse_size
 
@@ -212,8 +212,6 @@ def _check_scoring_model(cfg: "GRPOConfig", option: str, role: str, p: Problems)
               f"{cfg.model.model!r} ({student.get('model_type')}): a vision-language "
               f"policy needs a {role} of its own model type, which sees its images, and a "
               f"text policy a text {role}. Fix: a {role} of the policy's model type")
-    hf, student = (hf.get("text_config") or hf, student.get("text_config") or student) \
-        if all(vision) else (hf, student)
     if p.require(hf.get("vocab_size") == student.get("vocab_size"),
                  f"--{option} {path!r} has vocab_size {hf.get('vocab_size')}, --model "
                  f"{cfg.model.model!r} {student.get('vocab_size')}: the {role} scores the "
@@ -559,19 +557,18 @@ def model_trains_in_bf16(model: Optional[str]) -> bool:
     hf = _hf_config(model)
     if hf is None:
         return False
-    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-    name = hf.get("torch_dtype") or hf.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    name = hf.get("torch_dtype") or hf.get("dtype")
     return str(name).replace("torch.", "") in ("bfloat16", "float16")
 
 
 def _hf_config(model: Optional[str]) -> Optional[dict]:
-    """config.json of --model, or None when there is none to read (reported elsewhere)."""
-    path = os.path.join(model or "", "config.json")
-    if not model or not os.path.isfile(path):
+    """config.json of --model as the option checks read it (hf_model.json_config: a
+    vision-language model's text sizes merged in), or None when there is none to read
+    (reported elsewhere)."""
+    if not model or not os.path.isfile(os.path.join(model, "config.json")):
         return None
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json_config(model)
     except (OSError, ValueError):
         return None
 
@@ -1049,11 +1046,8 @@ def _check_vllm_lora(cfg: "GRPOConfig", p: Problems) -> None:
                   "false (merged sync)")
     model = cfg.model.model
     if model and os.path.isfile(os.path.join(model, "config.json")):
-        from .hf_model import text_config
-
         try:
-            hf = text_config(model)
-            experts = num_experts(hf)
+            experts = num_experts(json_config(model))
         except (OSError, ValueError, TypeError):
             experts = 0
         p.require(experts == 0,

@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence
 IMAGE_TAG = "<image>"
 MAX_PIXELS_ENV = "MAX_PIXELS"
 # model_type values of the vision-language families this project handles.
-VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
+VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 
 
 def model_type(model_dir: str) -> Optional[str]:

@@ -35,7 +35,7 @@ import struct
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from ..config.hf_model import text_config
+from ..config.hf_model import head_size, model_config, num_experts
 from ..config.sizes import parse_size
 from ..data import render_prompt
 from ..rollout.kv_cache import kv_cache_bytes as _engine_kv_bytes, sequences_per_engine
@@ -109,7 +109,7 @@ class ModelCounts:
 def count_model(model_dir: str, split: Split) -> ModelCounts:
     """Parameters of the checkpoint at `model_dir` under `split` (module docstring)."""
     tensors = checkpoint_tensors(model_dir)
-    hf = text_config(model_dir)
+    hf = model_config(model_dir).language
     layers = int(hf["num_hidden_layers"])
     hidden = int(hf["hidden_size"])
     vocab = int(hf["vocab_size"])
@@ -224,14 +224,14 @@ def _dtype_bytes(bf16: bool) -> int:
 def _activation_bytes(cfg, counts: ModelCounts, model_dir: str, seq: int, split: Split) -> int:
     """One micro-batch's activations kept for backward on the largest stage (module
     docstring), with the configured recompute, in the training dtype."""
-    hf = text_config(model_dir)
+    hf = model_config(model_dir).language
     t, p = cfg.training, cfg.parallel
     h = counts.hidden
     heads = int(hf["num_attention_heads"])
     kv = int(hf.get("num_key_value_heads") or heads)
-    hd = int(hf.get("head_dim") or h // heads)
+    hd = head_size(hf)
     inter = int(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 4 * h)
-    if hf.get("num_experts") or hf.get("num_local_experts"):
+    if num_experts(hf):
         inter *= int(hf.get("num_experts_per_tok") or 1)
     b = _dtype_bytes(bool(t.bf16))
     tokens = t.micro_batch_size * seq
@@ -397,7 +397,7 @@ def _line_bytes(lines, name: str) -> int:
 def _lora_params(cfg, counts: ModelCounts) -> int:
     """A LoRA adapter's parameters on one rank: rank x (in + out) for each of a layer's
     seven linears (every linear: ms-swift's `all-linear`), an upper bound."""
-    hf = text_config(cfg.model.model)
+    hf = model_config(cfg.model.model).language
     h = counts.hidden
     inter = int(hf.get("intermediate_size") or 4 * h)
     per_layer = cfg.training.lora_rank * (4 * (h + h) + 3 * (h + inter))

@@ -1,7 +1,10 @@
-"""Hugging Face `config.json` -> Megatron `TransformerConfig` plus the GPTModel arguments."""
+"""Hugging Face `config.json` -> Megatron `TransformerConfig` plus the GPTModel arguments.
+
+The config is read by transformers' own config class (config/hf_model.py `model_config`),
+so that the published checkpoints' flat layout and what transformers writes today
+(`text_config`, `rope_parameters`, `num_local_experts`) build the same model."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -9,27 +12,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config.hf_model import head_size
+from ..config.hf_model import ModelConfig, head_size, model_config
 from .families import Family, detect_family
 from .moe import moe_config_kwargs
 from .te import use_transformer_engine
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def load_hf_config(model: str | os.PathLike | dict) -> dict:
-    """A config dict from a model folder, a config.json path, or a dict (returned as is)."""
-    if isinstance(model, dict):
-        return model
-    path = os.fspath(model)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"--model {os.fspath(model)!r}: no config.json found there; pass a "
-                         "Hugging Face model folder (config.json + safetensors)")
-    with open(path) as f:
-        return json.load(f)
 
 
 def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -71,13 +60,6 @@ def _mrope_section(hf: dict) -> list[int]:
                      "(text_config.rope_parameters or rope_scaling)")
 
 
-def language_config(hf: dict) -> dict:
-    """The language model's view of an HF config: a multimodal config's `text_config` over its
-    top level (which keeps vision_config, image_token_id, ...); a text config as it is."""
-    text = hf.get("text_config")
-    return {**hf, **text} if isinstance(text, dict) else hf
-
-
 @dataclass
 class ModelArgs:
     """What GPTModel needs besides the TransformerConfig."""
@@ -88,27 +70,27 @@ class ModelArgs:
     max_sequence_length: int
     rotary_base: float
     tie_word_embeddings: bool
-    hf_config: dict            # the language view (language_config): text_config merged in
+    hf_config: dict            # the language view (hf_model.ModelConfig.language)
     position_embedding_type: str = "rope"   # "mrope" for vision-language families
 
 
-def build_transformer_config(model: str | os.PathLike | dict, *, tp: int = 1, pp: int = 1,
+def build_transformer_config(model: str | os.PathLike | dict | ModelConfig, *, tp: int = 1, pp: int = 1,
                              vpp: int | None = None, cp: int = 1, sequence_parallel: bool = False,
                              dtype: str | torch.dtype = "float32",
                              make_vocab_size_divisible_by: int = 128,
                              recompute: dict | None = None, attention_backend: str | None = None,
                              ep: int = 1, etp: int | None = None, moe=None,
                              **overrides: Any):
-    """Translate an HF config of a supported family. Returns (TransformerConfig, ModelArgs).
+    """Translate an HF config of a supported family (a model folder, a config.json's contents
+    as a dict, or hf_model.model_config's reading). Returns (TransformerConfig, ModelArgs).
 
     `recompute`: the run's recompute_* options (see recompute_kwargs); `attention_backend`:
     ms-swift's name, mapped by megatron_attention_backend (None: Megatron's default).
     ep, etp, moe: expert (tensor) parallel sizes and `model.moe.MoEOptions` of an MoE family."""
     from megatron.core.transformer import TransformerConfig
 
-    hf = load_hf_config(model)
+    hf = (model if isinstance(model, ModelConfig) else model_config(model)).language
     family = detect_family(hf)
-    hf = language_config(hf)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     if heads % tp != 0:

@@ -38,7 +38,7 @@ import math
 import os
 from typing import Any, Dict, Mapping, Optional, Union
 
-from ..config.hf_model import head_size, model_max_len, text_config
+from ..config.hf_model import context_length, head_size, model_config
 from ..config.sizes import parse_size
 
 HEADROOM = 1.25           # over the computed need: allocator slack, block rounding of prompts
@@ -54,7 +54,7 @@ def kv_bytes_per_token(model_dir: str, *, tensor_parallel_size: int = 1, dtype: 
     dtype: the engine's ("auto": the checkpoint's, float32 when it names none);
     kv_cache_dtype "fp8*" stores one byte per value.
     """
-    c = text_config(model_dir)
+    c = model_config(model_dir).language
     layers = c["num_hidden_layers"]
     heads = c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads") or heads
@@ -73,7 +73,7 @@ def kv_cache_bytes(model_dir: str, *, sequences: int, max_model_len: Optional[in
     """KV-cache bytes per vLLM worker for `sequences` in flight (see the module doc)."""
     if sequences < 1:
         raise ValueError(f"sequences in flight {sequences} must be >= 1")
-    length = max_model_len or model_max_len(model_dir)
+    length = max_model_len or context_length(model_config(model_dir).language, model_dir)
     tokens = sequences * math.ceil(length / BLOCK_TOKENS) * BLOCK_TOKENS
     per_token = kv_bytes_per_token(model_dir, tensor_parallel_size=tensor_parallel_size,
                                    dtype=dtype, kv_cache_dtype=kv_cache_dtype)

@@ -21,7 +21,7 @@ from megatron_grpo.model.lora_peft import gather_adapters, merged_stream, save_p
 
 from .. import console
 from .. import checkpoint as ckpt
-from ..config.hf_model import model_max_len
+from ..config.hf_model import context_length, model_config
 from ..config.validate import teacher_servers
 from ..data import (PromptSampler, drop_long_prompts, load_datasets, prompt_length,
                     render_prompt)
@@ -214,7 +214,8 @@ def _served_teacher(cfg, datasets):
         return None
     v, g = cfg.rollout, cfg.grpo
     # The longest sample: the sampler's context, or (single-turn) a whole prompt and completion
-    longest = v.vllm_max_model_len or model_max_len(cfg.model.model)
+    longest = v.vllm_max_model_len or context_length(model_config(cfg.model.model).language,
+                                                     cfg.model.model)
     if v.multi_turn_scheduler is None and cfg.data.max_length:
         longest = min(longest, cfg.data.max_length + g.max_completion_length)
     teacher = ServedTeacher(teacher_servers(cfg.model.teacher_model_server), datasets,
@@ -266,7 +267,7 @@ def _vision_processor(cfg, dataset, val_dataset):
         return None
     if not is_vision_language(cfg.model.model):
         raise ValueError(f"--dataset has an `images` column, but --model {cfg.model.model} is not "
-                         "a vision-language model (allowed: a Qwen2.5-VL checkpoint; or drop the "
+                         "a vision-language model (allowed: a Qwen2.5-VL or Qwen2-VL checkpoint; or drop the "
                          "images)")
     if cfg.rollout.multi_turn_scheduler is not None:
         raise ValueError(f"--multi_turn_scheduler {cfg.rollout.multi_turn_scheduler}: multi-turn "

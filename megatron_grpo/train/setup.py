@@ -26,9 +26,9 @@ from bridge.mappings.vision import sync_filter
 
 from .. import console
 from ..algorithms import LossTypeParams
-from ..config.hf_model import num_experts
+from ..config.hf_model import model_config, num_experts
 from ..data.vision import resolve_max_pixels
-from ..model import build_model, build_transformer_config, load_hf_config, wrap_ddp
+from ..model import build_model, build_transformer_config, wrap_ddp
 from ..model.freeze import check_and_summarise, freeze_parameters
 from ..model.kv_replication import count_kv_once_in_grad_norm
 from ..model.lora import LoraSettings, apply_lora, parse_modules_to_save, parse_target_modules
@@ -87,13 +87,16 @@ def transformer_config(cfg, model: Optional[str] = None):
     teacher) in the same one: forward only (no recompute), its experts, if any, over the
     same EP and routing for themselves. The trainer's and the dry run's."""
     p, t = cfg.parallel, cfg.training
+    option = "model" if not model else \
+        "teacher_model" if model == cfg.model.teacher_model else "ref_model"
+    hf = model_config(model or cfg.model.model, option)      # errors name the option
     experts = dict(ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
                    moe=MoEOptions.from_config(cfg))
     if model:
         experts = (dict(experts, moe=dataclasses.replace(experts["moe"], routing_replay=False))
-                   if num_experts(load_hf_config(model)) else {})
+                   if num_experts(hf.language) else {})
     return build_transformer_config(
-        model or cfg.model.model, tp=p.tensor_model_parallel_size,
+        hf, tp=p.tensor_model_parallel_size,
         pp=p.pipeline_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
         cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel, dtype=_dtype(cfg),
         recompute=None if model else dict(

