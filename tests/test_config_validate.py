@@ -645,3 +645,17 @@ def test_expert_tensor_parallel_defaults_to_one_as_ms_swifts_moe_scripts_need(ti
     _, problems = build_config(argv + ["--expert_tensor_parallel_size", "4"], 8)
     assert any("world size 8 is not divisible by --expert_tensor_parallel_size 4" in m
                for m in problems.messages), problems.messages
+
+
+def test_torch_dtype_chooses_the_training_dtype_as_in_ms_swift(model_dir, caplog):
+    """--torch_dtype (in ms-swift's GRPO commands): bfloat16 and float16 train in bf16 (a
+    float16 run with a warning: fp16 training is not supported), float32 in float32; a
+    --bf16 that says otherwise is an error naming both."""
+    for dtype, bf16 in (("bfloat16", True), ("float32", False)):
+        assert parse_rlhf_args(args(model_dir, "--torch_dtype", dtype)).training.bf16 is bf16
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.config"):
+        assert parse_rlhf_args(args(model_dir, "--torch_dtype", "float16")).training.bf16 is True
+    assert any("--torch_dtype float16" in r.message for r in caplog.records)
+    assert "--torch_dtype float32 and --bf16 true disagree" in error_of(
+        args(model_dir, "--torch_dtype", "float32", "--bf16", "true"))
+    assert parse_rlhf_args(args(model_dir, "--torch_dtype", "float32", "--bf16", "false"))

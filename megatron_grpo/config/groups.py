@@ -258,6 +258,10 @@ class TrainingOptions(_Group):
                                      "for bfloat16 (as ms-swift) and for float16 (ms-swift trains "
                                      "those in fp16, which is not supported here), false for "
                                      "float32.")
+    torch_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = opt(
+        None, "ms-swift's dtype of training and sampling: bfloat16 is --bf16 true, float32 "
+              "--bf16 false; float16 trains in bfloat16 (float16 training is not supported "
+              "here), with a warning. None: --bf16 decides.")
     seed: int = opt(42, "Seed of python, numpy, torch, the data order and vLLM sampling.")
     recompute_granularity: Literal["selective", "full", "none"] = opt(
         "selective", "Megatron's activation recomputation: selective recomputes the "

@@ -300,7 +300,7 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
         qk_head_dim qk_pos_emb_head_dim v_head_dim multi_latent_attention
     """,
     "model architecture options (read from the model's config.json here)": """
-        model_type torch_dtype rope_scaling model_kwargs megatron_extra_kwargs
+        model_type rope_scaling model_kwargs megatron_extra_kwargs
         apply_wd_to_qk_layernorm linear_decoupled_in_proj bridge_backend
         init_strategy new_special_tokens max_model_len attn_impl model_revision
         local_repo_path device_map max_memory enable_npu_model_patch te_rng_tracker

@@ -531,9 +531,18 @@ def _check_recompute(t, p: Problems) -> None:
 
 
 def _check_model_options(cfg: "GRPOConfig", p: Problems) -> None:
-    m = cfg.model
-    if cfg.training.bf16 is None:
-        cfg.training.bf16 = model_trains_in_bf16(m.model)
+    m, t = cfg.model, cfg.training
+    if t.torch_dtype is not None:       # ms-swift's: the dtype of training and sampling
+        wanted = t.torch_dtype != "float32"
+        p.require(t.bf16 in (None, wanted),
+                  f"--torch_dtype {t.torch_dtype} and --bf16 {str(t.bf16).lower()} disagree. "
+                  "Fix: pass one of them")
+        if t.torch_dtype == "float16":
+            logger.warning("--torch_dtype float16: training in bfloat16 (float16 training is not "
+                           "supported here; bfloat16 has float32's range)")
+        t.bf16 = wanted if t.bf16 is None else t.bf16
+    if t.bf16 is None:
+        t.bf16 = model_trains_in_bf16(m.model)
     if cfg.training.bf16 and vllm_is_cpu_build() and not cpu_has_bf16():
         logger.warning("--bf16 true on a CPU without bfloat16 instructions (none of %s in "
                        "/proc/cpuinfo): bf16 matmuls are emulated here, slower than float32 "
