@@ -5,6 +5,7 @@ The scores equal an independent forward of the same model (the decoder's last hi
 state of each conversation alone, unpadded, times the score head) in float32; the
 option checks refuse what cannot be a reward model before anything starts; the weights
 cover the reward functions first, then the models."""
+import contextlib
 import json
 import os
 import shutil
@@ -13,11 +14,63 @@ import pytest
 import torch
 
 from megatron_grpo.config import build_config
-from megatron_grpo.rewards.reward_model import RewardModel, check_reward_model
+from megatron_grpo.rewards import load_plugins
+from megatron_grpo.rewards.reward_model import (RewardModel, check_reward_model,
+                                                reward_model_funcs)
 from tools.make_tiny_model import make_tiny_reward_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATASET = os.path.join(ROOT, "megatron_grpo/data/builtin/arithmetic.jsonl")
+JUDGE = os.path.join(ROOT, "examples/plugins/llm_judge.py")
+
+
+def judge_grade(answer: str) -> float:
+    """What the stub judge grades an answer: its digits, at most 10, over 10."""
+    return min(sum(c.isdigit() for c in answer), 10) / 10
+
+
+@contextlib.contextmanager
+def stub_judge(fail_first: int = 0):
+    """A tiny OpenAI-compatible server: /v1/models names "judge"; /v1/chat/completions
+    replies "Grade: N", N the digits of the conversation's last assistant answer (at most
+    10); its first `fail_first` chat requests answer HTTP 500. Yields (url, requests)."""
+    import http.server
+    import threading
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _reply(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._reply(200, {"data": [{"id": "judge"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            if len(seen) <= fail_first:
+                return self._reply(500, {"error": "warming up"})
+            answer = body["messages"][-1]["content"].rsplit("assistant: ", 1)[-1]
+            grade = min(sum(c.isdigit() for c in answer), 10)
+            self._reply(200, {"choices": [{"message": {"role": "assistant",
+                                                       "content": f"Grade: {grade}"}}]})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +150,12 @@ def test_weights_cover_functions_then_models_and_names_stay_apart(policy, rm, tm
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_two_reward_models_and_a_function_score_a_dp2_run(policy, rm, tmp_path):
-    """`megatron rlhf` on 2 processes (DP=2, colocated vLLM) with two reward models and one
-    reward function, weighted: every completion's score from each model equals the
+def test_two_reward_models_a_judge_and_a_function_score_a_dp2_run(policy, rm, tmp_path):
+    """`megatron rlhf` on 2 processes (DP=2, colocated vLLM) with two reward models, a
+    generative judge (--reward_model_plugin llm_judge against a stub server) and one
+    reward function, weighted: every completion's score from each classifier equals the
     independent forward of that model on the conversation (its prompt's messages and the
-    completion), and the step's reward is the weighted sum."""
+    completion), the judge's is its grade, and the step's reward is the weighted sum."""
     import subprocess
 
     from megatron_grpo.data import load_datasets
@@ -109,18 +163,24 @@ def test_two_reward_models_and_a_function_score_a_dp2_run(policy, rm, tmp_path):
     from tests.harness import free_port
 
     safety = str(make_tiny_reward_model(tmp_path / "safety", policy, seed=1))
+    judge_dir = tmp_path / "judge"
+    shutil.copytree(policy, judge_dir)         # the judge's folder: its tokenizer only
     out = str(tmp_path / "run")
     argv = ["rlhf", "--model", policy, "--dataset", DATASET, "--reward_funcs", "digits",
-            "--external_plugins", os.path.join(ROOT, "examples/plugins/digits_reward.py"),
-            "--reward_model", rm, safety, "--reward_weights", "1", "0.5", "2",
+            "--external_plugins", os.path.join(ROOT, "examples/plugins/digits_reward.py"), JUDGE,
+            "--reward_model", rm, safety, str(judge_dir),
+            "--reward_model_plugin", "default", "default", "llm_judge",
+            "--reward_weights", "1", "0.5", "2", "1",
             "--num_generations", "4", "--generation_batch_size", "8",
             "--max_completion_length", "8", "--micro_batch_size", "2", "--global_batch_size", "8",
             "--train_iters", "2", "--beta", "0", "--vllm_mode", "colocate",
             "--vllm_max_model_len", "128", "--vllm_enforce_eager", "true", "--top_k", "-1",
             "--output_dir", out, "--log_completions", "true", "--seed", "3"]
-    env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
-    r = subprocess.run(cli_zygote.command(*argv), cwd=ROOT, env=cli_zygote.env(env),
-                       capture_output=True, text=True, timeout=600)
+    with stub_judge() as (url, _):
+        env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
+                   MASTER_PORT=str(free_port()), MGRPO_JUDGE_URL=url)
+        r = subprocess.run(cli_zygote.command(*argv), cwd=ROOT, env=cli_zygote.env(env),
+                           capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "reward models" in r.stdout         # the memory plan counts them
     with open(os.path.join(out, "completions.jsonl")) as f:
@@ -136,7 +196,10 @@ def test_two_reward_models_and_a_function_score_a_dp2_run(policy, rm, tmp_path):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     first = [row for row in rows if row["step"] == 1]
-    weighted = [row["digits"] + 0.5 * row["helpful"] + 2 * row["safety"] for row in first]
+    assert [row["judge"] for row in rows] == pytest.approx(
+        [judge_grade(row["completion"]) for row in rows], abs=1e-6)
+    weighted = [row["digits"] + 0.5 * row["helpful"] + 2 * row["safety"] + row["judge"]
+                for row in first]
     assert metrics[0]["reward"] == pytest.approx(sum(weighted) / len(weighted), abs=1e-5)
     for name in ("helpful", "safety"):
         assert metrics[0][f"rewards/{name}/mean"] == pytest.approx(
@@ -212,3 +275,31 @@ def test_the_guides_reward_config_three_models_names_and_weights(policy, rm, tmp
     text = "\n".join(problems.messages)
     assert "unknown key(s) ['judges']; allowed: reward_models" in text
     assert "unknown key(s) ['temperature']; allowed: name, path, weight, batch_size, dtype" in text
+
+
+def test_a_generative_judge_plugin_grades_through_a_served_llm(policy, monkeypatch):
+    """--reward_model_plugin llm_judge (examples/plugins/llm_judge.py) against a tiny local
+    OpenAI-compatible server: one grade per completion, read from the reply; a 5xx is
+    retried; a server that stays down fails with its URL after the retries."""
+    import sys
+
+    from megatron_grpo.rewards import rm_plugins
+
+    load_plugins([JUDGE])
+    monkeypatch.setattr(sys.modules[rm_plugins["llm_judge"].__module__], "RETRY_DELAYS",
+                        (0.0, 0.0))
+    convs = [[{"role": "user", "content": "1+2="}, {"role": "assistant", "content": a}]
+             for a in ("3", "no idea", "12 and 34")]
+    with stub_judge(fail_first=1) as (url, seen):
+        monkeypatch.setenv("MGRPO_JUDGE_URL", url)
+        [judge] = reward_model_funcs([{"name": "judge", "path": policy, "batch_size": 8,
+                                       "dtype": "float32", "plugin": "llm_judge"}])
+        scores = judge.fn([c[-1]["content"] for c in convs], messages=convs,
+                          solution=["3", "3", "3"])
+    assert scores == [0.1, 0.0, 0.4]
+    assert len(seen) == 4 and all(b["model"] == "judge" and b["temperature"] == 0 for b in seen)
+    monkeypatch.setenv("MGRPO_JUDGE_URL", "http://127.0.0.1:9")       # nothing listens there
+    [judge] = reward_model_funcs([{"name": "judge", "path": policy, "batch_size": 8,
+                                   "dtype": "float32", "plugin": "llm_judge"}])
+    with pytest.raises(RuntimeError, match="judge http://127.0.0.1:9/v1/models failed 3 times"):
+        judge.fn(["3"], messages=convs[:1])

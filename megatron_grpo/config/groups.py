@@ -465,6 +465,13 @@ class RewardOptions(_Group):
              "each rank its own completions. Metrics rewards/<folder name>/mean|std.",
         factory=list)
     reward_model_batch_size: int = opt(8, "Conversations per reward-model forward (ours).")
+    reward_model_plugin: List[str] = opt(
+        help="A plugin per --reward_model, by position (ms-swift's): default (the classifier's "
+             "score) or a class registered in megatron_grpo.rewards.rm_plugins by a file of "
+             "--external_plugins, built with the folder's model and tokenizer and called with "
+             "one dict per completion (messages and the dataset's columns), e.g. a generative "
+             "judge (examples/plugins/llm_judge.py).",
+        factory=list)
     reward_config: Optional[str] = opt(None, "A YAML file holding reward_models: (ms-swift's GRPO "
                                              "guides' reward_config.yaml).")
     reward_models: Optional[List[Dict[str, Any]]] = opt(

@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List
 
-from ..rewards.reward_model import check_reward_model, reward_model_name
+from ..rewards.reward_model import check_reward_model, reward_model_name, rm_plugins
 from .errors import Problems
 
-ENTRY_KEYS = ("name", "path", "weight", "batch_size", "dtype")
+ENTRY_KEYS = ("name", "path", "weight", "batch_size", "dtype", "plugin")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -54,7 +54,12 @@ def _entry(raw: Dict[str, Any], where: str, weight: float, training_bf16: bool,
     if not p.require(isinstance(path, str) and path, f"{where}: no path (the reward model's "
                                                      "Hugging Face folder)"):
         path = ""
-    problem = check_reward_model(path) if path else None
+    plugin = raw.get("plugin") or "default"
+    p.require(plugin == "default" or plugin in rm_plugins,
+              f"{where}: reward model plugin {plugin!r} is not registered; registered: "
+              f"{['default', *sorted(rm_plugins)]}. Fix: register it in a file passed with "
+              "--external_plugins (rm_plugins['NAME'] = YourPlugin)")
+    problem = check_reward_model(path, plugin) if path else None
     p.require(problem is None, f"{where}: {problem}" if where != "--reward_model" else
               (problem or ""))
     dtype = raw.get("dtype") or ("bfloat16" if training_bf16 else "float32")
@@ -67,7 +72,7 @@ def _entry(raw: Dict[str, Any], where: str, weight: float, training_bf16: bool,
     except (TypeError, ValueError):
         p.add(f"{where}: weight {raw.get('weight')!r} is not a number")
     return {"name": str(raw.get("name") or reward_model_name(path)), "path": path,
-            "weight": weight, "batch_size": size, "dtype": dtype,
+            "weight": weight, "batch_size": size, "dtype": dtype, "plugin": plugin,
             "source": raw.get("source", "reward_models")}
 
 
@@ -97,8 +102,14 @@ def resolve_reward_models(r, training_bf16: bool, p: Problems) -> None:
     listed = [dict(m, source=m.get("source", "reward_models")) for m in r.reward_models or []]
     if r.reward_config:
         listed += read_reward_config(r.reward_config, p)
-    entries = [_entry({"path": path, "source": "--reward_model"}, "--reward_model",
-                      weights[n_funcs + i], training_bf16, r.reward_model_batch_size, p)
+    plugins = list(r.reward_model_plugin or [])
+    p.require(len(plugins) <= n_cli, f"--reward_model_plugin {plugins} names {len(plugins)} "
+                                     f"plugins for {n_cli} --reward_model folders. Fix: one per "
+                                     "reward model, by position (default: the classifier)")
+    plugins += ["default"] * (n_cli - len(plugins))
+    entries = [_entry({"path": path, "plugin": plugins[i], "source": "--reward_model"},
+                      "--reward_model", weights[n_funcs + i], training_bf16,
+                      r.reward_model_batch_size, p)
                for i, path in enumerate(r.reward_model)]
     entries += [_entry(m, f"{m['source']} entry {i} ({m.get('name') or m.get('path')!r})", 1.0,
                        training_bf16, r.reward_model_batch_size, p)

@@ -232,7 +232,6 @@ UNSUPPORTED: Dict[str, Tuple[str, ...]] = {k: _names(v) for k, v in {
     "on-policy distillation from a hub teacher (--teacher_model takes a local folder)": """
         teacher_model_type teacher_model_revision
     """,
-    "generative reward models (--reward_model takes sequence classifiers)": "reward_model_plugin",
     "reference model sync (TR-DPO style)": "sync_ref_model ref_model_sync_steps ref_model_mixup_alpha",
     "asynchronous generation": "async_generate",
     "a reference model from a Megatron checkpoint (--ref_model takes an HF folder)":

@@ -11,8 +11,9 @@ ORM, orms` instead of `from swift.rewards import ORM, orms`).
 from . import accuracy, countdown, format_reward, gym_reward, length, math_reward  # noqa: F401  (register the built-ins)
 from .registry import (ORM, REWARDS, AsyncORM, RewardFunc, build_reward_funcs, load_plugins, orms,
                        register_reward, registered_names)
+from .reward_model import DefaultRMPlugin, rm_plugins
 from .scoring import RewardFunctionError, TrainerState, score
 
-__all__ = ["ORM", "AsyncORM", "REWARDS", "RewardFunc", "RewardFunctionError", "TrainerState",
+__all__ = ["DefaultRMPlugin", "ORM", "AsyncORM", "REWARDS", "RewardFunc", "RewardFunctionError", "TrainerState",
            "build_reward_funcs", "load_plugins", "orms", "register_reward", "registered_names",
-           "score"]
+           "rm_plugins", "score"]

@@ -24,13 +24,17 @@ from .registry import RewardFunc
 SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 
 
-def check_reward_model(path: str) -> Optional[str]:
-    """Why `path` cannot be an output reward model here (one line naming it), or None."""
+def check_reward_model(path: str, plugin: str = "default") -> Optional[str]:
+    """Why `path` cannot be an output reward model here (one line naming it), or None. A
+    plugin's reward model (--reward_model_plugin) may be any model with a tokenizer."""
     where = f"--reward_model {path!r}"
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         return (f"{where}: no config.json there. Fix: pass a local Hugging Face folder of a "
                 "sequence-classification model (e.g. Qwen2ForSequenceClassification)")
+    if plugin != "default":
+        return None if os.path.isfile(os.path.join(path, "tokenizer_config.json")) else \
+            f"{where} (--reward_model_plugin {plugin}): no tokenizer_config.json there"
     with open(config) as f:
         cfg = json.load(f)
     archs = cfg.get("architectures") or []
@@ -38,7 +42,7 @@ def check_reward_model(path: str) -> Optional[str]:
         return (f"{where} is a {', '.join(archs) or cfg.get('model_type', 'model')} checkpoint, "
                 f"not a sequence classifier (architectures ending in {SEQUENCE_CLASSIFIER}): an "
                 "output reward model scores a conversation with one number. A generative judge "
-                "goes through a reward function plugin (--external_plugins)")
+                "goes through --reward_model_plugin")
     labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 1))
     if labels != 1:
         return (f"{where} has {labels} labels (id2label); an output reward model has one "
@@ -108,9 +112,72 @@ class RewardModel:
         return scores
 
 
+class DefaultRMPlugin:
+    """ms-swift's reward-model plugin contract (`--reward_model_plugin NAME`, a class in
+    `rm_plugins`): built as `cls(model=..., template=...)` with the reward model folder's
+    model (None when the class sets `load_model = False`, e.g. a judge served elsewhere)
+    and its tokenizer (which carries the chat template; ms-swift passes its template),
+    then called as `plugin(inputs)` with one dict per completion, `messages` (the
+    conversation, the completion last) and the dataset's other columns; it returns one
+    float per input (a list or a tensor; None: the input is not scored)."""
+
+    load_model = True      # False: the plugin does not use the folder's weights
+
+    def __init__(self, model, template):
+        self.model, self.template = model, template
+
+    def __call__(self, inputs: List[dict]) -> List[Optional[float]]:
+        raise NotImplementedError(f"{type(self).__name__} must define __call__(inputs)")
+
+
+# name -> plugin class (ms-swift's `rm_plugins`); a file of --external_plugins adds to it.
+rm_plugins: dict = {}
+
+
+class _PluginRewardModel:
+    """A --reward_model_plugin reward model as a reward function: the reward function's
+    keyword lists turned into ms-swift's `inputs`, one score per input checked."""
+
+    def __init__(self, path: str, plugin_name: str, dtype: str, device: Optional[str]):
+        import torch
+        from transformers import (AutoConfig, AutoModelForCausalLM,
+                                  AutoModelForSequenceClassification, AutoTokenizer)
+
+        cls = rm_plugins[plugin_name]
+        self.path, self.plugin_name = path, plugin_name
+        model = None
+        if getattr(cls, "load_model", True):
+            archs = AutoConfig.from_pretrained(path).architectures or []
+            auto = AutoModelForSequenceClassification if any(
+                a.endswith(SEQUENCE_CLASSIFIER) for a in archs) else AutoModelForCausalLM
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            model = auto.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.plugin = cls(model=model, template=AutoTokenizer.from_pretrained(path))
+
+    def __call__(self, completions: Sequence[str], messages: Optional[Sequence[Any]] = None,
+                 **columns) -> List[Optional[float]]:
+        columns.pop("trainer_state", None)
+        inputs = [{"messages": list(messages[i]) if messages is not None else [],
+                   **{k: v[i] for k, v in columns.items()}} for i in range(len(completions))]
+        out = self.plugin(inputs)
+        out = out.tolist() if hasattr(out, "tolist") else list(out)
+        where = f"--reward_model_plugin {self.plugin_name} ({self.path!r})"
+        if len(out) != len(inputs):
+            raise ValueError(f"{where} returned {len(out)} scores for {len(inputs)} inputs")
+        for i, v in enumerate(out):
+            if v is not None and not math.isfinite(float(v)):
+                raise ValueError(f"{where} scored input {i} {v} (not finite)")
+        return out
+
+
 def reward_model_funcs(entries: Sequence[dict], device: Optional[str] = None) -> list:
     """The run's reward models (config/reward_models.py's resolved entries: name, path,
-    batch_size, dtype) as reward functions (RewardFunc)."""
-    return [RewardFunc(e["name"], RewardModel(e["path"], batch_size=e["batch_size"],
-                                              dtype=e["dtype"], device=device))
-            for e in entries]
+    batch_size, dtype, plugin) as reward functions (RewardFunc)."""
+    funcs = []
+    for e in entries:
+        plugin = e.get("plugin", "default")
+        fn = RewardModel(e["path"], batch_size=e["batch_size"], dtype=e["dtype"],
+                         device=device) if plugin == "default" else \
+            _PluginRewardModel(e["path"], plugin, e["dtype"], device)
+        funcs.append(RewardFunc(e["name"], fn))
+    return funcs
