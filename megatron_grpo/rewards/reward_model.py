@@ -97,14 +97,18 @@ class RewardModel:
 
         if messages is None:
             raise ValueError(f"reward model {self.path!r} needs each completion's `messages`")
-        texts = self.texts(messages)
-        scores: List[float] = []
+        ids = self.tokenizer(self.texts(messages), add_special_tokens=False)["input_ids"]
+        # Batches of similar lengths (sorted), so that padding stays small.
+        order = sorted(range(len(ids)), key=lambda j: len(ids[j]))
+        scores: List[float] = [0.0] * len(ids)
         with torch.no_grad():
-            for i in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt",
-                                       padding=True, add_special_tokens=False)
+            for i in range(0, len(order), self.batch_size):
+                rows = order[i:i + self.batch_size]
+                batch = self.tokenizer.pad({"input_ids": [ids[j] for j in rows]},
+                                           return_tensors="pt")
                 logits = self.model(**{k: v.to(self.device) for k, v in batch.items()}).logits
-                scores.extend(logits[:, 0].float().tolist())
+                for j, score in zip(rows, logits[:, 0].float().tolist()):
+                    scores[j] = score
         bad = [j for j, s in enumerate(scores) if not math.isfinite(s)]
         if bad:
             raise ValueError(f"reward model {self.path!r} scored completion {bad[0]} "
