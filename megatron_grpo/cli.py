@@ -164,8 +164,8 @@ def _say_preloaded() -> None:
     from .platform.preload import PRELOAD_ENV, preloaded
 
     if preloaded():
-        console.say(f"[megatron] preloaded {preloaded()} (vLLM's advice for CPUs; "
-                    f"{PRELOAD_ENV}=0 turns it off)")
+        console.say(f"[megatron] preloaded {preloaded()} ({PRELOAD_ENV}=1, vLLM's advice "
+                    "for CPUs)")
 
 
 def _memory_device() -> str:

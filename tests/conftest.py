@@ -21,10 +21,10 @@ import pytest
 
 from tests import harness
 
-# The launcher's tcmalloc preload (platform/preload.py) re-executes each `megatron`
-# command where tcmalloc is installed: off for the suite, so that a machine with tcmalloc
-# runs the tests as one without (tests/test_console.py turns it on).
-os.environ.setdefault("MGRPO_PRELOAD", "0")
+# The launcher's tcmalloc preload (platform/preload.py, MGRPO_PRELOAD=1) re-executes each
+# `megatron` command: off for the suite whatever the caller's environment says
+# (tests/test_console.py turns it on).
+os.environ["MGRPO_PRELOAD"] = "0"
 
 _SPAWNERS = {"run_distributed"}  # names whose use marks a test as multi-process
 _LAUNCHERS = {("tests.test_trainer_e2e", "_run")}  # (module, name)

@@ -119,22 +119,24 @@ def test_the_quickstart_prints_a_plan_a_progress_display_and_the_result(tiny_mod
 
 @pytest.mark.slow
 def test_the_launcher_preloads_tcmalloc_where_found_and_says_so(tiny_model, tmp_path):
-    """Where tcmalloc is found (here MGRPO_TCMALLOC names a harmless stand-in, libm), the
-    command re-executes itself with it in LD_PRELOAD and says so in its plan;
-    MGRPO_PRELOAD=0 turns that off. The dry run shows it without starting anything."""
+    """With MGRPO_PRELOAD=1, where tcmalloc is found (here MGRPO_TCMALLOC names a harmless
+    stand-in, libm), the command re-executes itself with it in LD_PRELOAD and says so in
+    its plan; without it (the default) nothing is preloaded. The dry run shows it without
+    starting anything."""
     from megatron_grpo.platform.preload import to_preload
 
-    assert to_preload({"MGRPO_TCMALLOC": "libm.so.6"}) == ["libm.so.6"]
-    assert to_preload({"MGRPO_TCMALLOC": "libm.so.6", "MGRPO_PRELOAD": "0"}) == []
-    assert to_preload({"MGRPO_TCMALLOC": "libm.so.6", "LD_PRELOAD": "/x/libm.so.6"}) == []
-    assert to_preload({"MGRPO_TCMALLOC": "libm.so.6"}, cpu_build=False) == []
+    on = {"MGRPO_TCMALLOC": "libm.so.6", "MGRPO_PRELOAD": "1"}
+    assert to_preload(on) == ["libm.so.6"]
+    assert to_preload({"MGRPO_TCMALLOC": "libm.so.6"}) == []            # off by default
+    assert to_preload(dict(on, LD_PRELOAD="/x/libm.so.6")) == []
+    assert to_preload(on, cpu_build=False) == []
     argv = [sys.executable, "-m", "megatron_grpo.cli", "rlhf", "--dry_run", "true",
             "--config", QUICKSTART, "--model", _tiny(tiny_model), "--bf16", "false",
             "--output_dir", str(tmp_path / "run")]
     env = dict(os.environ, MGRPO_PRELOAD="1", MGRPO_TCMALLOC="libm.so.6", NPROC_PER_NODE="2")
     r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "[megatron] preloaded libm.so.6 (vLLM's advice for CPUs; MGRPO_PRELOAD=0" in r.stdout
+    assert "[megatron] preloaded libm.so.6 (MGRPO_PRELOAD=1, vLLM's advice for CPUs)" in r.stdout
     r = subprocess.run(argv, cwd=ROOT, env=dict(env, MGRPO_PRELOAD="0"), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "preloaded" not in r.stdout, r.stdout + r.stderr

@@ -1,13 +1,14 @@
 """The libraries vLLM's CPU guide asks to preload: tcmalloc (the allocator) and libiomp5
 (Intel's OpenMP runtime), found without importing torch; and the launcher's re-exec
-that preloads tcmalloc where it is installed.
+that preloads tcmalloc, on request.
 
 vLLM-CPU warns at every engine start that they are missing from LD_PRELOAD.
-tools/bench_allocator.py measures both on the quickstart (docs/benchmarks.md): tcmalloc
-is what `megatron rlhf` and `megatron rollout` preload by default where the dynamic
-linker finds it (Linux, a CPU build of torch); libiomp5 is not preloaded (it made the
-steps slower with one OpenMP thread per rank). MGRPO_PRELOAD=0 turns the preload off;
-MGRPO_TCMALLOC names the library instead of the search.
+tools/bench_allocator.py measures both on the quickstart (docs/benchmarks.md): libiomp5
+made the steps slower (one OpenMP thread per rank), and tcmalloc's median step ratio was
+0.97 over seven interleaved rounds on a shared machine, inside the noise, so neither is
+preloaded by default. MGRPO_PRELOAD=1 makes `megatron rlhf` and `megatron rollout`
+re-execute themselves with tcmalloc in LD_PRELOAD where the dynamic linker finds it
+(Linux, a CPU build of torch); MGRPO_TCMALLOC names the library instead of the search.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import os
 import sys
 from typing import List, Optional
 
-PRELOAD_ENV = "MGRPO_PRELOAD"       # 0: preload nothing
+PRELOAD_ENV = "MGRPO_PRELOAD"       # 1: preload tcmalloc where found
 TCMALLOC_ENV = "MGRPO_TCMALLOC"     # the tcmalloc to preload (a path or a soname)
 DONE_ENV = "MGRPO_PRELOADED"        # set in the re-executed process: never twice
 
@@ -42,11 +43,11 @@ def find_iomp() -> Optional[str]:
 
 
 def to_preload(env=None, cpu_build: bool = True) -> List[str]:
-    """What the launcher should add to LD_PRELOAD: tcmalloc where found, not preloaded
-    already, on Linux with a CPU build of torch, unless MGRPO_PRELOAD=0 or this process
-    is the re-executed one."""
+    """What the launcher should add to LD_PRELOAD: with MGRPO_PRELOAD=1, tcmalloc where
+    found and not preloaded already, on Linux with a CPU build of torch, unless this
+    process is the re-executed one."""
     env = os.environ if env is None else env
-    if env.get(PRELOAD_ENV, "1") == "0" or env.get(DONE_ENV) or not sys.platform.startswith(
+    if env.get(PRELOAD_ENV, "0") != "1" or env.get(DONE_ENV) or not sys.platform.startswith(
             "linux") or not cpu_build:
         return []
     lib = find_tcmalloc(env)
