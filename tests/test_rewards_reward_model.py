@@ -150,8 +150,11 @@ def test_weights_cover_functions_then_models_and_names_stay_apart(policy, rm, tm
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_two_reward_models_a_judge_and_a_function_score_a_dp2_run(policy, rm, tmp_path):
-    """`megatron rlhf` on 2 processes (DP=2, colocated vLLM) with two reward models, a
+@pytest.mark.parametrize("layout", [
+    [], ["--tensor_model_parallel_size", "2", "--use_distributed_optimizer", "false"]],
+    ids=["dp2", "tp2"])
+def test_two_reward_models_a_judge_and_a_function_score_a_run(policy, rm, tmp_path, layout):
+    """`megatron rlhf` on 2 processes (DP=2 or TP=2, colocated vLLM) with two reward models, a
     generative judge (--reward_model_plugin llm_judge against a stub server) and one
     reward function, weighted: every completion's score from each classifier equals the
     independent forward of that model on the conversation (its prompt's messages and the
@@ -175,7 +178,7 @@ def test_two_reward_models_a_judge_and_a_function_score_a_dp2_run(policy, rm, tm
             "--max_completion_length", "8", "--micro_batch_size", "2", "--global_batch_size", "8",
             "--train_iters", "2", "--beta", "0", "--vllm_mode", "colocate",
             "--vllm_max_model_len", "128", "--vllm_enforce_eager", "true", "--top_k", "-1",
-            "--output_dir", out, "--log_completions", "true", "--seed", "3"]
+            "--output_dir", out, "--log_completions", "true", "--seed", "3", *layout]
     with stub_judge() as (url, _):
         env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
                    MASTER_PORT=str(free_port()), MGRPO_JUDGE_URL=url)
