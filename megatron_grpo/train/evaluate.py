@@ -183,7 +183,7 @@ class Evaluator:
             shown = ", ".join(f"{k[5:]}={metrics[k]:.4g}" for k in
                               ["eval/reward", "eval/reward_std", "eval/completions/mean_length",
                                "eval/teacher_kl"] if k in metrics)
-            console.say(f"[megatron-grpo] eval at step {step}: {len(index)} prompts x {self.n}: {shown}")
+            console.say(f"[megatron] eval at step {step}: {len(index)} prompts x {self.n}: {shown}")
 
 
 def build_evaluator(cfg, dataset, **kwargs) -> Optional[Evaluator]:
@@ -200,6 +200,6 @@ def build_evaluator(cfg, dataset, **kwargs) -> Optional[Evaluator]:
         except ValueError as e:    # its message is about --dataset
             raise ValueError(str(e).replace("prompt of --dataset", "validation prompt")) from None
         if dropped and dist.get_rank() == 0:
-            console.say(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} validation "
+            console.say(f"[megatron] --truncation_strategy delete: dropped {dropped} validation "
                         f"prompts longer than --max_length {cfg.data.max_length}; {len(dataset)} left")
     return Evaluator(cfg, dataset, **kwargs)

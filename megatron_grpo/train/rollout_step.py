@@ -191,7 +191,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
                                    loss_mask[k]], dtype=torch.float32),
                               teacher_prompt_ids=view(prompt_indices[pi])))
     if impossible and (not dist.is_initialized() or dist.get_rank() == 0):
-        console.warn(f"[megatron-grpo] {impossible} sampled token(s) had rollout log-prob -inf (vLLM "
+        console.warn(f"[megatron] {impossible} sampled token(s) had rollout log-prob -inf (vLLM "
                      "drew a token its own top_k/top_p/min_p had excluded): left out of the loss")
     rendered = {}
     prompts = [g[6]["prompt"] if g[6] else rendered.setdefault(

@@ -142,7 +142,7 @@ def build_run(cfg) -> Run:
     if teacher_is_policy:     # ms-swift's dynamic self-distillation: the current weights
         teacher = policy.chunks
         if dist.get_rank() == 0:
-            console.say("[megatron-grpo] teacher: the policy itself, scoring on each row's "
+            console.say("[megatron] teacher: the policy itself, scoring on each row's "
                         "teacher_prompt (OPSD, dynamic)")
     load_plugins(cfg.reward.external_plugins or [])
     reward_funcs = build_reward_funcs(cfg.reward.reward_funcs, cfg)
@@ -222,7 +222,7 @@ def _served_teacher(cfg, datasets):
                             tag_key=cfg.model.teacher_tag_key, timeout=v.vllm_server_timeout,
                             max_sequence=longest)
     if dist.get_rank() == 0:
-        console.say(f"[megatron-grpo] teacher: served at {teacher.describe()} (scores at temperature "
+        console.say(f"[megatron] teacher: served at {teacher.describe()} (scores at temperature "
                     f"1{'' if v.temperature == 1 else f'; sampling at {v.temperature:g}'})")
     return teacher
 
@@ -254,7 +254,7 @@ def _pending_batch(saved: Optional[dict], path: str, teacher: bool = False):
     else:
         return saved["rollout"], saved["next"]
     if dist.get_rank() == 0:
-        console.warn(f"[megatron-grpo] warning: {path} was saved in the middle of a generation batch "
+        console.warn(f"[megatron] warning: {path} was saved in the middle of a generation batch "
                      f"{why}: the rest of that batch is not trained; the run continues with a new "
                      "rollout")
     return None
@@ -299,7 +299,7 @@ def _drop_long_prompts(cfg, dataset, length):
         return dataset
     dataset, dropped = drop_long_prompts(dataset, length, cfg.data.max_length)
     if dist.get_rank() == 0 and dropped:
-        console.say(f"[megatron-grpo] --truncation_strategy delete: dropped {dropped} prompts longer "
+        console.say(f"[megatron] --truncation_strategy delete: dropped {dropped} prompts longer "
                     f"than --max_length {cfg.data.max_length}; {len(dataset)} left")
     return dataset
 
@@ -378,7 +378,7 @@ def finish(run: Run, close_engine: bool = True) -> None:
                       merge_lora=run.cfg.training.merge_lora)
     peak = run.memory.step_metrics(run.step).get("memory/export")
     if dist.get_rank() == 0:
-        console.say(f"[megatron-grpo] done: {run.step} steps; metrics in {out_dir}/metrics.jsonl"
+        console.say(f"[megatron] done: {run.step} steps; metrics in {out_dir}/metrics.jsonl"
                     + (f", curve {png}" if png else "")
                     + (f"; final_hf/ written at a peak of {peak:.2f} GiB per rank" if peak else ""))
     if close_engine:

@@ -222,7 +222,7 @@ def freeze_by_name(cfg, chunks) -> None:
     dist.all_gather_object(gathered, result if first else None)
     line = check_and_summarise([r for r in gathered if r is not None], rules)
     if dist.get_rank() == 0:
-        console.say(f"[megatron-grpo] {line}")
+        console.say(f"[megatron] {line}")
 
 
 def vision_sync_include(cfg) -> Optional[Callable[[str], bool]]:
@@ -269,7 +269,7 @@ def build_ref(cfg, policy: Policy, lora: bool) -> tuple[Optional[list], bool]:
     else:
         ref = build_reference(cfg, path)
     if dist.get_rank() == 0:
-        console.say(f"[megatron-grpo] reference: {path or cfg.model.model}"
+        console.say(f"[megatron] reference: {path or cfg.model.model}"
                     f"{' + ' + adapters[0] if adapters else ''} (frozen, same layout)")
     return ref, True
 
@@ -291,7 +291,7 @@ def build_teacher(cfg, policy: Policy, lora: bool) -> Optional[list]:
             what += ", offloaded between rollouts"
         what += ")"
     if dist.get_rank() == 0:
-        console.say(f"[megatron-grpo] teacher: {what}")
+        console.say(f"[megatron] teacher: {what}")
     return teacher
 
 
