@@ -177,18 +177,23 @@ def test_a_failing_rank_is_shown_once_with_its_traceback(tmp_path):
     assert "RuntimeError: rank one broke" in (tmp_path / "logs" / "rank-1.log").read_text()
 
 
-def test_log_level_info_and_debug_leave_the_output_where_it_is(monkeypatch):
+def test_log_level_info_and_debug_leave_the_output_where_it_is():
     """--log_level info / debug: nothing moves to the logs (the libraries print on the
     console as they do); debug also turns vLLM's logging to DEBUG."""
     import types
 
     from megatron_grpo import cli, console, launch
 
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    saved = os.environ.pop("VLLM_LOGGING_LEVEL", None)
     spec = launch.LaunchSpec(2, 1, 0, "127.0.0.1", 29999)
-    for level in ("info", "debug"):
-        cfg = types.SimpleNamespace(logging=types.SimpleNamespace(log_level=level,
-                                                                  output_dir="/nonexistent"))
-        cli._route_output(cfg, spec)
-        assert console.log_path() is None
-    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    try:
+        for level in ("info", "debug"):
+            cfg = types.SimpleNamespace(logging=types.SimpleNamespace(log_level=level,
+                                                                      output_dir="/nonexistent"))
+            cli._route_output(cfg, spec)
+            assert console.log_path() is None
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    finally:      # the variable reaches every later vLLM engine of this test process
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        if saved is not None:
+            os.environ["VLLM_LOGGING_LEVEL"] = saved
