@@ -130,7 +130,8 @@ def test_example_server_runs_tp2_dp2_with_val_dataset_eval_iters(model, tmp_path
 def test_example_opd_rl_checks_and_runs_two_steps(model, tiny_model, tmp_path):
     """examples/ms_swift_opd_rl.sh (ms-swift's opd_rl.sh: a teacher, no reward function, one
     completion per prompt, LoRA, TP=2 with sequence parallelism, sleep and offload) passes
-    its dry run, then trains its 2 steps: rewards 0, teacher_kl logged, the adapter saved."""
+    its dry run, then trains its 2 steps: rewards 0, teacher_kl logged, the merged model
+    saved (--merge_lora's default, as ms-swift's)."""
     teacher = str(tiny_model(family="qwen2", hidden_size=128, seed=1))
     out = tmp_path / "out"
     dry = _run("ms_swift_opd_rl.sh", model, out, "--dry_run", "true", TEACHER=teacher)
@@ -143,7 +144,8 @@ def test_example_opd_rl_checks_and_runs_two_steps(model, tiny_model, tmp_path):
     steps = _metrics(str(out))
     assert [s["step"] for s in steps] == [1, 2], steps
     assert all(s["reward"] == 0.0 and s["teacher_kl"] > 0 for s in steps), steps
-    assert (out / "final_hf" / "adapter_model.safetensors").is_file()
+    assert (out / "final_hf" / "config.json").is_file()
+    assert not (out / "final_hf" / "adapter_model.safetensors").exists()
 
 
 FAKE_MEGATRON = r'''#!/usr/bin/env python3
