@@ -3,9 +3,13 @@
     python tools/ms_swift_flags.py                 # rewrite docs/ms-swift.md
     python tools/ms_swift_flags.py --check         # exit 1 if the doc is out of date
     python tools/ms_swift_flags.py --new DIR       # flags of an ms-swift git dir not known here
+    python tools/ms_swift_flags.py --defaults DIR  # its declared defaults against swift_defaults.py
 
 The table comes from megatron_grpo/config/swift_flags.py (ms-swift's flags, the features
-of those not supported yet) and the option groups (groups.py: help texts, aliases).
+of those not supported yet), swift_defaults.py (ms-swift's defaults of the flags shared with
+it, the rules it computes some by, the differences kept on purpose) and the option groups
+(groups.py: help texts, aliases). DIR: an ms-swift git directory (`git clone --bare` will
+do); --rev picks its commit (default HEAD; swift_flags.MS_SWIFT_REVISION is the one read).
 """
 from __future__ import annotations
 
@@ -43,6 +47,22 @@ def _status(name: str) -> str:
     return f"not supported yet: {sf.FEATURE_OF[name]}{off}"
 
 
+def _default(name: str) -> str:
+    """The default column: for a flag shared with ms-swift, whether ours is ms-swift's."""
+    from megatron_grpo.config import swift_defaults as sd
+
+    if name not in sd.MS_SWIFT_DEFAULTS:
+        return ""
+    theirs = sd.RULES[name].text if name in sd.RULES else \
+        f"`{sd.show_value(sd.MS_SWIFT_DEFAULTS[name])}`"
+    if name in sd.DIFFERENCES:
+        ours, why = sd.DIFFERENCES[name]
+        return f"**differs**: ours {ours}; ms-swift {theirs} ({why})".replace("|", "/")
+    if name in sd.RULES:
+        return f"ms-swift's: {theirs}".replace("|", "/")
+    return f"ms-swift's: {theirs}"
+
+
 def render() -> str:
     from megatron_grpo.config import swift_flags as sf
 
@@ -61,27 +81,44 @@ def render() -> str:
         "is what runs here and is accepted (`--gradient_accumulation_fusion false`). "
         "`megatron rlhf --help` gives each implemented option's meaning and default.",
         "",
+        "The default column compares the defaults of the flags both have with ms-swift's "
+        "(declared, or computed by the rule given): the same, or **differs** with ours, "
+        "ms-swift's and why. `megatron rlhf --dry_run true` lists the differing defaults "
+        "that a command line relies on (the flags it does not pass).",
+        "",
     ]
     sections = list(sf.MS_SWIFT_FLAGS.items())
     seen = set()
     current = [n for _, names in sections for n in names]
     sections.append(("ms-swift 3.x names", tuple(n for n in sf.LEGACY_FLAGS if n not in current)))
     for title, names in sections:
-        lines += [f"## {title}", "", "| flag | `megatron rlhf` |", "|---|---|"]
+        lines += [f"## {title}", "", "| flag | `megatron rlhf` | default |", "|---|---|---|"]
         for name in names:
             if name in seen:
                 continue
             seen.add(name)
-            lines.append(f"| `--{name}` | {_status(name)} |")
+            lines.append(f"| `--{name}` | {_status(name)} | {_default(name)} |")
         lines.append("")
     return "\n".join(lines)
 
 
-def new_flags(git_dir: str, rev: str = "HEAD", root: str = "MegatronRLHFArguments") -> list:
-    """Fields of `root` and its bases (the classes `swift megatron rlhf` parses, read from
-    ms-swift's argument modules) that swift_flags.py does not list."""
-    from megatron_grpo.config import swift_flags as sf
+def _field_default(value):
+    """The source text of a dataclass field's default: `field(default=X)` and
+    `field(default_factory=lambda: X)` give X's, `default_factory=list` gives `list()`."""
+    if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "field":
+        kw = {k.arg: k.value for k in value.keywords}
+        if "default" in kw:
+            value = kw["default"]
+        elif "default_factory" in kw:
+            factory = kw["default_factory"]
+            value = factory.body if isinstance(factory, ast.Lambda) else \
+                ast.Call(func=factory, args=[], keywords=[])
+    return "<required>" if value is None else ast.unparse(value)
 
+
+def argument_classes(git_dir: str, rev: str = "HEAD") -> dict:
+    """{class name: (base names, {field: its default's source text})} of ms-swift's argument
+    modules (swift/megatron/arguments, swift/arguments) at `rev`."""
     files = subprocess.check_output(["git", "-C", git_dir, "ls-tree", "-r", "--name-only", rev],
                                     text=True).split()
     classes = {}
@@ -94,28 +131,76 @@ def new_flags(git_dir: str, rev: str = "HEAD", root: str = "MegatronRLHFArgument
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 bases = [getattr(b, "id", getattr(b, "attr", "")) for b in node.bases]
-                names = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign)
-                         and isinstance(s.target, ast.Name) and not s.target.id.startswith("_")]
-                classes.setdefault(node.name, (bases, names))
-    found, todo, seen = set(), [root], set()
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in classes:
+                body = {s.target.id: _field_default(s.value) for s in node.body
+                        if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                        and not s.target.id.startswith("_")}
+                classes.setdefault(node.name, (bases, body))
+    return classes
+
+
+def declared_defaults(git_dir: str, rev: str = "HEAD", root: str = "MegatronRLHFArguments"
+                      ) -> dict:
+    """{field: default source text} of `root` as a dataclass resolves it: each field's
+    default from the first class of root's MRO (C3, as Python computes it) declaring it."""
+    classes = argument_classes(git_dir, rev)
+    made = {}
+
+    def make(name):
+        if name not in made:
+            bases = tuple(make(b) for b in classes[name][0] if b in classes) or (object,)
+            made[name] = type(name, bases, {})
+        return made[name]
+
+    fields = {}
+    for cls in reversed(make(root).__mro__[:-1]):
+        fields.update(classes[cls.__name__][1])
+    return fields
+
+
+def new_flags(git_dir: str, rev: str = "HEAD", root: str = "MegatronRLHFArguments") -> list:
+    """Fields of `root` and its bases (the classes `swift megatron rlhf` parses, read from
+    ms-swift's argument modules) that swift_flags.py does not list."""
+    from megatron_grpo.config import swift_flags as sf
+
+    return sorted(set(declared_defaults(git_dir, rev, root)) - set(sf.all_flags()))
+
+
+def changed_defaults(git_dir: str, rev: str = "HEAD") -> list:
+    """Lines naming each shared flag whose default at `rev` is not swift_defaults.py's, and
+    each flag that became an option here without an entry there."""
+    from megatron_grpo.config import ALIASES, GROUPS
+    from megatron_grpo.config import swift_defaults as sd
+    from megatron_grpo.config.parse import field_table
+
+    declared, ours, lines = declared_defaults(git_dir, rev), field_table(GROUPS), []
+    for name, text in sorted(declared.items()):
+        if ALIASES.get(name, name) not in ours:
             continue
-        seen.add(name)
-        found.update(classes[name][1])
-        todo.extend(classes[name][0])
-    return sorted(found - set(sf.all_flags()))
+        try:
+            value = [] if text == "list()" else ast.literal_eval(text)
+        except ValueError:
+            value = text
+        if name not in sd.MS_SWIFT_DEFAULTS:
+            lines.append(f"{name}: {text} (not in MS_SWIFT_DEFAULTS)")
+        elif value != sd.MS_SWIFT_DEFAULTS[name]:
+            lines.append(f"{name}: {text} (MS_SWIFT_DEFAULTS: {sd.MS_SWIFT_DEFAULTS[name]!r})")
+    return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--new", metavar="GIT_DIR")
+    ap.add_argument("--defaults", metavar="GIT_DIR")
+    ap.add_argument("--rev", default="HEAD")
     a = ap.parse_args()
     if a.new:
-        print("\n".join(new_flags(a.new)))
+        print("\n".join(new_flags(a.new, a.rev)))
         return 0
+    if a.defaults:
+        lines = changed_defaults(a.defaults, a.rev)
+        print("\n".join(lines) or "every shared default is as swift_defaults.py says")
+        return 1 if lines else 0
     text = render()
     if a.check:
         current = open(DOC, encoding="utf-8").read() if os.path.exists(DOC) else ""
