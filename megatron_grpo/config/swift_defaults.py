@@ -199,8 +199,9 @@ DIFFERENCES: Dict[str, Tuple[str, str]] = {
     "vllm_max_num_seqs": ("vLLM's (256)", "the sequences in flight are capped by vLLM's "
                           "default; the CPU KV cache is sized for the engine's share of a "
                           "rollout"),
-    "max_length": ("unset: prompts are not cut", "vllm_max_model_len (the model's context "
-                   "length) bounds prompt and completion"),
+    "max_length": ("unset: prompts are not cut", "prompt and completion are bounded by "
+                   "vLLM's max model length, the model's context length unless "
+                   "--vllm_max_model_len"),
 }
 
 
