@@ -264,3 +264,16 @@ def test_server_script_picks_another_port_when_its_port_was_taken(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "the rollout server exited; its log" in r.stderr
     assert (out2 / "rollout_starts").read_text().split() == ["1"]
+
+
+def test_r1v_reward_plugin_scores_answers():
+    """examples/plugins/r1v_reward.py (the multimodal scripts' external_r1v_acc): the
+    <answer> block, else the completion, against the solution, as text or as numbers."""
+    from megatron_grpo.rewards import registry
+
+    registry.load_plugins([os.path.join(ROOT, "examples/plugins/r1v_reward.py")])
+    fn = registry.REWARDS["external_r1v_acc"]
+    completions = ["<think>two and one</think><answer> 3 </answer>", "3.0", "<answer>4</answer>",
+                   "cube"]
+    assert fn(completions, solution=["3", "<answer>3</answer>", "3", "cube"]) == [1.0, 1.0,
+                                                                                   0.0, 1.0]
