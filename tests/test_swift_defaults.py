@@ -1,6 +1,9 @@
 """Our defaults against ms-swift's (config/swift_defaults.py): every flag we share with
 ms-swift defaults to ms-swift's value, declared or computed, unless DIFFERENCES says why not;
 the dry run names the differences a command line relies on."""
+import json
+import os
+
 import pytest
 
 from megatron_grpo.config import ALIASES, GROUPS, Problems, parse_rlhf_args
@@ -92,5 +95,10 @@ def test_the_dry_run_names_the_differences_a_command_line_relies_on(model_dir):
     assert "--scale_rewards ours none, ms-swift group (" in "\n".join(rloo)
     assert "--kl_in_reward ours true, ms-swift false (" in "\n".join(rloo)
     assert "--num_train_epochs" not in "\n".join(rloo)      # --train_iters given
+    # A float16 checkpoint trains in bf16 here, in fp16 in ms-swift.
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen2", "torch_dtype": "float16"}, f)
+    assert "--bf16 ours true, ms-swift false (--fp16 true) (fp16 training is not supported" \
+        in "\n".join(_differing(args(model_dir)))
     block = sd.format_differing_defaults(parse_rlhf_args(args(model_dir)), set())
     assert block.startswith("defaults that differ from ms-swift's (flags not passed):\n  --")

@@ -17,6 +17,7 @@ that value can be named. tests/test_swift_defaults.py compares ours with both.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
@@ -121,6 +122,18 @@ def _is_moe(cfg) -> bool:
         return False
 
 
+def _float16_model(cfg) -> bool:
+    """config.json names float16 (its text part's for a vision-language model)."""
+    try:
+        with open(os.path.join(cfg.model.model, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    name = hf.get("torch_dtype") or hf.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    return str(name).replace("torch.", "") == "float16"
+
+
 def _resume_path(cfg) -> bool:
     return cfg.logging.resume not in (None, "auto", "false")
 
@@ -137,7 +150,9 @@ RULES: Dict[str, Rule] = {
     "wandb_exp_name": Rule("output_dir"),
     "swanlab_exp_name": Rule("output_dir"),
     "eval_steps": Rule("save_steps"),
-    "bf16": Rule("the model's config.json torch_dtype: bfloat16 trains in bf16, float16 in fp16"),
+    "bf16": Rule("the model's config.json dtype: bfloat16 trains in bf16, float16 in fp16 "
+                 "(--fp16), float32 in fp32",
+                 lambda cfg, ours: "false (--fp16 true)" if _float16_model(cfg) else ours),
     "moe_router_load_balancing_type": Rule("Megatron's: aux_loss",
                                            lambda cfg, ours: "aux_loss"),
     "moe_grouped_gemm": Rule("true", lambda cfg, ours: True if _is_moe(cfg) else ours),
@@ -178,7 +193,10 @@ DIFFERENCES: Dict[str, Tuple[str, str]] = {
                    "multi-turn trajectories here are token-exact, for which ms-swift trains "
                    "every model token whatever --loss_scale says; last_round is accepted"),
     "num_train_epochs": ("3 without --train_iters (transformers' default)",
-                         "a command line without either trains"),
+                         "a command line with neither --num_train_epochs nor --train_iters "
+                         "runs"),
+    "bf16": ("true for a bfloat16 or float16 checkpoint", "fp16 training is not supported "
+             "here; bf16 has fp16's precision and fp32's range"),
     "attention_backend": ("auto: flash where Transformer Engine is installed",
                           "flash needs Transformer Engine on a GPU"),
     "padding_free": ("false", "false until the Transformer Engine (GPU) path of packed "
@@ -245,7 +263,8 @@ def differing_defaults(cfg, given: Iterable[str]) -> List[str]:
             continue
         ours, theirs = _ours(cfg, name), ms_swift_value(name, cfg)
         if ours != theirs:
-            lines.append(f"--{name} ours {show_value(ours)}, ms-swift {show_value(theirs)} ({why})")
+            lines.append(f"--{name} ours {show_value(ours)}, ms-swift {show_value(theirs)} "
+                         f"({why})")
     return lines
 
 
