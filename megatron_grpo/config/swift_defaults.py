@@ -147,8 +147,8 @@ RULES: Dict[str, Rule] = {
                        "new v<N>-<date>-<time> folder (--add_version true)",
                        lambda cfg, ours: os.path.join(ours, "v<N>-<date>-<time>")),
     "report_to": Rule("tensorboard", lambda cfg, ours: ["tensorboard"]),
-    "wandb_exp_name": Rule("output_dir"),
-    "swanlab_exp_name": Rule("output_dir"),
+    "wandb_exp_name": Rule("output_dir (its absolute path)"),
+    "swanlab_exp_name": Rule("output_dir (its absolute path)"),
     "eval_steps": Rule("save_steps"),
     "bf16": Rule("the model's config.json dtype: bfloat16 trains in bf16, float16 in fp16 "
                  "(--fp16), float32 in fp32",
@@ -205,6 +205,10 @@ DIFFERENCES: Dict[str, Tuple[str, str]] = {
                    "auto continues the run in it; --add_version true is not supported"),
     "report_to": ("tensorboard where the tensorboard package is installed, else none",
                   "metrics.jsonl is always written; the package is optional"),
+    "wandb_exp_name": ("output_dir's folder name", "a short run name; ms-swift's is "
+                       "output_dir's absolute path"),
+    "swanlab_exp_name": ("output_dir's folder name", "a short experiment name; ms-swift's "
+                         "is output_dir's absolute path"),
     "moe_grouped_gemm": ("on where Transformer Engine is installed",
                          "grouped GEMM needs Transformer Engine on a GPU"),
     "finetune": ("false", "--resume PATH continues that run unless --finetune true; ms-swift's "
