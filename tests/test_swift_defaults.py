@@ -95,6 +95,8 @@ def test_the_dry_run_names_the_differences_a_command_line_relies_on(model_dir):
     assert "--scale_rewards ours none, ms-swift group (" in "\n".join(rloo)
     assert "--kl_in_reward ours true, ms-swift false (" in "\n".join(rloo)
     assert "--num_train_epochs" not in "\n".join(rloo)      # --train_iters given
+    server = _differing(args(model_dir, "--vllm_mode", "server", "--train_iters", "1"))
+    assert "--vllm_server_host ours 127.0.0.1, ms-swift unset (" in "\n".join(server)
     # A float16 checkpoint trains in bf16 here, in fp16 in ms-swift.
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump({"model_type": "qwen2", "torch_dtype": "float16"}, f)

@@ -182,7 +182,10 @@ RULES: Dict[str, Rule] = {
     "use_gym_env": Rule("true when --gym_env is given"),
     "max_length": Rule("the model's context length (config.json max_position_embeddings)",
                        lambda cfg, ours: _model_max_len(cfg)),
-    "vllm_server_host": Rule("unset: --vllm_server_base_url or a host is needed in server mode"),
+    "vllm_server_host": Rule("unset: server mode without --vllm_server_base_url fails when "
+                             "the trainer starts",
+                             lambda cfg, ours: None if cfg.rollout.vllm_mode == "server"
+                             else ours),
 }
 
 # Flags whose default here is not ms-swift's, on purpose: (ours in words, why); the doc's
@@ -218,6 +221,8 @@ DIFFERENCES: Dict[str, Tuple[str, str]] = {
     "kl_in_reward": ("by advantage_estimator: grpo false, rloo and reinforce_plus_plus true",
                      "as ms-swift's `swift rlhf` and the RLOO and REINFORCE++ papers"),
     "vllm_mode": ("colocate", "a short command line runs"),
+    "vllm_server_host": ("127.0.0.1 in server mode", "a server on this machine needs no "
+                         "flag"),
     "vllm_max_num_seqs": ("vLLM's (256)", "the sequences in flight are capped by vLLM's "
                           "default; the CPU KV cache is sized for the engine's share of a "
                           "rollout"),
