@@ -57,10 +57,8 @@ def _default(name: str) -> str:
         f"`{sd.show_value(sd.MS_SWIFT_DEFAULTS[name])}`"
     if name in sd.DIFFERENCES:
         ours, why = sd.DIFFERENCES[name]
-        return f"**differs**: ours {ours}; ms-swift {theirs} ({why})".replace("|", "/")
-    if name in sd.RULES:
-        return f"ms-swift's: {theirs}".replace("|", "/")
-    return f"ms-swift's: {theirs}"
+        return f"**differs**: here {ours}; ms-swift {theirs} ({why})".replace("|", "/")
+    return f"as ms-swift: {theirs}".replace("|", "/")
 
 
 def render() -> str:
@@ -81,10 +79,10 @@ def render() -> str:
         "is what runs here and is accepted (`--gradient_accumulation_fusion false`). "
         "`megatron rlhf --help` gives each implemented option's meaning and default.",
         "",
-        "The default column compares the defaults of the flags both have with ms-swift's "
-        "(declared, or computed by the rule given): the same, or **differs** with ours, "
-        "ms-swift's and why. `megatron rlhf --dry_run true` lists the differing defaults "
-        "that a command line relies on (the flags it does not pass).",
+        "The default column gives, for each flag both have, ms-swift's default (declared, "
+        "or the rule it computes it by): `as ms-swift` where ours is the same, **differs** "
+        "with ours, ms-swift's and why where it is not. `megatron rlhf --dry_run true` lists "
+        "the differing defaults that a command line relies on (the flags it does not pass).",
         "",
     ]
     sections = list(sf.MS_SWIFT_FLAGS.items())
