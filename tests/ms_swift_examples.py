@@ -12,6 +12,8 @@ box needs, each listed in SUBSTITUTIONS:
     ms-swift's repository (its plugin and system prompt) files of this one
   --attention_backend flash -> auto (flash needs Transformer Engine on a GPU)
   --report_to wandb / swanlab -> none where that package is not installed
+  CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF dropped from the environment (env_of): they
+    select and configure GPUs, which a CPU box has none of
 
 tests/test_example_ms_swift.py runs each with `--dry_run true --check_memory false`: the dry
 run starts nothing, so 8-GPU scripts check on a CPU box at their own world size, and the
@@ -342,6 +344,14 @@ ENV: Dict[str, Dict[str, str]] = {
     "moe_colocate_lora": dict(CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7", NPROC_PER_NODE="8",
                               PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"),
 }
+
+GPU_ONLY_ENV = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def env_of(script: str) -> Dict[str, str]:
+    """The script's environment without GPU_ONLY_ENV."""
+    return {k: v for k, v in ENV[script].items() if k not in GPU_ONLY_ENV}
+
 
 # (flag, value in ms-swift's script) -> the value here; `{name}` fields are filled by
 # adapt's `paths` (tiny models, local datasets, the system prompt file).

@@ -95,21 +95,25 @@ def ms_swift_dry_runs(model, tiny_model, tmp_path_factory):
     commands = {}
     for name, argv in argvs.items():
         script = name.split("/")[0]
-        out = str(root / name.replace("/", "_"))
         commands[name] = (cli_zygote.command("rlhf", *argv, "--dry_run", "true",
-                                             "--check_memory", "false", "--output_dir", out),
-                          cli_zygote.env(NNODES="1", OMP_NUM_THREADS="1", **msx.ENV[script]))
+                                             "--check_memory", "false"),
+                          cli_zygote.env(NNODES="1", OMP_NUM_THREADS="1",
+                                         **msx.env_of(script)))
     return run_together(commands, cwd=ROOT)
 
 
-# script -> (the world line, the parallel line) of its plan
+# script -> (the world line, the parallel line) of its plan, and the defaults it relies on
+# that are not ms-swift's (the dry run's block; --report_to too where tensorboard is
+# not installed)
 LAYOUTS = {
-    "dense_colocate": ("8 processes", "DP 8 x TP 1 x PP 1 x CP 1"),
-    "dense_server": ("6 processes", "DP 6 x TP 1 x PP 1 x CP 1"),
-    "sapo": ("8 processes", "DP 8 x TP 1 x PP 1 x CP 1"),
-    "real": ("2 processes", "DP 2 x TP 1 x PP 1 x CP 1"),
-    "moe_colocate_full": ("8 processes", "DP 1 x TP 4 x PP 2 x CP 1"),
-    "moe_colocate_lora": ("8 processes", "DP 1 x TP 2 x PP 2 x CP 2"),
+    "dense_colocate": ("8 processes", "DP 8 x TP 1 x PP 1 x CP 1", {"output_dir"}),
+    "dense_server": ("6 processes", "DP 6 x TP 1 x PP 1 x CP 1", {"output_dir"}),
+    "sapo": ("8 processes", "DP 8 x TP 1 x PP 1 x CP 1", {"output_dir"}),
+    "real": ("2 processes", "DP 2 x TP 1 x PP 1 x CP 1", {"output_dir", "max_length"}),
+    "moe_colocate_full": ("8 processes", "DP 1 x TP 4 x PP 2 x CP 1",
+                          {"output_dir", "moe_grouped_gemm"}),
+    "moe_colocate_lora": ("8 processes", "DP 1 x TP 2 x PP 2 x CP 2",
+                          {"output_dir", "moe_grouped_gemm"}),
 }
 
 
@@ -129,9 +133,12 @@ def test_ms_swift_script_dry_run(ms_swift_dry_runs, script):
         r = ms_swift_dry_runs[f"{script}/without"]
     assert r.returncode == 0, r.stdout + r.stderr
     assert "dry_run: every check passed" in r.stdout
-    world, layout = LAYOUTS[script]
+    world, layout, differing = LAYOUTS[script]
     assert f"world      {world} = NPROC_PER_NODE" in r.stdout, r.stdout
     assert layout in r.stdout, r.stdout
+    block = r.stdout.split("defaults that differ from ms-swift's (flags not passed):\n")[1]
+    flags = {line.split()[0][2:] for line in block.splitlines() if line.startswith("  --")}
+    assert flags - {"report_to"} == differing, block
 
 
 @pytest.mark.slow
