@@ -156,6 +156,9 @@ def test_example_colocate_runs_two_steps(model, tmp_path):
     assert [s["step"] for s in train] == [1, 2], steps
     assert all(s["completions/mean_length"] > 0 for s in train), train
     assert (out / "final_hf" / "config.json").is_file()
+    # --vllm_max_num_seqs unset: each engine's share of a rollout (16 completions over 2
+    # engines), as ms-swift's (vLLM logs the arguments it was given).
+    assert "'max_num_seqs': 8" in r.stdout + r.stderr
 
 
 @pytest.mark.slow

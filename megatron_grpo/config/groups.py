@@ -494,7 +494,10 @@ class RolloutOptions(_Group):
     vllm_max_model_len: Optional[int] = opt(None, "vLLM context length; None: the model's.")
     vllm_enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM.")
     vllm_enable_prefix_caching: bool = opt(True, "vLLM automatic prefix caching.")
-    vllm_max_num_seqs: Optional[int] = opt(None, "vLLM max concurrent sequences; None: vLLM's.")
+    vllm_max_num_seqs: Optional[int] = opt(
+        None, "vLLM max concurrent sequences. None: colocate: the completions one engine "
+              "samples per rollout (vllm_tensor_parallel_size x generation_batch_size / world "
+              "size), as ms-swift; server: the server's.")
     vllm_engine_kwargs: Optional[Dict[str, Any]] = opt(None, "Extra vLLM engine arguments as JSON.")
     vllm_limit_mm_per_prompt: Optional[Dict[str, int]] = opt(
         None, "Vision-language models: the most images per prompt vLLM accepts, as JSON, e.g. "

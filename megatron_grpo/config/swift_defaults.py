@@ -223,9 +223,6 @@ DIFFERENCES: Dict[str, Tuple[str, str]] = {
     "vllm_mode": ("colocate", "a short command line runs"),
     "vllm_server_host": ("127.0.0.1 in server mode", "a server on this machine needs no "
                          "flag"),
-    "vllm_max_num_seqs": ("vLLM's (256)", "the sequences in flight are capped by vLLM's "
-                          "default; the CPU KV cache is sized for the engine's share of a "
-                          "rollout"),
     "max_length": ("unset: prompts are not cut", "prompt and completion are bounded by "
                    "vLLM's max model length, the model's context length unless "
                    "--vllm_max_model_len"),
