@@ -72,7 +72,7 @@ def _rlhf(argv: list[str]) -> int:
     if dataset is not None and dataset.images is not None and not problems:
         _check_image_prompts(cfg, dataset, val_dataset, problems)
     if cfg.training.dry_run and not problems:
-        return _dry_run(cfg, spec, dataset, val_dataset, problems)
+        return _dry_run(cfg, spec, dataset, val_dataset, problems, argv)
     problems.raise_if_any()
     plan = None
     if not launch.in_torchrun():
@@ -229,11 +229,14 @@ def _exit_worker(code: int = 0) -> None:
     os._exit(code)
 
 
-def _dry_run(cfg, spec, dataset, val_dataset, problems) -> int:
+def _dry_run(cfg, spec, dataset, val_dataset, problems, argv) -> int:
     """The checks that need the model's config (torch, Megatron's config class; no model is
-    built, no process started), then the plan."""
-    from .config import validate_world
+    built, no process started), then the plan and the defaults the command line (`argv`)
+    relies on where they are not ms-swift's."""
+    from .config import GROUPS, Problems, validate_world
     from .config.dry_run import check_model, format_plan
+    from .config.parse import collect_values
+    from .config.swift_defaults import format_differing_defaults
 
     model = None
     with problems.section(), warnings.catch_warnings():
@@ -245,6 +248,9 @@ def _dry_run(cfg, spec, dataset, val_dataset, problems) -> int:
                       num_prompts=len(dataset), num_files=len(cfg.data.dataset),
                       reward_columns=sorted(dataset.columns),
                       num_val_prompts=len(val_dataset) if val_dataset is not None else None))
+    differing = format_differing_defaults(cfg, collect_values(argv, GROUPS, Problems()))
+    if differing:
+        print(differing)
     from .memory.plan import plan_for_launch
 
     memory, available = plan_for_launch(cfg, dataset, spec.world_size, spec.nproc_per_node,

@@ -277,7 +277,7 @@ def main(argv: list[str]) -> int:
         for i, chunk in enumerate(chunks):   # LoRA: the adapters only (base from HF)
             unwrap(chunk).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"],
                                           strict=not src.lora)
-        if src.lora and not a.merge_lora:    # the PEFT adapter
+        if src.lora and a.merge_lora is False:    # the PEFT adapter (unset: merged)
             factors = gather_adapters(chunks)
             if rank == 0:   # lora_llm: rank 0 (first pipeline stage) holds the trained tower
                 factors.update(vision_state(chunks))

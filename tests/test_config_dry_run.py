@@ -80,6 +80,12 @@ def test_dry_run_prints_the_plan_and_starts_nothing(dry_runs):
     assert "qwen2 (Qwen2ForCausalLM), 2 layers" in model_line and "2 kv heads" in model_line
     assert re.search(r"100 prompts from 1 file; reward columns: nums, solution, target",
                      _line(r.stdout, "dataset"))
+    # The defaults it relies on where they are not ms-swift's (config/swift_defaults.py);
+    # not those of the flags it passes (--rlhf_type, --output_dir, --report_to, ...).
+    block = r.stdout.split("defaults that differ from ms-swift's (flags not passed):\n")[1]
+    flags = [line.split()[0] for line in block.splitlines() if line.startswith("  --")]
+    assert flags == ["--attention_backend", "--padding_free", "--vllm_mode", "--max_length"]
+    assert "--max_length ours unset, ms-swift 512 (" in block, block
 
 
 @pytest.mark.slow

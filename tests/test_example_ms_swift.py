@@ -4,7 +4,12 @@ their flags pass every check (`--dry_run true`, nothing started), and each runs 
 end (real vLLM: colocated engines, or `megatron rollout` started by the script) and
 writes the trained model. The server script's run also carries the evaluation checks of
 server mode (flags appended, which the script passes on: the last value wins), so that
-one server start and one trainer start serve both."""
+one server start and one trainer start serve both.
+
+ms-swift's Megatron GRPO example scripts themselves (tests/ms_swift_examples.py: dense
+colocate and server, SAPO, REAL, MoE full-parameter and LoRA), with only the substitutions
+a CPU box needs, pass the dry run at their own world size (8 processes for most) on tiny
+models of their families, or are refused by name where they use what is not supported."""
 import json
 import os
 import subprocess
@@ -12,6 +17,7 @@ import subprocess
 import pytest
 
 from tests import cli_zygote
+from tests import ms_swift_examples as msx
 from tests.harness import run_together
 from tests.test_trainer_e2e import _check_metrics, _metrics
 from tests.test_trainer_eval_e2e import ARITHMETIC, _check_eval
@@ -64,6 +70,77 @@ def test_example_dry_run(dry_runs, script, engine):
     assert not (out / "rollout_server.log").exists()   # dry run: no server
 
 
+@pytest.fixture(scope="module")
+def ms_swift_dry_runs(model, tiny_model, tmp_path_factory):
+    """name -> CompletedProcess of the dry run of every ms-swift script (adapted), and of
+    each refused one without what is refused (name + "/without"), all started together."""
+    from tools.make_tiny_vl_model import make_tiny_vl_model
+    from tools.make_vl_count_data import make_count_rows
+
+    root = tmp_path_factory.mktemp("ms_swift_scripts")
+    rows = make_count_rows(str(root / "count"), n=16)
+    (root / "count" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "prompt.txt").write_text(msx.THINK_ANSWER_PROMPT)
+    long = dict(max_position_embeddings=32768)      # the scripts' vllm_max_model_len fits
+    paths = dict(qwen2=model, prompt=str(root / "prompt.txt"),
+                 qwen2_5_vl=str(make_tiny_vl_model(root / "qwen2_5_vl", **long)),
+                 qwen3_moe=str(tiny_model(family="qwen3_moe", hidden_size=128, head_dim=32,
+                                          num_attention_heads=8, num_key_value_heads=4,
+                                          **long)),
+                 vl_count=str(root / "count" / "train.jsonl"),
+                 math=os.path.join(ROOT, "megatron_grpo/data/builtin/arithmetic.jsonl"))
+    argvs = {name: msx.adapt(name, paths) for name in msx.SCRIPTS}
+    argvs.update({f"{name}/without": msx.without_refused(name, argvs[name])
+                  for name in msx.REFUSED})
+    commands = {}
+    for name, argv in argvs.items():
+        script = name.split("/")[0]
+        commands[name] = (cli_zygote.command("rlhf", *argv, "--dry_run", "true",
+                                             "--check_memory", "false"),
+                          cli_zygote.env(NNODES="1", OMP_NUM_THREADS="1",
+                                         **msx.env_of(script)))
+    return run_together(commands, cwd=ROOT)
+
+
+# script -> (the world line, the parallel line) of its plan, and the defaults it relies on
+# that are not ms-swift's (the dry run's block; --report_to too where tensorboard is
+# not installed)
+LAYOUTS = {
+    "dense_colocate": ("8 processes", "DP 8 x TP 1 x PP 1 x CP 1", {"output_dir"}),
+    "dense_server": ("6 processes", "DP 6 x TP 1 x PP 1 x CP 1", {"output_dir"}),
+    "sapo": ("8 processes", "DP 8 x TP 1 x PP 1 x CP 1", {"output_dir"}),
+    "real": ("2 processes", "DP 2 x TP 1 x PP 1 x CP 1", {"output_dir", "max_length"}),
+    "moe_colocate_full": ("8 processes", "DP 1 x TP 4 x PP 2 x CP 1",
+                          {"output_dir", "moe_grouped_gemm"}),
+    "moe_colocate_lora": ("8 processes", "DP 1 x TP 2 x PP 2 x CP 2",
+                          {"output_dir", "moe_grouped_gemm"}),
+}
+
+
+@pytest.mark.slow  # the CLI, one dry run per script
+@pytest.mark.parametrize("script", list(msx.SCRIPTS))
+def test_ms_swift_script_dry_run(ms_swift_dry_runs, script):
+    """Each of ms-swift's scripts passes every check at its own world size; one that uses
+    what is not supported yet is refused naming it (and nothing else), and passes
+    without it."""
+    r = ms_swift_dry_runs[script]
+    if script in msx.REFUSED:
+        refused = msx.REFUSED[script]
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert (f"error: {len(refused)} problems in the configuration:" if len(refused) > 1
+                else f"error: {refused[0]}") in r.stderr, r.stderr
+        assert all(line in r.stderr for line in refused), r.stderr
+        r = ms_swift_dry_runs[f"{script}/without"]
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "dry_run: every check passed" in r.stdout
+    world, layout, differing = LAYOUTS[script]
+    assert f"world      {world} = NPROC_PER_NODE" in r.stdout, r.stdout
+    assert layout in r.stdout, r.stdout
+    block = r.stdout.split("defaults that differ from ms-swift's (flags not passed):\n")[1]
+    flags = {line.split()[0][2:] for line in block.splitlines() if line.startswith("  --")}
+    assert flags - {"report_to"} == differing, block
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_example_colocate_runs_two_steps(model, tmp_path):
@@ -79,6 +156,9 @@ def test_example_colocate_runs_two_steps(model, tmp_path):
     assert [s["step"] for s in train] == [1, 2], steps
     assert all(s["completions/mean_length"] > 0 for s in train), train
     assert (out / "final_hf" / "config.json").is_file()
+    # --vllm_max_num_seqs unset: each engine's share of a rollout (16 completions over 2
+    # engines), as ms-swift's (vLLM logs the arguments it was given).
+    assert "'max_num_seqs': 8" in r.stdout + r.stderr
 
 
 @pytest.mark.slow
@@ -130,7 +210,8 @@ def test_example_server_runs_tp2_dp2_with_val_dataset_eval_iters(model, tmp_path
 def test_example_opd_rl_checks_and_runs_two_steps(model, tiny_model, tmp_path):
     """examples/ms_swift_opd_rl.sh (ms-swift's opd_rl.sh: a teacher, no reward function, one
     completion per prompt, LoRA, TP=2 with sequence parallelism, sleep and offload) passes
-    its dry run, then trains its 2 steps: rewards 0, teacher_kl logged, the adapter saved."""
+    its dry run, then trains its 2 steps: rewards 0, teacher_kl logged, the merged model
+    saved (--merge_lora's default, as ms-swift's)."""
     teacher = str(tiny_model(family="qwen2", hidden_size=128, seed=1))
     out = tmp_path / "out"
     dry = _run("ms_swift_opd_rl.sh", model, out, "--dry_run", "true", TEACHER=teacher)
@@ -143,7 +224,8 @@ def test_example_opd_rl_checks_and_runs_two_steps(model, tiny_model, tmp_path):
     steps = _metrics(str(out))
     assert [s["step"] for s in steps] == [1, 2], steps
     assert all(s["reward"] == 0.0 and s["teacher_kl"] > 0 for s in steps), steps
-    assert (out / "final_hf" / "adapter_model.safetensors").is_file()
+    assert (out / "final_hf" / "config.json").is_file()
+    assert not (out / "final_hf" / "adapter_model.safetensors").exists()
 
 
 FAKE_MEGATRON = r'''#!/usr/bin/env python3
@@ -192,3 +274,16 @@ def test_server_script_picks_another_port_when_its_port_was_taken(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "the rollout server exited; its log" in r.stderr
     assert (out2 / "rollout_starts").read_text().split() == ["1"]
+
+
+def test_r1v_reward_plugin_scores_answers():
+    """examples/plugins/r1v_reward.py (the multimodal scripts' external_r1v_acc): the
+    <answer> block, else the completion, against the solution, as text or as numbers."""
+    from megatron_grpo.rewards import registry
+
+    registry.load_plugins([os.path.join(ROOT, "examples/plugins/r1v_reward.py")])
+    fn = registry.REWARDS["external_r1v_acc"]
+    completions = ["<think>two and one</think><answer> 3 </answer>", "3.0", "<answer>4</answer>",
+                   "cube"]
+    assert fn(completions, solution=["3", "<answer>3</answer>", "3", "cube"]) == [1.0, 1.0,
+                                                                                   0.0, 1.0]

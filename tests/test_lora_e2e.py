@@ -41,7 +41,7 @@ def _checkpoint_keys(path):
 def test_lora_run_sync_resume_and_adapter(tiny, tmp_path):
     out = str(tmp_path / "run")
     lora = dict(tuner_type="lora", lora_rank=4, lora_alpha=8, lora_dropout=0.0,
-                target_modules="all-linear", tensor_model_parallel_size=2, beta=0.04,
+                merge_lora="false", target_modules="all-linear", tensor_model_parallel_size=2, beta=0.04,
                 lr=2e-2, check_weight_sync="true", save_steps=1000,   # after the last step
                 use_distributed_optimizer="false", lr_decay_style="constant")
     r = _run(_argv(tiny, out, train_iters=3, **lora))
@@ -84,7 +84,8 @@ def test_lora_run_sync_resume_and_adapter(tiny, tmp_path):
 
     # `megatron export --to_hf` of the run (its newest checkpoint, adapters only, saved at
     # TP=2; converted at TP=1 on the base the run trained on): the PEFT adapter equals the
-    # run's final_hf/, and with --merge_lora true the merged model equals peft's merge.
+    # run's final_hf/ (--merge_lora false), and the merged model (the default) equals peft's
+    # merge.
     import subprocess
 
     from safetensors.torch import load_file
@@ -104,8 +105,8 @@ def test_lora_run_sync_resume_and_adapter(tiny, tmp_path):
                                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                     env=cli_zygote.env(OMP_NUM_THREADS="1", MASTER_PORT=str(port)))
 
-    exports = [export(str(tmp_path / "adapter"), ports[0]),
-               export(str(tmp_path / "merged"), ports[1], "--merge_lora", "true")]
+    exports = [export(str(tmp_path / "adapter"), ports[0], "--merge_lora", "false"),
+               export(str(tmp_path / "merged"), ports[1])]     # merged: the default
     try:
         for p, dst in zip(exports, ("adapter", "merged")):
             assert p.wait(timeout=300) == 0, (tmp_path / f"{dst}.log").read_text()[-4000:]

@@ -144,6 +144,7 @@ def test_false_of_a_flag_for_what_runs_here_is_accepted(model_dir, tmp_path):
                                "--check_model", "false",   # the Ascend lora script's
                                # ms-swift's Megatron GRPO refuses their true itself
                                "--async_generate", "false", "--sync_ref_model", "false",
+                               "--add_version", "false",   # output_dir is used as given
                                "--config", str(path), "--lr", "2e-6"))
     assert cfg.training.lr == 2e-6
     message = error_of(args(model_dir, "--gradient_accumulation_fusion", "true",

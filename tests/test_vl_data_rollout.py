@@ -438,6 +438,7 @@ def test_rollout_server_samples_images_with_hf_logprobs(model_dir, count_data, h
                        vllm_server_port=server.port, vllm_server_timeout=300,
                        log_rollout_offpolicy_metrics="true", vllm_max_model_len=256,
                        train_iters=2, tuner_type="lora_llm", check_weight_sync="true",
+                       merge_lora="false",      # final_hf/: the adapter, checked below
                        # dropout 0: without old log-prob passes the trainer's side of
                        # rollout_correction is the training forward (adapter dropout on)
                        lora_dropout=0.0))

@@ -319,8 +319,8 @@ def _tower_lora_phase(config, args, model_dir, batch, root):
     from megatron_grpo.convert import main as convert   # the PEFT export of the checkpoint
 
     with contextlib.redirect_stdout(io.StringIO()):
-        convert(["--to_hf", "true", "--mcore_model", ckpt, "--output_dir",
-                 os.path.join(root, "tower_lora_export")])
+        convert(["--to_hf", "true", "--mcore_model", ckpt, "--merge_lora", "false",
+                 "--output_dir", os.path.join(root, "tower_lora_export")])
 
     def same(other):
         pairs = [(x, y) for (_, a), (_, b) in zip(tower_adapters(chunks), tower_adapters(other))
@@ -405,8 +405,8 @@ def _lora_llm_phase(config, args, model_dir, batch, root):
     from megatron_grpo.convert import main as convert   # the PEFT export of the checkpoint
 
     with contextlib.redirect_stdout(io.StringIO()):
-        convert(["--to_hf", "true", "--mcore_model", ckpt, "--output_dir",
-                 os.path.join(root, "lora_llm_export")])
+        convert(["--to_hf", "true", "--mcore_model", ckpt, "--merge_lora", "false",
+                 "--output_dir", os.path.join(root, "lora_llm_export")])
     restored = {n[len("visual.model."):]: p.detach().clone()
                 for n, p in fresh[0].named_parameters() if n.startswith("visual.model.")}
     return dict(trainable=trainable, tower=tower, off=off, stream=stream, grads=grads,

@@ -1,7 +1,7 @@
 """Options of `megatron export` (checkpoint conversion), parsed like `megatron rlhf`'s.
 
     megatron export --to_mcore true --model HF_DIR --output_dir MCORE_DIR --tensor_model_parallel_size 2
-    megatron export --to_hf true --mcore_model RUN_OR_CKPT_DIR --output_dir HF_OUT [--merge_lora true]
+    megatron export --to_hf true --mcore_model RUN_OR_CKPT_DIR --output_dir HF_OUT [--merge_lora false]
 
 The flag syntax, `--config file.yaml`, `--help` and all-problems-at-once errors are those of
 the other commands (config/parse.py); the layout flags share their names with `megatron rlhf`. What needs the checkpoint on disk (its folder, the saved layout) is checked
@@ -54,9 +54,10 @@ class ExportConfig:
     overwrite: bool = opt(False, "Replace the files of a non-empty --output_dir.")
     max_shard_size: str = opt("5GB", "HF shard size for --to_hf: bytes or a size such as "
                                      "5GB, 200MB, 2GiB.")
-    merge_lora: bool = same_as(TrainingOptions, "merge_lora", "--to_hf of a LoRA training "
-                               "checkpoint: write the merged HF model (W + alpha/r B A) instead "
-                               "of the PEFT adapter.")
+    merge_lora: Optional[bool] = same_as(
+        TrainingOptions, "merge_lora", "--to_hf of a LoRA training checkpoint: write the merged "
+                                       "HF model (W + alpha/r B A); false: the PEFT adapter. "
+                                       "None: true, as ms-swift's export.")
     # Set by convert.check_args from the layout and the world size; not an option.
     dims: Optional[ParallelDims] = field(default=None, init=False, repr=False)
 

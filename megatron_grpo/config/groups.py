@@ -91,11 +91,14 @@ def adapter_covers_tower(target_modules) -> tuple[bool, bool]:
             bool(re.fullmatch(target_modules, "model.visual.merger.mlp.0")))
 
 
+DEFAULT_NUM_TRAIN_EPOCHS = 3.0
+# --lr unset: ms-swift's Megatron default, by --tuner_type (full; lora and lora_llm).
+DEFAULT_LR_FULL, DEFAULT_LR_LORA = 1e-5, 1e-4
 # The defaults of --scale_rewards and --kl_in_reward for each --advantage_estimator, where
 # the user leaves them unset: those of ms-swift's `swift rlhf` GRPO arguments (their
-# post-init); its Megatron arguments default to group and false for every estimator.
-# algorithms/advantages.py applies the same ones to direct calls.
-DEFAULT_NUM_TRAIN_EPOCHS = 3.0
+# post-init); its Megatron arguments default to group and false for every estimator, a
+# difference kept on purpose (swift_defaults.DIFFERENCES). algorithms/advantages.py applies
+# the same ones to direct calls.
 DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
 DEFAULT_KL_IN_REWARD = {"grpo": False, "rloo": True, "reinforce_plus_plus": True}
 
@@ -241,7 +244,9 @@ class TrainingOptions(_Group):
               "need one of the two). Given with --train_iters, train_iters decides here (in "
               "ms-swift num_train_epochs does), with a warning.")
     train_iters: Optional[int] = opt(None, "Total optimizer steps; overrides num_train_epochs.")
-    lr: float = opt(1e-5, "Peak learning rate (ms-swift: 1e-5 for full-parameter training).")
+    lr: Optional[float] = opt(None, "Peak learning rate. None: 1e-5 for full-parameter "
+                                    "training, 1e-4 for LoRA (tuner_type lora, lora_llm), as "
+                                    "ms-swift.")
     min_lr: float = opt(0.0, "Learning rate floor of the decay.")
     lr_warmup_iters: int = opt(0, "Linear warm-up steps. Exclusive with warmup_ratio.")
     warmup_ratio: Optional[float] = opt(None, "Warm-up as a fraction of the total steps "
@@ -343,8 +348,10 @@ class TrainingOptions(_Group):
              "is --ref_model (or --model) with it, as ms-swift's --adapters sft --ref_adapters "
              "sft starts from an SFT adapter and keeps it as the reference. Text models.",
         factory=list)
-    merge_lora: bool = opt(False, "tuner_type lora: final_hf/ holds the merged model "
-                                  "(W + alpha/r B A) instead of the PEFT adapter.")
+    merge_lora: Optional[bool] = opt(
+        None, "tuner_type lora: final_hf/ holds the merged model (W + alpha/r B A); false: "
+              "the PEFT adapter. None: true, as ms-swift (its default follows "
+              "--save_safetensors, which is always true here).")
     dry_run: bool = opt(False, "Check everything that can be checked without starting a process "
                                "(options, the model's config.json against the parallel sizes, the "
                                "dataset, batch sizes, the world size from NPROC_PER_NODE x NNODES), "
@@ -515,7 +522,10 @@ class RolloutOptions(_Group):
     vllm_max_model_len: Optional[int] = opt(None, "vLLM context length; None: the model's.")
     vllm_enforce_eager: bool = opt(False, "Disable CUDA graphs in vLLM.")
     vllm_enable_prefix_caching: bool = opt(True, "vLLM automatic prefix caching.")
-    vllm_max_num_seqs: Optional[int] = opt(None, "vLLM max concurrent sequences; None: vLLM's.")
+    vllm_max_num_seqs: Optional[int] = opt(
+        None, "vLLM max concurrent sequences. None: colocate: the completions one engine "
+              "samples per rollout (vllm_tensor_parallel_size x generation_batch_size / world "
+              "size), as ms-swift; server: the server's.")
     vllm_engine_kwargs: Optional[Dict[str, Any]] = opt(None, "Extra vLLM engine arguments as JSON.")
     vllm_limit_mm_per_prompt: Optional[Dict[str, int]] = opt(
         None, "Vision-language models: the most images per prompt vLLM accepts, as JSON, e.g. "
@@ -638,11 +648,11 @@ class LoggingOptions(_Group):
         None, "Metric sinks besides metrics.jsonl (always written); none: no other. Default: "
               "tensorboard as in ms-swift (in output_dir/runs), or metrics.jsonl only with a "
               "warning when the tensorboard package is missing. A sink named here must be installed.")
-    wandb_project: Optional[str] = opt(None, "wandb project (--report_to wandb). None: "
-                                             "$WANDB_PROJECT, else megatron-grpo.")
+    wandb_project: str = opt("megatron-swift", "wandb project (--report_to wandb); "
+                                               "ms-swift's default.")
     wandb_exp_name: Optional[str] = opt(None, "wandb run name. None: output_dir's name.")
-    swanlab_project: Optional[str] = opt(None, "swanlab project (--report_to swanlab). None: "
-                                               "$SWANLAB_PROJECT, else megatron-grpo.")
+    swanlab_project: str = opt("megatron-swift", "swanlab project (--report_to swanlab); "
+                                                 "ms-swift's default.")
     swanlab_exp_name: Optional[str] = opt(None, "swanlab experiment name. None: output_dir's "
                                                 "name.")
     resume: Optional[str] = opt(None, "A checkpoint folder to continue from; true/auto (or unset): "

@@ -51,7 +51,9 @@ class RolloutServerConfig:
     vllm_max_model_len: Optional[int] = same_as(RolloutOptions, "vllm_max_model_len")
     vllm_enforce_eager: bool = same_as(RolloutOptions, "vllm_enforce_eager")
     vllm_enable_prefix_caching: bool = same_as(RolloutOptions, "vllm_enable_prefix_caching")
-    vllm_max_num_seqs: Optional[int] = same_as(RolloutOptions, "vllm_max_num_seqs")
+    vllm_max_num_seqs: Optional[int] = same_as(RolloutOptions, "vllm_max_num_seqs",
+                                               "vLLM max concurrent sequences; None: vLLM's "
+                                               "(256).")
     vllm_engine_kwargs: Optional[Dict[str, Any]] = same_as(RolloutOptions, "vllm_engine_kwargs")
     max_pixels: Optional[int] = same_as(
         DataOptions, "max_pixels", "Vision-language models: the most pixels an image keeps "

@@ -382,7 +382,7 @@ OFF_HERE: Tuple[str, ...] = _names("""
     masked_softmax_fusion bias_dropout_fusion bias_activation_fusion apply_rope_fusion
     gradient_accumulation_fusion cross_entropy_loss_fusion optimizer_cpu_offload
     optimizer_cuda_graph use_precision_aware_optimizer manual_gc async_save tp_comm_overlap
-    use_megatron_fsdp mlp_padding_free check_model async_generate sync_ref_model
+    use_megatron_fsdp mlp_padding_free check_model async_generate sync_ref_model add_version
 """)
 
 # Choice values of implemented options that ms-swift accepts and this project does not (yet).

@@ -27,8 +27,9 @@ from megatron_grpo.rewards import registry
 
 from .errors import Problems
 from .reward_models import has_reward_models, resolve_reward_models
-from .groups import (DEFAULT_KL_IN_REWARD, DEFAULT_NUM_TRAIN_EPOCHS, DEFAULT_SCALE_REWARDS,
-                     LORA_TARGET_MODULES, adapter_covers_tower)
+from .groups import (DEFAULT_KL_IN_REWARD, DEFAULT_LR_FULL, DEFAULT_LR_LORA,
+                     DEFAULT_NUM_TRAIN_EPOCHS, DEFAULT_SCALE_REWARDS, LORA_TARGET_MODULES,
+                     adapter_covers_tower)
 from .hf_model import (BF16_CPU_FLAGS, VLLM_CPU_HEAD_SIZES, cpu_has_bf16, head_dim,
                        json_config, model_max_len, num_experts, vllm_is_cpu_build)
 from .parallel import ParallelDims, divisors
@@ -365,6 +366,8 @@ def _check_training(cfg: "GRPOConfig", p: Problems) -> None:
                        t.train_iters, t.num_train_epochs)
     if t.num_train_epochs is not None:
         p.require(t.num_train_epochs > 0, f"--num_train_epochs {t.num_train_epochs} must be > 0")
+    if t.lr is None:     # ms-swift's: LoRA trains few parameters, from B = 0
+        t.lr = DEFAULT_LR_FULL if t.tuner_type == "full" else DEFAULT_LR_LORA
     p.require(t.lr > 0, f"--lr {t.lr} must be > 0. Fix: e.g. --lr 1e-6")
     p.require(0 <= t.min_lr <= t.lr, f"--min_lr {t.min_lr} must be in [0, lr={t.lr}]")
     p.require(t.lr_warmup_iters >= 0, f"--lr_warmup_iters {t.lr_warmup_iters} must be >= 0")
@@ -450,10 +453,12 @@ def _check_lora(t, p: Problems, model: Optional[str] = None) -> None:
     """The LoRA options (tuner_type lora), one line each."""
     if t.tuner_type not in ("lora", "lora_llm"):
         for name, default in (("adapters", []), ("merge_lora", False)):
-            p.require(getattr(t, name) == default,
+            p.require(getattr(t, name) in (default, None),
                       f"--{name} {getattr(t, name)!r} needs --tuner_type lora (it is "
                       f"{t.tuner_type!r}). Fix: add --tuner_type lora")
         return
+    if t.merge_lora is None:
+        t.merge_lora = True      # ms-swift's: its default follows --save_safetensors (true)
     hf = _hf_config(model)
     if t.tuner_type == "lora_llm" and hf is not None:
         p.require("vision_config" in hf,

@@ -277,8 +277,11 @@ class ColocateEngine:
             # rows; async scheduling (vLLM's default on GPU; CPU forces it off) holds -1 for
             # every just-sampled token there until the device copy. Not run on a GPU yet.
             kwargs["async_scheduling"] = False
-        if st.vllm_max_num_seqs is not None:
-            kwargs["max_num_seqs"] = st.vllm_max_num_seqs
+        # At most the sequences the engine is sized for: --vllm_max_num_seqs, else the
+        # trainer's share of a rollout (ms-swift's default), else vLLM's (256).
+        max_num_seqs = st.vllm_max_num_seqs or st.sequences_in_flight
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
         if self.vision and st.vllm_limit_mm_per_prompt is not None:
             kwargs["limit_mm_per_prompt"] = dict(st.vllm_limit_mm_per_prompt)
         if self.vision and st.mm_processor_kwargs:

@@ -68,22 +68,21 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(output_dir, "runs"))
-        # wandb / swanlab: the same scalars. Project: --wandb_project / --swanlab_project,
-        # else WANDB_PROJECT / SWANLAB_PROJECT, else megatron-grpo; run name: --*_exp_name,
-        # else the output folder's name.
+        # wandb / swanlab: the same scalars. Project: --wandb_project / --swanlab_project
+        # (ms-swift's default megatron-swift); run name: --*_exp_name, else the output
+        # folder's name.
         self.sinks = []
         run_name = os.path.basename(os.path.normpath(output_dir))
         if "wandb" in (report_to or ()):
             import wandb
 
-            wandb.init(project=wandb_project or os.environ.get("WANDB_PROJECT", "megatron-grpo"),
+            wandb.init(project=wandb_project or "megatron-swift",
                        name=wandb_exp_name or run_name, dir=output_dir)
             self.sinks.append(wandb)
         if "swanlab" in (report_to or ()):
             import swanlab
 
-            swanlab.init(project=swanlab_project or os.environ.get("SWANLAB_PROJECT",
-                                                                   "megatron-grpo"),
+            swanlab.init(project=swanlab_project or "megatron-swift",
                          experiment_name=swanlab_exp_name or run_name, logdir=output_dir)
             self.sinks.append(swanlab)
         # On a terminal one progress bar, its postfix the step's main metrics; elsewhere
