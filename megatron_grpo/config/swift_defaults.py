@@ -29,7 +29,7 @@ MS_SWIFT_DEFAULTS: Dict[str, Any] = {
     # MegatronRLHFArguments
     'rlhf_type': 'dpo', 'loss_scale': 'last_round', 'truncation_strategy': None,
     # MegatronArguments
-    'micro_batch_size': 1, 'global_batch_size': 16, 'recompute_granularity': 'selective',
+    'torch_dtype': None, 'micro_batch_size': 1, 'global_batch_size': 16, 'recompute_granularity': 'selective',
     'recompute_method': None, 'recompute_num_layers': None, 'recompute_modules': ['core_attn'],
     'train_iters': None, 'num_train_epochs': None, 'attention_backend': 'flash', 'seed': 42,
     'dataloader_num_workers': 4, 'dataloader_pin_memory': True,
@@ -77,7 +77,8 @@ MS_SWIFT_DEFAULTS: Dict[str, Any] = {
     'log_completions': False, 'rollout_importance_sampling_mode': None,
     'rollout_importance_sampling_threshold': 2.0, 'log_rollout_offpolicy_metrics': False,
     'off_policy_sequence_mask_delta': None, 'log_entropy': False, 'top_entropy_quantile': 1.0,
-    'router_replay_mode': 'disabled', 'move_model_batches': None, 'multi_turn_scheduler': None,
+    'router_replay_mode': 'disabled', 'reward_model': None, 'reward_model_plugin': None,
+    'move_model_batches': None, 'multi_turn_scheduler': None,
     'max_turns': None, 'completion_length_limit_scope': 'per_round',
     'vllm_server_pass_dataset': False, 'use_gym_env': None, 'gym_env': None,
     'num_iterations': 1, 'dataset_shuffle': True,
@@ -136,6 +137,10 @@ def _resume_path(cfg) -> bool:
 
 
 RULES: Dict[str, Rule] = {
+    # None and [] both name no reward model (ours are lists, empty when unset)
+    "reward_model": Rule("None: no reward model", lambda cfg, ours: []),
+    "reward_model_plugin": Rule("None: the classifier's score for each reward model",
+                                lambda cfg, ours: []),
     "truncation_strategy": Rule("left for GRPO (delete for the other RLHF types)"),
     "num_train_epochs": Rule("unset: --train_iters is needed", lambda cfg, ours: None),
     "lr": Rule("1e-5 for full-parameter training, 1e-4 for LoRA (tuner_type lora, lora_llm)",
