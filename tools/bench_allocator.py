@@ -11,7 +11,7 @@ to the run without a preload of the same round:
     allocator variant=tcmalloc step_ratio=... wall_ratio=... pss_ratio=... rounds=N
 
     python tools/bench_allocator.py [--rounds 2] [--steps 20] [--tcmalloc PATH] [--iomp PATH]
-        [--variants tcmalloc,iomp,both] [-- EXTRA RLHF FLAGS]
+        [--variants tcmalloc,iomp,both] [--shape quickstart|real] [-- EXTRA RLHF FLAGS]
 
 Libraries are found as `megatron rlhf` finds them (megatron_grpo/platform/preload.py):
 tcmalloc through the dynamic linker's cache, libiomp5 in this environment's lib/; a
@@ -33,13 +33,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_grpo.platform.preload import find_iomp, find_tcmalloc  # noqa: E402
+from tools.bench_peer import SHAPES, build_model  # noqa: E402
 from tools.pss import PeakSampler  # noqa: E402
-from tools.quickstart import build_tiny, dtype_args  # noqa: E402
+from tools.quickstart import dtype_args  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "quickstart_cpu.yaml")
 
 
-def run_once(model: str, out: str, steps: int, preload: list, extra: list) -> dict:
+def run_once(model: str, out: str, steps: int, preload: list, extra: list,
+             warmup: int = 2) -> dict:
     """One quickstart run under `preload`: median step s, wall s, peak PSS GiB."""
     env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1", MGRPO_PRELOAD="0")
     env.pop("LD_PRELOAD", None)
@@ -58,7 +60,7 @@ def run_once(model: str, out: str, steps: int, preload: list, extra: list) -> di
         raise SystemExit(f"run failed ({proc.returncode}) with LD_PRELOAD={preload}:\n{err[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    step = statistics.median(r["timing/step"] for r in rows[2:])
+    step = statistics.median(r["timing/step"] for r in rows[warmup:])
     return {"step": step, "wall": wall, "pss": sampler.peak.gib}
 
 
@@ -68,6 +70,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--tcmalloc", default=None, help="libtcmalloc path (default: found)")
     ap.add_argument("--iomp", default=None, help="libiomp5 path (default: found)")
+    ap.add_argument("--keep", default=None, help="run in this folder and keep it (its model "
+                                                 "is reused by the next run)")
+    ap.add_argument("--shape", default="quickstart", choices=("quickstart", "real"),
+                    help="real: Qwen2.5-0.5B's architecture as tools/bench_peer.py --shapes "
+                         "real runs it (its flags; 3 steps, the first left out)")
     ap.add_argument("--variants", default="tcmalloc,iomp,both",
                     help="comma-separated, of tcmalloc, iomp, both (the run without a "
                          "preload always runs)")
@@ -83,12 +90,17 @@ def main(argv=None) -> int:
             variants[name] = libs
         else:
             print(f"allocator variant={name} skipped: library not found", flush=True)
-    work = tempfile.mkdtemp(prefix="bench-allocator-")
-    model = build_tiny(work)
+    work = args.keep or tempfile.mkdtemp(prefix="bench-allocator-")
+    os.makedirs(work, exist_ok=True)
+    shape = SHAPES[args.shape]
+    model = build_model(shape, work)
+    extra = [*shape.rlhf_args, *extra]
+    warmup = 1 if args.shape == "real" else 2
     results = {name: [] for name in variants}
     for rnd in range(args.rounds):
         for name, libs in variants.items():
-            r = run_once(model, os.path.join(work, f"{name}-{rnd}"), args.steps, libs, extra)
+            r = run_once(model, os.path.join(work, f"{name}-{rnd}"), args.steps, libs, extra,
+                         warmup)
             results[name].append(r)
             print(f"round {rnd} {name}: step {r['step']:.3f} s, wall {r['wall']:.1f} s, "
                   f"peak PSS {r['pss']:.2f} GiB", flush=True)
