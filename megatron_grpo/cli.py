@@ -160,8 +160,8 @@ def _route_output(cfg, spec) -> None:
 
 
 def _say_preloaded() -> None:
-    """The plan's line for what the launcher preloaded (platform/preload.py), if anything."""
-    from .platform.preload import PRELOAD_ENV, preloaded
+    """The plan's line for what the launcher preloaded (preload.py), if anything."""
+    from .preload import PRELOAD_ENV, preloaded
 
     if preloaded():
         console.say(f"[megatron] preloaded {preloaded()} ({PRELOAD_ENV}=1, vLLM's advice "
@@ -304,7 +304,7 @@ def _dispatch(argv: list[str]) -> int:
         return 2
     if command in ("rlhf", "rollout") and not launch.in_torchrun() and \
             not {"-h", "--help"} & set(rest):
-        from .platform.preload import reexec_with_preload
+        from .preload import reexec_with_preload
 
         reexec_with_preload(argv, cpu_build=launch.torch_accelerator_builds() == [])
     try:

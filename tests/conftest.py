@@ -21,7 +21,7 @@ import pytest
 
 from tests import harness
 
-# The launcher's tcmalloc preload (platform/preload.py, MGRPO_PRELOAD=1) re-executes each
+# The launcher's tcmalloc preload (megatron_grpo/preload.py, MGRPO_PRELOAD=1) re-executes each
 # `megatron` command: off for the suite whatever the caller's environment says
 # (tests/test_console.py turns it on).
 os.environ["MGRPO_PRELOAD"] = "0"

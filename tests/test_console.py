@@ -123,7 +123,7 @@ def test_the_launcher_preloads_tcmalloc_where_found_and_says_so(tiny_model, tmp_
     stand-in, libm), the command re-executes itself with it in LD_PRELOAD and says so in
     its plan; without it (the default) nothing is preloaded. The dry run shows it without
     starting anything."""
-    from megatron_grpo.platform.preload import to_preload
+    from megatron_grpo.preload import to_preload
 
     on = {"MGRPO_TCMALLOC": "libm.so.6", "MGRPO_PRELOAD": "1"}
     assert to_preload(on) == ["libm.so.6"]

@@ -85,8 +85,8 @@ def test_a_batch_saved_mid_way_is_trained_on_only_with_the_same_teacher(monkeypa
     assert run._pending_batch(dict(saved, teacher="T"), "ckpt", True) == ("batch", 1)
     assert run._pending_batch(dict(saved, teacher="T"), "ckpt") is None
     assert "ckpt was saved in the middle of a generation batch with a teacher, and this run " \
-           "has none" in capsys.readouterr().out
+           "has none" in capsys.readouterr().err
     assert run._pending_batch(saved, "ckpt", True) is None
-    assert "without a teacher, and this run has one" in capsys.readouterr().out
+    assert "without a teacher, and this run has one" in capsys.readouterr().err
     assert run._pending_batch(dict(saved, layout={"world": 4}), "ckpt") is None
-    assert "by another layout ({'world': 4}, now {'world': 2})" in capsys.readouterr().out
+    assert "by another layout ({'world': 4}, now {'world': 2})" in capsys.readouterr().err

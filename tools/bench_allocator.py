@@ -13,7 +13,7 @@ to the run without a preload of the same round:
     python tools/bench_allocator.py [--rounds 2] [--steps 20] [--tcmalloc PATH] [--iomp PATH]
         [--variants tcmalloc,iomp,both] [--shape quickstart|real] [-- EXTRA RLHF FLAGS]
 
-Libraries are found as `megatron rlhf` finds them (megatron_grpo/platform/preload.py):
+Libraries are found as `megatron rlhf` finds them (megatron_grpo/preload.py):
 tcmalloc through the dynamic linker's cache, libiomp5 in this environment's lib/; a
 variant whose library is missing is skipped with a line saying so. The runs set
 MGRPO_PRELOAD=0 so that the launcher adds nothing of its own.
@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_grpo.platform.preload import find_iomp, find_tcmalloc  # noqa: E402
+from megatron_grpo.preload import find_iomp, find_tcmalloc  # noqa: E402
 from tools.bench_peer import SHAPES, build_model  # noqa: E402
 from tools.pss import PeakSampler  # noqa: E402
 from tools.quickstart import dtype_args  # noqa: E402
