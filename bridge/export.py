@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from .mappings import ModelDims, Unit, export_pieces, get_mapping
-from .params import Groups, global_params, megatron_groups
+from .groups import Groups, megatron_groups
+from .params import global_params
 from .transfer import TransferBuffer, _all_gather_single
 
 Bucket = list[tuple[str, torch.Tensor]]

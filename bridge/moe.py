@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:   # params imports this module
-    from .params import Groups
+from .groups import Groups
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
 _GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.weight)(\d+)\Z")

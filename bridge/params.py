@@ -1,4 +1,5 @@
-"""This rank's Megatron parameters under global names, and the process groups the bridge uses.
+"""This rank's Megatron parameters under global names (the process groups the bridge uses
+are in bridge/groups.py).
 
 Megatron names layers per chunk (`decoder.layers.0` is the first layer of every
 pipeline chunk); the bridge's rules use global layer indices. The offset of a chunk
@@ -8,11 +9,9 @@ is Megatron's own: each `TransformerLayer.layer_number` is 1-based and global
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from .moe import global_expert_name
 
@@ -60,34 +59,3 @@ def global_params(chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
                 name = f"decoder.layers.{layer}." + name[m.end():]
                 name = global_expert_name(name, model.config)
             yield name, param
-
-
-@dataclass(frozen=True)
-class Groups:
-    """Megatron's TP and PP groups of this rank, with the global ranks of their members."""
-
-    tp_group: object
-    tp_ranks: list[int]       # global rank of TP rank i
-    tp_rank: int
-    pp_group: object
-    pp_ranks: list[int]       # global rank of pipeline stage i (same TP/DP/CP position)
-    pp_rank: int
-
-    @property
-    def tp(self) -> int:
-        return len(self.tp_ranks)
-
-    @property
-    def pp(self) -> int:
-        return len(self.pp_ranks)
-
-
-def megatron_groups() -> Groups:
-    from megatron.core import parallel_state as ps
-
-    tp_group = ps.get_tensor_model_parallel_group()
-    pp_group = ps.get_pipeline_model_parallel_group()
-    return Groups(tp_group=tp_group, tp_ranks=dist.get_process_group_ranks(tp_group),
-                  tp_rank=ps.get_tensor_model_parallel_rank(), pp_group=pp_group,
-                  pp_ranks=dist.get_process_group_ranks(pp_group),
-                  pp_rank=ps.get_pipeline_model_parallel_rank())

@@ -385,15 +385,7 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
     state / the RNG states out (--no_save_optim / --no_save_rng; module docstring).
     Collective: call on all ranks.
     """
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    if save_total_limit is not None and (not isinstance(save_total_limit, int)
-                                         or save_total_limit < 1):
-        raise ValueError(f"--save_total_limit must be a positive integer or unset, got "
-                         f"{save_total_limit!r}")
-    if optim_sharding_type not in OPTIM_SHARDING_TYPES:
-        raise ValueError(f"optim_sharding_type {optim_sharding_type!r} is not one of "
-                         f"{OPTIM_SHARDING_TYPES}")
+    _check_save_args(step, save_total_limit, optim_sharding_type)
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
@@ -406,14 +398,7 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
     dist.barrier()
 
     started = time.time()
-    # A never-stepped optimizer has no per-parameter state to save, and loading it
-    # would need state that is not there. Fresh is fresh: record it and load nothing.
-    # "not_saved": --no_save_optim (a resume restarts the optimizer state).
-    optim_status = None
-    if optimizer is not None and not save_optim:
-        optim_status = "not_saved"
-    elif optimizer is not None:
-        optim_status = "saved" if _any_rank(_optimizer_has_state(optimizer)) else "fresh"
+    optim_status = _optimizer_status(optimizer, save_optim)
     if optim_status == "saved" and optim_sharding_type == "fully_reshardable" and \
             _layers_partly_frozen(chunks):
         optim_sharding_type = "dp_reshardable"
@@ -430,33 +415,11 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
     error = None
     if rank == 0:
         try:
-            import megatron.core
-
             if hf_config_dir:
                 copy_hf_side_files(hf_config_dir, os.path.join(tmp, HF_CONFIG_DIR))
-            meta = {"format_version": FORMAT_VERSION, "step": step, "time": time.time(),
-                    "params_dtype": _params_dtype(chunks),
-                    "versions": {"torch": torch.__version__,
-                                 "megatron_core": getattr(megatron.core, "__version__", "?")},
-                    "save_seconds": round(time.time() - started, 3),
-                    "layout": _layout(), "num_model_chunks": len(chunks),
-                    "contents": {"model": True, "optimizer": optim_status,
-                                 "scheduler": scheduler is not None, "rng": save_rng,
-                                 "extra_state": sorted((extra_state or {}).keys())},
-                    "optim_sharding_type": optim_sharding_type}
-            settings = lora_settings(chunks)
-            if settings is not None:   # adapters only: export rebuilds the base from HF
-                meta["lora"] = {**dataclasses.asdict(settings), "base_model": os.path.abspath(
-                    hf_config_dir) if hf_config_dir else None}
-            _write_atomic(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1))
-            _fsync_tree(tmp)
-            if os.path.exists(final):  # an earlier run reached this step: replace it
-                _remove_dir(final)
-            os.rename(tmp, final)
-            _fsync_path(output_dir)
-            _write_atomic(os.path.join(output_dir, LATEST_FILE), os.path.basename(final))
-            if save_total_limit is not None:
-                _prune(output_dir, save_total_limit, keep=final)
+            meta = _save_metadata(step, chunks, started, optim_status, optim_sharding_type,
+                                  scheduler is not None, save_rng, extra_state, hf_config_dir)
+            _commit(output_dir, tmp, final, meta, save_total_limit)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
             error = f"{type(e).__name__}: {e}"
             logger.exception("committing checkpoint %s failed", final)
@@ -465,6 +428,71 @@ def save_checkpoint(output_dir: str, step: int, chunks: list, optimizer=None, sc
     if status[0] is not None:
         raise RuntimeError(f"saving checkpoint {final} failed on rank 0: {status[0]}")
     return final
+
+
+def _check_save_args(step, save_total_limit, optim_sharding_type: str) -> None:
+    """ValueError for a bad step, limit or sharding type, before any rank writes a byte."""
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    if save_total_limit is not None and (not isinstance(save_total_limit, int)
+                                         or save_total_limit < 1):
+        raise ValueError(f"--save_total_limit must be a positive integer or unset, got "
+                         f"{save_total_limit!r}")
+    if optim_sharding_type not in OPTIM_SHARDING_TYPES:
+        raise ValueError(f"optim_sharding_type {optim_sharding_type!r} is not one of "
+                         f"{OPTIM_SHARDING_TYPES}")
+
+
+def _optimizer_status(optimizer, save_optim: bool) -> Optional[str]:
+    """What a checkpoint records of the optimizer: None (none given), "not_saved"
+    (--no_save_optim: a resume restarts the optimizer state), "fresh" (never stepped on
+    any rank: there is no per-parameter state to save, and loading it would need state
+    that is not there, so a new optimizer is that state) or "saved". Collective."""
+    if optimizer is None:
+        return None
+    if not save_optim:
+        return "not_saved"
+    return "saved" if _any_rank(_optimizer_has_state(optimizer)) else "fresh"
+
+
+def _save_metadata(step: int, chunks, started: float, optim_status: Optional[str],
+                   optim_sharding_type: str, has_scheduler: bool, save_rng: bool,
+                   extra_state: Optional[dict], hf_config_dir: Optional[str]) -> dict:
+    """checkpoint.json's contents: what is inside, the layout it was saved under (a resume
+    checks it) and, for LoRA, the adapter settings and the base model export rebuilds."""
+    import megatron.core
+
+    meta = {"format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+            "params_dtype": _params_dtype(chunks),
+            "versions": {"torch": torch.__version__,
+                         "megatron_core": getattr(megatron.core, "__version__", "?")},
+            "save_seconds": round(time.time() - started, 3),
+            "layout": _layout(), "num_model_chunks": len(chunks),
+            "contents": {"model": True, "optimizer": optim_status,
+                         "scheduler": has_scheduler, "rng": save_rng,
+                         "extra_state": sorted((extra_state or {}).keys())},
+            "optim_sharding_type": optim_sharding_type}
+    settings = lora_settings(chunks)
+    if settings is not None:   # adapters only: export rebuilds the base from HF
+        meta["lora"] = {**dataclasses.asdict(settings), "base_model": os.path.abspath(
+            hf_config_dir) if hf_config_dir else None}
+    return meta
+
+
+def _commit(output_dir: str, tmp: str, final: str, meta: dict,
+            save_total_limit: Optional[int]) -> None:
+    """Rank 0, after every rank has written `tmp`: checkpoint.json, fsync, the atomic
+    rename to `final`, then `latest` and the pruning of old checkpoints (module docstring,
+    "Atomicity": a crash leaves no checkpoint-{step} or a complete one)."""
+    _write_atomic(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1))
+    _fsync_tree(tmp)
+    if os.path.exists(final):  # an earlier run reached this step: replace it
+        _remove_dir(final)
+    os.rename(tmp, final)
+    _fsync_path(output_dir)
+    _write_atomic(os.path.join(output_dir, LATEST_FILE), os.path.basename(final))
+    if save_total_limit is not None:
+        _prune(output_dir, save_total_limit, keep=final)
 
 
 def _prune(output_dir: str, limit: int, keep: str) -> None:
@@ -508,12 +536,31 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     order) from them. Collective.
     """
     meta = read_metadata(path)
-    contents = meta["contents"]
     given_optimizer = optimizer
     if finetune:
         optimizer, scheduler, load_rng = None, None, False
         logger.info("--finetune: loading the weights of %s only; the run starts at step 0",
                     path)
+    optimizer = _optimizer_to_load(meta, path, chunks, optimizer)
+    if scheduler is not None and not meta["contents"]["scheduler"]:
+        raise ValueError(f"{path} holds no LR scheduler state; pass scheduler=None")
+    _load_states(path, meta, chunks, optimizer, scheduler)
+    if optimizer is None and given_optimizer is not None:
+        # Its state not loaded (finetune, no_save_optim, fresh): a mixed-precision optimizer
+        # still holds fp32 main params copied from the weights it was built on, and its first
+        # step would write them back over the loaded ones.
+        given_optimizer.reload_model_params()
+    own = _load_rank_state(path, meta, load_rng)
+    dist.barrier()
+    return None if finetune else own["extra_state"]
+
+
+def _optimizer_to_load(meta: dict, path: str, chunks, optimizer):
+    """`optimizer` if the checkpoint's optimizer state is to be loaded into it, else None
+    (saved without it, or before the first step); ValueError where it cannot load (none
+    saved, another dtype, another expert parallel size without the distributed optimizer).
+    Checked before any tensor is read, so a refused resume changes nothing."""
+    contents = meta["contents"]
     if optimizer is not None and contents["optimizer"] == "not_saved":
         logger.warning("checkpoint %s was saved without optimizer state (--no_save_optim): "
                        "the optimizer restarts (Adam moments zero, its step count 0); the LR "
@@ -524,11 +571,11 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
                          "the weights only")
     if contents["optimizer"] == "fresh":
         optimizer = None  # saved before the first step: a new optimizer is that state
-    if optimizer is not None:
-        check_resume_dtype(meta, chunks, path)
+    if optimizer is None:
+        return None
+    check_resume_dtype(meta, chunks, path)
     saved_ep, ep = meta["layout"].get("ep", 1), _layout()["ep"]
-    if optimizer is not None and (saved_ep > 1) != (ep > 1) and \
-            not is_distributed_optimizer(optimizer):
+    if (saved_ep > 1) != (ep > 1) and not is_distributed_optimizer(optimizer):
         # Megatron chains a dense and an expert optimizer at EP > 1 and one at EP = 1; only
         # the distributed optimizer's state is regrouped across that (regroup_loaded_...).
         raise ValueError(f"{path} was saved at --expert_model_parallel_size {saved_ep}; its "
@@ -536,8 +583,13 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
                          "--use_distributed_optimizer true (on both runs). Fix: resume at "
                          f"--expert_model_parallel_size {saved_ep}, or load the weights only "
                          "(--resume PATH --finetune true)")
-    if scheduler is not None and not contents["scheduler"]:
-        raise ValueError(f"{path} holds no LR scheduler state; pass scheduler=None")
+    return optimizer
+
+
+def _load_states(path: str, meta: dict, chunks, optimizer, scheduler) -> None:
+    """The distributed checkpoint into the chunks (LoRA: the adapters only, the base came
+    from --model), and into `optimizer` / `scheduler` where given (flat optimizer buffers
+    only under the saving TP/PP layout: ValueError otherwise). Collective."""
     if optimizer is not None and meta["optim_sharding_type"] == "dp_reshardable" and \
             is_distributed_optimizer(optimizer):
         _check_dp_reshardable(meta["layout"], path)
@@ -557,11 +609,6 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
         if lora and any(is_lora_state(k, settings) for k in missing):
             raise RuntimeError(f"checkpoint {path}: adapter tensors missing: "
                                f"{[k for k in missing if is_lora_state(k, settings)][:5]}")
-    if optimizer is None and given_optimizer is not None:
-        # Its state not loaded (finetune, no_save_optim, fresh): a mixed-precision optimizer
-        # still holds fp32 main params copied from the weights it was built on, and its first
-        # step would write them back over the loaded ones.
-        given_optimizer.reload_model_params()
     if optimizer is not None:
         # no_grad: with fp32 weights the distributed optimizer's main params are views
         # of the model's leaf params, and the dp_reshardable loader copies into them.
@@ -572,6 +619,11 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
 
+
+def _load_rank_state(path: str, meta: dict, load_rng: bool) -> dict:
+    """This rank's file ({"rng", "extra_state"}), restoring its RNG states when asked and
+    the layout is the saving one; under another layout rank 0's file (RNG streams belong
+    to a rank, so they are left alone, with a warning)."""
     rank = dist.get_rank()
     same_layout = _same_layout(meta["layout"])
     if not same_layout:
@@ -586,5 +638,4 @@ def load_checkpoint(path: str, chunks: list, optimizer=None, scheduler=None, *,
         elif rank == 0:
             logger.warning("checkpoint %s was saved without RNG states (--no_save_rng): the "
                            "random number generators are not restored", path)
-    dist.barrier()
-    return None if finetune else own["extra_state"]
+    return own

@@ -109,7 +109,7 @@ def _worker(a) -> None:
 
     from bridge import export_hf_weights, load_hf_weights
     from bridge.export import _plan
-    from bridge.params import megatron_groups
+    from bridge.groups import megatron_groups
     from megatron_grpo.model import build_model, build_transformer_config
     from megatron_grpo.platform import ParallelDims, init_parallel, init_process_group
 

@@ -482,44 +482,16 @@ def compute_policy_loss(
     it from this call's loss tokens (under CP pass it: this rank holds part of the rows).
     `sequence_sums`: under CP, the per-row sum reduction (module docstring).
     """
-    if config is None:
-        config = LossConfig(**options)
-    elif options:
-        raise TypeError(f"compute_policy_loss: pass the loss options either as `config` or as "
-                        f"keywords, not both (got {sorted(options)})")
-    c = config
-    loss_type, beta, top_entropy_quantile = c.loss_type, c.beta, c.top_entropy_quantile
-    if c.rollout_importance_sampling_mode is not None and rollout_logps is None:
-        raise ValueError(f"rollout_importance_sampling_mode={c.rollout_importance_sampling_mode!r} "
-                         "needs rollout_logps (the sampling engine's log-probs)")
-    use_kl = beta != 0.0 and not c.kl_in_reward
-    if use_kl and ref_logps is None:
-        raise ValueError("beta != 0 with kl_in_reward=False needs ref_logps")
-    if top_entropy_quantile < 1.0 and entropy is None:
-        raise ValueError(f"top_entropy_quantile={top_entropy_quantile} needs the per-token entropy")
-    epsilon, delta = c.epsilon, c.delta
-    epsilon_high = epsilon if c.epsilon_high is None else c.epsilon_high
-    if loss_type == "fipo" and sequence_sums is not None:
-        raise ValueError("loss_type='fipo' is not supported with context parallelism yet (its future KL "
-                         "runs along whole rows); use --context_parallel_size 1 or another loss_type")
-
+    c = _loss_config(config, options)
+    _check_inputs(c, ref_logps=ref_logps, entropy=entropy, rollout_logps=rollout_logps,
+                  sequence_sums=sequence_sums)
     mask = completion_mask.bool()                                          # [B, L]
     loss_mask = loss_mask_after_overlong_filter(mask, truncated, c.overlong_filter)
     # Padding positions of the inputs may hold anything; make them 0 so no NaN/inf reaches
     # either the loss or the gradient.
     logps = _zero_outside(logps, mask)
     old = logps.detach() if old_logps is None else _zero_outside(old_logps.detach(), mask)
-    adv = advantages.detach()
-    adv = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logps.dtype).expand_as(logps)  # [B, L]
-    teacher_kl = None
-    if teacher_logps is not None:   # on-policy distillation (module docstring, step 1)
-        if loss_type in ("real", "fipo"):
-            raise ValueError(f"loss_type={loss_type!r} needs one advantage per completion; a "
-                             "teacher's per-token advantages work with the other loss types")
-        d = _zero_outside(teacher_logps.detach(), mask) - old
-        adv = adv + c.teacher_kl_coef * d
-        teacher_kl = _zero_outside(torch.exp(d) - d - 1, mask)
-    adv = _zero_outside(adv, mask)  # per-token advantages have padding too
+    adv, teacher_kl = _token_advantages(advantages, logps, old, mask, teacher_logps, c)
     if c.off_policy_sequence_mask_delta is not None:
         behaviour = old if rollout_logps is None else _zero_outside(rollout_logps.detach(), mask)
         seq_adv = masked_sequence_mean(adv, loss_mask, sequence_sums)                # [B]
@@ -533,39 +505,19 @@ def compute_policy_loss(
                                         c.rollout_importance_sampling_mode,
                                         c.rollout_importance_sampling_threshold, sequence_sums)
 
-    log_w = log_importance_weights(logps, old, mask, c.importance_sampling_level,
-                                   sequence_sums)                              # [B, L] | [B, 1]
-    coef1 = torch.exp(log_w)
-    per_token = LOSS_TYPES[loss_type](coef1, adv, logps, epsilon, epsilon_high, delta,
-                                      c.loss_params).expand_as(logps)
-    fipo = None
-    if loss_type == "fipo":
-        fipo = fipo_influence(logps - old, coef1, adv, loss_mask, delta, c.loss_params)
-        per_token = per_token * fipo["influence_weight"]
-    if loss_type == "real":
-        # Scores and advantages over the final loss mask (an emptied row: score 0, A 0), as ms-swift.
-        scores = masked_sequence_mean(logps - old, loss_mask, sequence_sums)          # [B]
-        seq_adv = masked_sequence_mean(adv, loss_mask, sequence_sums)                 # [B]
-        n = loss_mask.sum(dim=-1).to(logps.dtype)
-        n = n if sequence_sums is None else sequence_sums(n.unsqueeze(-1))[:, 0]
-        per_token = real_row_losses(scores, seq_adv, n > 0, c.loss_params.num_generations,
-                                    c.loss_params.real_tau).unsqueeze(-1).expand_as(logps)
+    per_token, coef1, fipo = _loss_type_terms(logps, old, adv, mask, loss_mask, c, sequence_sums)
 
     entropy_mask = threshold = None
-    if top_entropy_quantile < 1.0:
-        ent = _zero_outside(entropy.detach(), mask)
-        if entropy_threshold_value is None:
-            threshold = entropy_threshold(ent, top_entropy_quantile, loss_mask)
-        else:
-            threshold = torch.as_tensor(entropy_threshold_value, dtype=ent.dtype, device=ent.device)
-        entropy_mask = ent >= threshold  # NaN threshold (no tokens anywhere) masks everything
+    if c.top_entropy_quantile < 1.0:
+        entropy_mask, threshold = _entropy_mask(entropy, mask, loss_mask, c.top_entropy_quantile,
+                                                entropy_threshold_value)
         per_token = per_token * entropy_mask.to(per_token.dtype)
 
     per_token_kl = None
-    if use_kl:
+    if c.beta != 0.0 and not c.kl_in_reward:
         per_token_kl = KL_ESTIMATORS[c.kl_estimator](logps, _zero_outside(ref_logps.detach(), mask))
-        if loss_type != "real":     # real: normalised apart (aggregation.py)
-            per_token = per_token + beta * per_token_kl
+        if c.loss_type != "real":     # real: normalised apart (aggregation.py)
+            per_token = per_token + c.beta * per_token_kl
 
     if is_weights is not None:
         per_token = per_token * is_weights
@@ -582,3 +534,87 @@ def compute_policy_loss(
         fipo=fipo,
         teacher_kl=teacher_kl,
     )
+
+
+def _loss_config(config: Optional[LossConfig], options: dict) -> LossConfig:
+    """`config`, or one built from the keyword options of a one-off call (never both: two
+    sources of the same option would leave one of them silently ignored)."""
+    if config is None:
+        return LossConfig(**options)
+    if options:
+        raise TypeError(f"compute_policy_loss: pass the loss options either as `config` or as "
+                        f"keywords, not both (got {sorted(options)})")
+    return config
+
+
+def _check_inputs(c: LossConfig, *, ref_logps, entropy, rollout_logps, sequence_sums) -> None:
+    """Refuse a call that lacks an input its options need, before any tensor work: a missing
+    input would otherwise surface as a shape or None error far from its cause."""
+    if c.rollout_importance_sampling_mode is not None and rollout_logps is None:
+        raise ValueError(f"rollout_importance_sampling_mode={c.rollout_importance_sampling_mode!r} "
+                         "needs rollout_logps (the sampling engine's log-probs)")
+    if c.beta != 0.0 and not c.kl_in_reward and ref_logps is None:
+        raise ValueError("beta != 0 with kl_in_reward=False needs ref_logps")
+    if c.top_entropy_quantile < 1.0 and entropy is None:
+        raise ValueError(f"top_entropy_quantile={c.top_entropy_quantile} needs the per-token entropy")
+    if c.loss_type == "fipo" and sequence_sums is not None:
+        raise ValueError("loss_type='fipo' is not supported with context parallelism yet (its future KL "
+                         "runs along whole rows); use --context_parallel_size 1 or another loss_type")
+
+
+def _token_advantages(advantages: torch.Tensor, logps: torch.Tensor, old: torch.Tensor,
+                      mask: torch.Tensor, teacher_logps: Optional[torch.Tensor],
+                      c: LossConfig) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(advantages [B, L], teacher k3 [B, L] or None): the advantages broadcast per token,
+    plus the teacher's weighted log-ratio to the old policy under on-policy distillation
+    (module docstring, step 1); 0 outside `mask`."""
+    adv = advantages.detach()
+    adv = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logps.dtype).expand_as(logps)  # [B, L]
+    teacher_kl = None
+    if teacher_logps is not None:
+        if c.loss_type in ("real", "fipo"):
+            raise ValueError(f"loss_type={c.loss_type!r} needs one advantage per completion; a "
+                             "teacher's per-token advantages work with the other loss types")
+        d = _zero_outside(teacher_logps.detach(), mask) - old
+        adv = adv + c.teacher_kl_coef * d
+        teacher_kl = _zero_outside(torch.exp(d) - d - 1, mask)
+    return _zero_outside(adv, mask), teacher_kl  # per-token advantages have padding too
+
+
+def _loss_type_terms(logps: torch.Tensor, old: torch.Tensor, adv: torch.Tensor,
+                     mask: torch.Tensor, loss_mask: torch.Tensor, c: LossConfig,
+                     sequence_sums: Optional[SequenceSums]):
+    """(per-token loss [B, L], importance weight exp(log w), fipo's tensors or None): the
+    loss of `c.loss_type` before the entropy mask, KL term and rollout IS weights."""
+    epsilon_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
+    log_w = log_importance_weights(logps, old, mask, c.importance_sampling_level,
+                                   sequence_sums)                              # [B, L] | [B, 1]
+    coef1 = torch.exp(log_w)
+    per_token = LOSS_TYPES[c.loss_type](coef1, adv, logps, c.epsilon, epsilon_high, c.delta,
+                                        c.loss_params).expand_as(logps)
+    fipo = None
+    if c.loss_type == "fipo":
+        fipo = fipo_influence(logps - old, coef1, adv, loss_mask, c.delta, c.loss_params)
+        per_token = per_token * fipo["influence_weight"]
+    if c.loss_type == "real":
+        # Scores and advantages over the final loss mask (an emptied row: score 0, A 0), as ms-swift.
+        scores = masked_sequence_mean(logps - old, loss_mask, sequence_sums)          # [B]
+        seq_adv = masked_sequence_mean(adv, loss_mask, sequence_sums)                 # [B]
+        n = loss_mask.sum(dim=-1).to(logps.dtype)
+        n = n if sequence_sums is None else sequence_sums(n.unsqueeze(-1))[:, 0]
+        per_token = real_row_losses(scores, seq_adv, n > 0, c.loss_params.num_generations,
+                                    c.loss_params.real_tau).unsqueeze(-1).expand_as(logps)
+    return per_token, coef1, fipo
+
+
+def _entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor,
+                  quantile: float, threshold_value):
+    """(bool mask [B, L], 0-d threshold): the tokens whose entropy reaches the threshold,
+    `threshold_value` when given (the global one in distributed use), else this call's
+    `quantile` over its loss tokens."""
+    ent = _zero_outside(entropy.detach(), mask)
+    if threshold_value is None:
+        threshold = entropy_threshold(ent, quantile, loss_mask)
+    else:
+        threshold = torch.as_tensor(threshold_value, dtype=ent.dtype, device=ent.device)
+    return ent >= threshold, threshold  # NaN threshold (no tokens anywhere) masks everything

@@ -281,27 +281,49 @@ def apply_lora(chunks, config, args, settings: LoraSettings) -> list[str]:
     """Freeze every parameter of `chunks` and add adapters for `settings.targets` to every
     layer (before DDP wrapping: Megatron's DDP buffers hold trainable parameters only).
     Returns the names of the adapter parameters added (this rank's, local names)."""
+    _check_layer_spec(chunks)
+    settings = dataclasses.replace(settings, vision=bool(getattr(args.family, "vision", False)))
+    tp, _ = _tp()
+    kv_heads = args.hf_config.get("num_key_value_heads") or config.num_attention_heads
+    saved = {SAVED_MODULES[m] for m in settings.modules_to_save}
+    _check_lora_options(chunks, args, settings, tp, kv_heads, saved)
+    for c in chunks:
+        for p in c.parameters():
+            p.requires_grad_(False)
+    added = _train_in_full(chunks, settings, saved, args)
+    added += _add_decoder_adapters(chunks, config, settings, _target_shapes(config, kv_heads), tp)
+    if settings.tower or settings.aligner:
+        if not settings.vision:
+            raise ValueError("--freeze_vit false / --freeze_aligner false with --tuner_type lora "
+                             f"put adapters on a vision tower; the model ({args.family.name}) "
+                             "has none. Fix: keep the defaults (true, true)")
+        for c in chunks:
+            added += _add_tower_adapters(unwrap(c), settings)
+    for c in chunks:
+        unwrap(c).lora_settings = settings
+    return added
+
+
+def _check_layer_spec(chunks) -> None:
+    """LoRA wraps the local layer spec's linears; Transformer Engine's fused
+    layer-norm linears have no such linear to wrap, so they are refused."""
     if any(hasattr(getattr(layer.self_attention, "linear_qkv", None), "layer_norm_weight")
             for c in chunks for layer in unwrap(c).decoder.layers):
         raise ValueError("--tuner_type lora: the Transformer Engine layer spec is not supported "
                          "yet (LoRA wraps the local spec's linears); run without Transformer "
                          "Engine")
-    settings = dataclasses.replace(settings, vision=bool(getattr(args.family, "vision", False)))
-    tp, _ = _tp()
-    hf = args.hf_config
-    heads = config.num_attention_heads
-    kv_heads = hf.get("num_key_value_heads") or heads
-    groups, d = config.num_query_groups or heads, config.kv_channels
+
+
+def _check_lora_options(chunks, args, settings: LoraSettings, tp: int, kv_heads: int,
+                        saved: set) -> None:
+    """Refuse the LoRA options this model or layout cannot honour, before any parameter is
+    frozen: k/v adapters on replicated kv heads, --modules_to_save with tied embeddings,
+    lora_llm without a vision tower."""
     if kv_heads < tp and {"k_proj", "v_proj"} & set(settings.targets):
         raise ValueError(f"--target_modules k_proj/v_proj with --tensor_model_parallel_size {tp} "
                          f"above the model's {kv_heads} kv heads (replicated kv heads) is not "
                          "supported yet; use --target_modules without k_proj v_proj, or a "
                          f"tensor parallel size <= {kv_heads}")
-    hidden, ffn = config.hidden_size, config.ffn_hidden_size
-    shapes = {"q_proj": (heads * d, hidden), "k_proj": (kv_heads * d, hidden),
-              "v_proj": (kv_heads * d, hidden), "o_proj": (hidden, heads * d),
-              "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
-    saved = {SAVED_MODULES[m] for m in settings.modules_to_save}
     if saved and any(getattr(unwrap(c), "share_embeddings_and_output_weights", False)
                      for c in chunks):
         raise ValueError(f"--modules_to_save {' '.join(settings.modules_to_save)} with a model "
@@ -310,16 +332,28 @@ def apply_lora(chunks, config, args, settings: LoraSettings) -> list[str]:
     if settings.train_vision and not settings.vision:
         raise ValueError("--tuner_type lora_llm trains the vision tower beside the adapters; "
                          f"the model ({args.family.name}) has none. Fix: --tuner_type lora")
-    for c in chunks:
-        for p in c.parameters():
-            p.requires_grad_(False)
+
+
+def _target_shapes(config, kv_heads: int) -> dict:
+    """HF target module -> (out, in) of its full (unsplit) weight."""
+    heads, d = config.num_attention_heads, config.kv_channels
+    hidden, ffn = config.hidden_size, config.ffn_hidden_size
+    return {"q_proj": (heads * d, hidden), "k_proj": (kv_heads * d, hidden),
+            "v_proj": (kv_heads * d, hidden), "o_proj": (hidden, heads * d),
+            "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
+
+
+def _train_in_full(chunks, settings: LoraSettings, saved: set, args) -> list[str]:
+    """Unfreeze what trains whole beside the adapters; returns those parameters' names.
+    lora_llm: the vision tower and merger (no original kept). --modules_to_save: the
+    embedding / output layer, each with its original kept for the reference policy."""
     added = []
-    for c in chunks:   # lora_llm: the tower and merger train in full (no original kept)
+    for c in chunks:
         for name, p in unwrap(c).named_parameters():
             if settings.train_vision and name.startswith(VISION_PREFIX):
                 p.requires_grad_(True)
                 added.append(name)
-    for c in chunks:   # trained in full; the original kept for the reference policy
+    for c in chunks:
         model = unwrap(c)
         found = set()
         for name, p in model.named_parameters():
@@ -337,9 +371,18 @@ def apply_lora(chunks, config, args, settings: LoraSettings) -> list[str]:
             raise ValueError(f"--modules_to_save {' '.join(settings.modules_to_save)}: this "
                              f"model has no parameter {sorted(want - found)} (e.g. a vision-"
                              "language model); allowed: text models. Fix: drop --modules_to_save")
+    return added
+
+
+def _add_decoder_adapters(chunks, config, settings: LoraSettings, shapes: dict,
+                          tp: int) -> list[str]:
+    """A LoraAdapter beside each targeted linear of every decoder layer (fused linears get
+    one adapter for all their targets); returns the adapter parameters' local names."""
+    heads, d = config.num_attention_heads, config.kv_channels
+    groups, ffn = config.num_query_groups or heads, config.ffn_hidden_size
+    added = []
     for c in chunks:
-        model = unwrap(c)
-        for i, layer in enumerate(model.decoder.layers):
+        for i, layer in enumerate(unwrap(c).decoder.layers):
             global_layer = layer.layer_number - 1
             for path, (kind, fused) in LINEARS.items():
                 targets = {t: shapes[t] for t in fused if t in settings.targets}
@@ -355,15 +398,6 @@ def apply_lora(chunks, config, args, settings: LoraSettings) -> list[str]:
                 parent.add_module(attr + "_lora", adapter)
                 _wrap_forward(linear, adapter)
                 added += [f"decoder.layers.{i}.{path}_lora.{n}" for n, _ in adapter.named_parameters()]
-    if settings.tower or settings.aligner:
-        if not settings.vision:
-            raise ValueError("--freeze_vit false / --freeze_aligner false with --tuner_type lora "
-                             f"put adapters on a vision tower; the model ({args.family.name}) "
-                             "has none. Fix: keep the defaults (true, true)")
-        for c in chunks:
-            added += _add_tower_adapters(unwrap(c), settings)
-    for c in chunks:
-        unwrap(c).lora_settings = settings
     return added
 
 

@@ -144,101 +144,96 @@ def guard_sampling(app, status: dict) -> None:
     app.middleware_stack = guarded
 
 
-def make_router(engine, api_key: Optional[str], app_state=None):
-    """The trainer's routes, bound to vLLM's engine client (`app_state`: the OpenAI
-    app's state, where adapter-only LoRA sync registers each new adapter's name)."""
-    from fastapi import APIRouter, HTTPException, Request, Response
+class _RouteContext:
+    """What every trainer route shares: the engine client, the token check, the rpc to
+    every engine, and the bucket-to-file step of the weight and adapter uploads."""
 
-    router = APIRouter()
-    # Why the served weights are not a whole update (None: they are); `guard_sampling`
-    # answers sampling requests 503 meanwhile.
-    router.weights_problem = status = {"problem": None, "failed": False}
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    adapter = {"version": 0, "name": None}     # the adapter requests run with
+    def __init__(self, engine, api_key: Optional[str]):
+        self.engine = engine
+        self.api_key = api_key
+        self.shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
-    def authorise(request: Request) -> None:
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+    def authorise(self, request) -> None:
+        """401 unless the request carries the server's token (when one is set)."""
+        from fastapi import HTTPException
+
+        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
             raise HTTPException(status_code=401, detail=(
                 "missing or wrong API token for weight updates (Authorization: Bearer); the "
                 f"trainer sends ${API_KEY_ENV}: set it to the server's --api_key"))
 
-    async def rpc_all(method: str, *args):
+    async def rpc_all(self, method: str, *args):
         """collective_rpc on every engine (each DP replica); results per engine."""
-        return await compat.collective_rpc_all_engines(engine, method, *args)
+        return await compat.collective_rpc_all_engines(self.engine, method, *args)
 
-    @router.post("/update_weights/begin")
-    async def begin(request: Request):
-        authorise(request)
-        status.update(problem="a weight update is in progress", failed=False)
-        await rpc_all("mg_begin_weight_update")
-        return {"ok": True}
-
-    async def load_file(request: Request, method: str):
+    async def load_file(self, request, method: str):
         """A bucket's bytes into a temporary file every worker reads with `method`."""
+        from fastapi import HTTPException
+
         body = await request.body()
         if not body:
             raise HTTPException(status_code=400, detail="empty bucket")
         # /dev/shm (memory) when it has room: a container's is often 64 MiB, less than a bucket
-        room = shm is not None and shutil.disk_usage(shm).free >= len(body) + (16 << 20)
+        room = self.shm is not None and shutil.disk_usage(self.shm).free >= len(body) + (16 << 20)
         fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="mgrpo_bucket_",
-                                    dir=shm if room else None)
+                                    dir=self.shm if room else None)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(body)
             del body
-            counts = await rpc_all(method, path)
+            counts = await self.rpc_all(method, path)
         finally:
             os.unlink(path)
         return {"ok": True, "tensors": counts[0][0]}
 
+
+def make_router(engine, api_key: Optional[str], app_state=None):
+    """The trainer's routes, bound to vLLM's engine client (`app_state`: the OpenAI
+    app's state, where adapter-only LoRA sync registers each new adapter's name).
+
+    `router.weights_problem` says why the served weights are not a whole update (None:
+    they are); `guard_sampling` answers sampling requests 503 meanwhile."""
+    from fastapi import APIRouter
+
+    router = APIRouter()
+    router.weights_problem = status = {"problem": None, "failed": False}
+    ctx = _RouteContext(engine, api_key)
+    _add_weight_routes(router, ctx, status)
+    _add_adapter_routes(router, ctx, app_state)
+    _add_cache_and_image_routes(router, ctx)
+    return router
+
+
+def _add_weight_routes(router, ctx: _RouteContext, status: dict) -> None:
+    """/update_weights/{begin,bucket,finish} and /weight_fingerprints. A bucket that fails,
+    or a finish that says the trainer gave up, leaves `status` naming the problem until a
+    whole update arrives: the served weights are then a mix of two versions."""
+    from fastapi import HTTPException, Request, Response
+
+    @router.post("/update_weights/begin")
+    async def begin(request: Request):
+        ctx.authorise(request)
+        status.update(problem="a weight update is in progress", failed=False)
+        await ctx.rpc_all("mg_begin_weight_update")
+        return {"ok": True}
+
     @router.post("/update_weights/bucket")
     async def bucket(request: Request):
-        authorise(request)
+        ctx.authorise(request)
         try:
-            return await load_file(request, "mg_load_weights_file")
+            return await ctx.load_file(request, "mg_load_weights_file")
         except Exception as e:
             status.update(problem=f"a weight update failed part-way ({type(e).__name__}: "
                                   f"{e}); the served weights are incomplete until a whole "
                                   "update arrives", failed=True)
             raise
 
-    @router.post("/update_adapter/begin")
-    async def adapter_begin(request: Request):
-        authorise(request)
-        await rpc_all("mg_begin_adapter_update")
-        return {"ok": True}
-
-    @router.post("/update_adapter/bucket")
-    async def adapter_bucket(request: Request):
-        authorise(request)
-        return await load_file(request, "mg_load_adapter_file")
-
-    @router.post("/update_adapter/finish")
-    async def adapter_finish(request: Request):
-        authorise(request)
-        body = await request.json()
-        version = adapter["version"] + 1
-        name = adapter_name(version)
-        await rpc_all("mg_finish_adapter_update", version, body["peft_config"])
-        compat.register_served_lora(app_state, compat.lora_request(name, version),
-                                    previous=adapter["name"])
-        adapter.update(version=version, name=name)
-        await engine.reset_prefix_cache()
-        return {"ok": True, "lora_name": name}
-
-    @router.get("/adapter_fingerprints")
-    async def adapter_fingerprints(request: Request):
-        authorise(request)
-        per_engine = await rpc_all("mg_adapter_fingerprints")
-        return Response(json.dumps({"engines": per_engine}, allow_nan=True),
-                        media_type="application/json")
-
     @router.post("/update_weights/finish")
     async def finish(request: Request):
-        authorise(request)
+        ctx.authorise(request)
         body = await request.body()
         complete = json.loads(body).get("complete", True) if body else True
-        await rpc_all("mg_finish_weight_update")    # out of buffered reload, whatever came
+        await ctx.rpc_all("mg_finish_weight_update")    # out of buffered reload, whatever came
         if not complete and not status["failed"]:
             status.update(problem="the trainer abandoned a weight update part-way; the "
                                   "served weights are incomplete until a whole update "
@@ -249,35 +244,79 @@ def make_router(engine, api_key: Optional[str], app_state=None):
                 raise HTTPException(status_code=409, detail=status["problem"])
             return {"ok": True, "complete": False}
         status.update(problem=None)
-        await engine.reset_prefix_cache()
+        await ctx.engine.reset_prefix_cache()
         # Cached vision-tower outputs are stale too (ColocateEngine.reset_prefix_cache);
         # text models have an empty encoder cache.
-        await engine.reset_encoder_cache()
-        return {"ok": True}
-
-    @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request):
-        authorise(request)
-        await engine.reset_prefix_cache()
+        await ctx.engine.reset_encoder_cache()
         return {"ok": True}
 
     @router.get("/weight_fingerprints")
     async def weight_fingerprints(request: Request):
-        authorise(request)
-        per_engine = await rpc_all("mg_fingerprint_pieces")
+        ctx.authorise(request)
+        per_engine = await ctx.rpc_all("mg_fingerprint_pieces")
         # [engine][worker][piece] -> [engine][piece]. Plain json: a garbage weight may
         # fingerprint as NaN, which is evidence to report, not an encoding error.
         body = {"engines": [[p for worker in workers for p in worker] for workers in per_engine]}
         return Response(json.dumps(body, allow_nan=True), media_type="application/json")
 
+
+def _add_adapter_routes(router, ctx: _RouteContext, app_state) -> None:
+    """/update_adapter/{begin,bucket,finish} and /adapter_fingerprints: adapter-only LoRA
+    sync. Each finish registers the adapter under a new name in the OpenAI app's state
+    (the old one removed), the `model` that later requests name."""
+    from fastapi import Request, Response
+
+    adapter = {"version": 0, "name": None}     # the adapter requests run with
+
+    @router.post("/update_adapter/begin")
+    async def adapter_begin(request: Request):
+        ctx.authorise(request)
+        await ctx.rpc_all("mg_begin_adapter_update")
+        return {"ok": True}
+
+    @router.post("/update_adapter/bucket")
+    async def adapter_bucket(request: Request):
+        ctx.authorise(request)
+        return await ctx.load_file(request, "mg_load_adapter_file")
+
+    @router.post("/update_adapter/finish")
+    async def adapter_finish(request: Request):
+        ctx.authorise(request)
+        body = await request.json()
+        version = adapter["version"] + 1
+        name = adapter_name(version)
+        await ctx.rpc_all("mg_finish_adapter_update", version, body["peft_config"])
+        compat.register_served_lora(app_state, compat.lora_request(name, version),
+                                    previous=adapter["name"])
+        adapter.update(version=version, name=name)
+        await ctx.engine.reset_prefix_cache()
+        return {"ok": True, "lora_name": name}
+
+    @router.get("/adapter_fingerprints")
+    async def adapter_fingerprints(request: Request):
+        ctx.authorise(request)
+        per_engine = await ctx.rpc_all("mg_adapter_fingerprints")
+        return Response(json.dumps({"engines": per_engine}, allow_nan=True),
+                        media_type="application/json")
+
+
+def _add_cache_and_image_routes(router, ctx: _RouteContext) -> None:
+    """/reset_prefix_cache and /generate_images (image prompts: /v1/completions takes no
+    images)."""
+    from fastapi import Request, Response
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        ctx.authorise(request)
+        await ctx.engine.reset_prefix_cache()
+        return {"ok": True}
+
     @router.post("/generate_images")
     async def generate_images(request: Request):
         # Plain json: a NaN log-prob (a broken model) reaches the trainer, which names it,
         # instead of failing the encoding (FastAPI's JSON refuses NaN).
-        body = await _generate_images(engine, await request.json())
+        body = await _generate_images(ctx.engine, await request.json())
         return Response(json.dumps(body, allow_nan=True), media_type="application/json")
-
-    return router
 
 
 async def _generate_images(engine, body: dict) -> dict:

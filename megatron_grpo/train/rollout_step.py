@@ -120,8 +120,46 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
             views[row] = teacher_prompt_ids(dataset, row, tokenizer, render, max_prompt_length)
         return views[row]
 
-    # Each rank samples a contiguous share of the prompts (vLLM TP groups pool their
-    # members' shares inside `engine.generate`), then every rank gathers everything.
+    payload, images = _sample_share(engine, tokenizer, dataset, prompt_indices, num_generations,
+                                    render, max_prompt_length, multi_turn, vision)
+    t1 = time.perf_counter()
+    # Each rank scores the completions it sampled, then completions and rewards are
+    # gathered together: one pickled all-gather per batch (each costs two collectives,
+    # ~1 ms apiece over gloo on a small CPU node).
+    rows = _score(reward_funcs, dataset, prompt_indices, payload, trainer_state)
+    t2 = time.perf_counter()
+    taught = teacher.score([view(prompt_indices[x[0]]) or x[1] for x in payload],
+                           [x[2] for x in payload], [prompt_indices[x[0]] for x in payload],
+                           dataset) \
+        if teacher is not None and payload else [None] * len(payload)
+    t_teacher = time.perf_counter() - t2
+    gathered = sorted((x for part in all_gather_objects(
+        [item + (row, t) for item, row, t in zip(payload, rows.tolist(), taught)])
+        for x in part), key=lambda x: x[0])                  # stable: keeps sample order
+    if len(gathered) != len(prompt_indices) * num_generations:
+        raise RuntimeError(f"expected {len(prompt_indices) * num_generations} completions, "
+                           f"gathered {len(gathered)}")
+    texts = [g[3] for g in gathered]
+    rewards = torch.tensor([g[8] for g in gathered], dtype=torch.float32)     # [N, F]
+    t3 = time.perf_counter()
+
+    samples = _gathered_samples(gathered, rewards, prompt_indices, images, view)
+    rendered = {}
+    prompts = [g[6]["prompt"] if g[6] else rendered.setdefault(
+        g[0], render(tokenizer, dataset.messages[prompt_indices[g[0]]])) for g in gathered]
+    timing = {"timing/generate": (t1 - t0) + (t3 - t2 - t_teacher), "timing/score": t2 - t1}
+    if teacher is not None:
+        timing["timing/teacher"] = t_teacher
+    return GenerationBatch(samples, texts, prompts, rewards, {}, timing)
+
+
+def _sample_share(engine, tokenizer, dataset, prompt_indices: list[int], num_generations: int,
+                  render, max_prompt_length, multi_turn, vision) -> tuple[list, dict]:
+    """(payload, images): this rank's samples of its contiguous share of the prompts, one
+    tuple (prompt position, prompt ids, completion ids, text, truncated, rollout log-probs,
+    multi-turn extras or None, routed experts) per completion; images: prompt position ->
+    ImageInputs of every rank's image prompts (gathered: each sample finds its own).
+    vLLM TP groups pool their members' shares inside `engine.generate`."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     lo, hi = rank * len(prompt_indices) // world, (rank + 1) * len(prompt_indices) // world
@@ -148,27 +186,14 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
                     t.logprobs, {"prompt": t.prompt_text, "loss_mask": t.loss_mask,
                                  "messages": t.messages, "rollout_infos": t.rollout_infos}, None)
                    for j, t in enumerate(trajectories)]
-    t1 = time.perf_counter()
-    # Each rank scores the completions it sampled, then completions and rewards are
-    # gathered together: one pickled all-gather per batch (each costs two collectives,
-    # ~1 ms apiece over gloo on a small CPU node).
-    rows = _score(reward_funcs, dataset, prompt_indices, payload, trainer_state)
-    t2 = time.perf_counter()
-    taught = teacher.score([view(prompt_indices[x[0]]) or x[1] for x in payload],
-                           [x[2] for x in payload], [prompt_indices[x[0]] for x in payload],
-                           dataset) \
-        if teacher is not None and payload else [None] * len(payload)
-    t_teacher = time.perf_counter() - t2
-    gathered = sorted((x for part in all_gather_objects(
-        [item + (row, t) for item, row, t in zip(payload, rows.tolist(), taught)])
-        for x in part), key=lambda x: x[0])                  # stable: keeps sample order
-    if len(gathered) != len(prompt_indices) * num_generations:
-        raise RuntimeError(f"expected {len(prompt_indices) * num_generations} completions, "
-                           f"gathered {len(gathered)}")
-    texts = [g[3] for g in gathered]
-    rewards = torch.tensor([g[8] for g in gathered], dtype=torch.float32)     # [N, F]
-    t3 = time.perf_counter()
+    return payload, images
 
+
+def _gathered_samples(gathered: list, rewards: torch.Tensor, prompt_indices: list[int],
+                      images: dict, view) -> list[Sample]:
+    """A Sample per gathered completion (payload tuple + reward row + teacher log-probs),
+    in sample order. Rollout log-probs of -inf (a token vLLM's own sampling filters had
+    excluded) leave that token out of the loss, with one warning per batch."""
     samples, impossible = [], 0
     for j, (pi, prompt_ids, tokens, text, truncated, logps, extra, routed, _, taught) in \
             enumerate(gathered):
@@ -193,13 +218,7 @@ def generate_and_score(*, engine, tokenizer, dataset, prompt_indices: list[int],
     if impossible and (not dist.is_initialized() or dist.get_rank() == 0):
         console.warn(f"[megatron] {impossible} sampled token(s) had rollout log-prob -inf (vLLM "
                      "drew a token its own top_k/top_p/min_p had excluded): left out of the loss")
-    rendered = {}
-    prompts = [g[6]["prompt"] if g[6] else rendered.setdefault(
-        g[0], render(tokenizer, dataset.messages[prompt_indices[g[0]]])) for g in gathered]
-    timing = {"timing/generate": (t1 - t0) + (t3 - t2 - t_teacher), "timing/score": t2 - t1}
-    if teacher is not None:
-        timing["timing/teacher"] = t_teacher
-    return GenerationBatch(samples, texts, prompts, rewards, {}, timing)
+    return samples
 
 
 def teacher_prompt_ids(dataset, row: int, tokenizer, render, max_prompt_length=None):
