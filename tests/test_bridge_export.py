@@ -57,7 +57,7 @@ class AllocTracker(TorchDispatchMode):
 
 
 def _hf_tensors(path):
-    from tests.test_bridge_roundtrip import _hf_tensors as load
+    from tests.harness import hf_tensors as load
 
     return load(path)
 

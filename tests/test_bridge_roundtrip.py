@@ -16,23 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import hf_tensors, run_distributed
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 2, 2)]
 LOGIT_LAYOUTS = [(2, 2, None), (1, 1, None)]
 VOCAB = 999
-
-
-def _hf_tensors(path) -> dict[str, torch.Tensor]:
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def _world(rank, world_size, all_paths, ids):
@@ -50,7 +39,7 @@ def _world(rank, world_size, all_paths, ids):
         return t
 
     HFCheckpoint.read = counting_read
-    refs = {path: _hf_tensors(path) for paths in all_paths.values() for path in paths.values()}
+    refs = {path: hf_tensors(path) for paths in all_paths.values() for path in paths.values()}
     out = {family: ([], {}) for family in all_paths}
     for tp, pp, vpp in LAYOUTS:
         init_parallel(ParallelDims(world_size=world_size, tp=tp, pp=pp, vpp=vpp))

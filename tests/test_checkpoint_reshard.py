@@ -50,7 +50,7 @@ def _convert(argv):
 
 
 def _tensors(path):
-    from tests.test_bridge_roundtrip import _hf_tensors
+    from tests.harness import hf_tensors as _hf_tensors
 
     return _hf_tensors(path)
 

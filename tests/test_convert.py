@@ -21,7 +21,7 @@ from tests.harness import run_distributed
 
 
 def _tensors(path):
-    from tests.test_bridge_roundtrip import _hf_tensors
+    from tests.harness import hf_tensors as _hf_tensors
 
     return _hf_tensors(path)
 

@@ -53,7 +53,7 @@ def _megatron_body(rank, world, hf_dir):
     from megatron_grpo.train import (LossOptions, micro_batches, reduce_partials,
                                      step_entropy_threshold, train_micro_batches)
     from megatron_grpo.train.batch import collate
-    from tests.test_bridge_roundtrip import _hf_tensors
+    from tests.harness import hf_tensors as _hf_tensors
     from tests.test_train_engine import make_samples
     from transformers import AutoModelForCausalLM
 

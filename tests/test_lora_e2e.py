@@ -90,7 +90,7 @@ def test_lora_run_sync_resume_and_adapter(tiny, tmp_path):
 
     from safetensors.torch import load_file
 
-    from tests.test_bridge_roundtrip import _hf_tensors
+    from tests.harness import hf_tensors as _hf_tensors
     from tests.test_trainer_e2e import ROOT, _free_port
 
     ports = [_free_port()]

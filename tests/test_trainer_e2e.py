@@ -173,7 +173,7 @@ def test_tp2_colocate_on_two_nodes(tiny, tmp_path):
 
     # `megatron export --to_hf` takes a training run's folder (its newest checkpoint,
     # saved at TP=2) and converts it at TP=1: the same tensors as the run's final_hf.
-    from tests.test_bridge_roundtrip import _hf_tensors
+    from tests.harness import hf_tensors as _hf_tensors
 
     hf_out = str(tmp_path / "exported")
     r = subprocess.run(cli_zygote.command("export", "--to_hf", "true", "--mcore_model", out,

@@ -271,6 +271,18 @@ class MemoryMeter:
             out["memory/host_peak"] = values[-1] / GIB
         return out
 
+    def local_metrics(self) -> dict:
+        """This rank's `memory/<phase>` peaks of the step so far (GiB) and their largest,
+        without step_metrics' collective or reset: what a checkpoint keeps of its step's
+        row, for a resume to write when a crash came before the row (train/run.py)."""
+        if not self.enabled:
+            return {}
+        out = {f"memory/{p}": float(self.peaks[p]) / GIB for p in PHASES
+               if self.peaks.get(p, -1) >= 0}
+        if out:
+            out["memory/peak"] = max(out.values())
+        return out
+
 
 def meter_for_rank(rank: int, environ=None) -> MemoryMeter:
     """The meter of a worker: its status folder from the launcher's MGRPO_STATUS_DIR."""

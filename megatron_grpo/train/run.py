@@ -351,7 +351,8 @@ def log_and_save(run: Run, batch, metrics: dict, *, first_of_batch: bool,
             # The step's row goes to metrics.jsonl after the save (memory/save is part of
             # it); a crash in between must not lose it: a resume writes this copy.
             state = {"step": run.step, "sampler": run.sampler.state_dict(),
-                     "config": run.cfg.to_flat(), "metrics": dict(metrics)}
+                     "config": run.cfg.to_flat(),
+                     "metrics": {**metrics, **run.memory.local_metrics()}}
             if next_in_batch is not None and run.step < run.total_steps:
                 state["batch"] = {"rollout": batch, "next": next_in_batch, "layout": _layout(),
                                   "teacher": True if run.has_teacher else None}
