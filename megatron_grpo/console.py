@@ -81,7 +81,9 @@ def _inherited() -> Optional[tuple]:
 def inherited_fds() -> tuple:
     """The console's descriptors for a child process to keep open (subprocess's pass_fds);
     () when this process is not quiet."""
-    return _inherited() or () if _out is not None else ()
+    if _out is None:
+        return ()
+    return _inherited() or ()
 
 
 def quiet(path: str, level: str = "warning", route_logs: bool = True) -> None:

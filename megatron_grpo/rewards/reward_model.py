@@ -63,6 +63,13 @@ def _has_chat_template(path: str) -> bool:
         return bool(json.load(f).get("chat_template"))
 
 
+def _training_device(device: Optional[str]) -> str:
+    """`device`, else the rank's training device: its GPU where there is one, else the CPU."""
+    import torch
+
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def reward_model_name(path: str) -> str:
     """The name of a reward model's metrics and completions column: its folder's name."""
     return os.path.basename(os.path.normpath(path))
@@ -78,7 +85,7 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.path, self.batch_size = path, max(1, int(batch_size))
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = _training_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForSequenceClassification.from_pretrained(
             path, dtype=getattr(torch, dtype)).to(self.device).eval()
@@ -154,7 +161,7 @@ class _PluginRewardModel:
             archs = AutoConfig.from_pretrained(path).architectures or []
             auto = AutoModelForSequenceClassification if any(
                 a.endswith(SEQUENCE_CLASSIFIER) for a in archs) else AutoModelForCausalLM
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            device = _training_device(device)
             model = auto.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
         self.plugin = cls(model=model, template=AutoTokenizer.from_pretrained(path))
 
